@@ -1,0 +1,86 @@
+"""The one protocol every generation backend implements.
+
+A backend is owned by the `AsyncBatchGenerator` thread on the main process. The trainer never calls it while a
+round is being generated; it only hands it new weights through `update_weights`, which the generator thread
+applies *between* rounds, so a round always finishes on the weights it started with.
+
+```
+trainer thread                          generator thread
+──────────────                          ────────────────
+optimizer.step()  (version v)
+stage weights(v)  ──────────────▶       before next round: backend.update_weights(state, v)
+submit round r    ──────────────▶       backend.generate(prompt_ids, sampling) → completions
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters that mean the same on every backend.
+
+    `top_k = 0` and `top_p = 1.0` and `min_p = 0.0` disable those filters; `n` completions are drawn per prompt.
+    """
+
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    `logprobs[i]` is the sampler's log-probability of `completion_ids[i]` under the distribution it actually sampled
+    from (temperature applied), so that it can be compared with the trainer's `log_softmax(logits / T)`.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"  # "stop" (EOS or stop string) | "length"
+    text: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Generates completions and receives new weights.
+
+    `generate` returns `len(prompt_ids) * sampling.n` completions, grouped by prompt: the n completions of prompt 0,
+    then those of prompt 1, and so on.
+    """
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]: ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load full HF-named weights (PEFT already merged). Called by the generator thread between rounds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_completions(completions: list[Completion], num_prompts: int, n: int, backend: str) -> list[Completion]:
+    """Raise a clear error when a backend returned the wrong number of completions or mismatched logprobs."""
+    if len(completions) != num_prompts * n:
+        raise RuntimeError(
+            f"{backend} returned {len(completions)} completions for {num_prompts} prompts × n={n} "
+            f"(expected {num_prompts * n})"
+        )
+    for i, c in enumerate(completions):
+        if len(c.logprobs) != len(c.completion_ids):
+            raise RuntimeError(
+                f"{backend} completion {i} has {len(c.completion_ids)} tokens but {len(c.logprobs)} logprobs"
+            )
+    return completions

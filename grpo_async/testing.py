@@ -1,0 +1,127 @@
+"""Tiny-model kit: an offline, deterministic Llama and character-level tokenizer for tests and the demo.
+
+Nothing here downloads. `build_tiny_model(path)` writes a folder that `AutoModelForCausalLM`,
+`AutoTokenizer` and vLLM all load:
+
+```
+path/
+  config.json  generation_config.json  model.safetensors
+  tokenizer.json  tokenizer_config.json  special_tokens_map.json  (chat template included)
+```
+
+The model's head_dim is at least 32 because vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, ...
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import asdict, dataclass
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?+-*/=()'\"\n")
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of the tiny Llama. `head_dim = hidden_size // num_attention_heads` must be ≥ 32 for vLLM on CPU."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def build_tokenizer():
+    """A character-level `PreTrainedTokenizerFast` with a chat template; EOS is `<|end|>`, PAD is `<pad>`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|end|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None, dtype: str = "float32") -> str:
+    """Write a randomly initialised tiny Llama plus tokenizer to `path` (idempotent for the same spec).
+
+    Args:
+        path (`str`): folder to write; created if missing.
+        spec (`TinyModelSpec`, *optional*): model shape; defaults to a 2-layer, hidden-64 model.
+        dtype (`str`, *optional*, defaults to `"float32"`): weight dtype written to disk.
+
+    Returns:
+        `str`: the folder, usable as `model=` for `GRPOTrainer` and as a vLLM model path.
+    """
+    import json
+
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyModelSpec()
+    if spec.head_dim < 32:
+        raise ValueError(
+            f"TinyModelSpec.head_dim={spec.head_dim} (hidden_size {spec.hidden_size} / {spec.num_attention_heads} heads)"
+            " is below 32; vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}."
+        )
+    path = os.fspath(path)
+    marker = os.path.join(path, "tiny_spec.json")
+    wanted = {**asdict(spec), "dtype": dtype}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return path
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        head_dim=spec.head_dim,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(marker, "w") as f:
+        json.dump(wanted, f)
+    return path

@@ -1,0 +1,113 @@
+"""Collect full, HF-named parameters from the training model, whatever wraps it.
+
+Supported: a plain model, DDP (unwrapped by accelerate), PEFT (adapters merged into the base weights, names
+stripped of `base_model.model.` and `.base_layer`, adapter tensors skipped, then unmerged), DeepSpeed ZeRO-3
+(parameters gathered one module at a time, never the whole model at once) and FSDP2 (`DTensor.full_tensor()`).
+
+`iter_full_params` is a generator of `(module_name, [(hf_name, tensor), ...])` groups, in module order, so callers
+can bucket by module without holding more than one module gathered at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+PEFT_PREFIX = "base_model.model."
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a test dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def hf_name(name: str, peft: bool) -> str | None:
+    """Map a parameter name of the training model to the HF checkpoint name vLLM expects, or None to skip it.
+
+    >>> hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", peft=True)
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> hf_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", peft=True) is None
+    True
+    """
+    if peft:
+        if ".lora_" in name or "lora_embedding" in name:
+            return None
+        if name.startswith(PEFT_PREFIX):
+            name = name[len(PEFT_PREFIX) :]
+        name = name.replace(".base_layer", "")
+        name = name.replace(".modules_to_save.default", "")
+        if ".original_module" in name:
+            return None
+    return name
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+@contextlib.contextmanager
+def _merged(model: nn.Module):
+    if _is_peft(model):
+        model.merge_adapter()
+        try:
+            yield
+        finally:
+            model.unmerge_adapter()
+    else:
+        yield
+
+
+def _gathered(params: list[nn.Parameter]):
+    """ZeRO-3: gather these parameters (all ranks must call); otherwise a no-op."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):  # FSDP2 DTensor
+        t = t.full_tensor()
+    return t.detach()
+
+
+@torch.no_grad()
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Yield `(module_name, [(hf_name, full_tensor), ...])` per module, all ranks participating.
+
+    The tensors yielded are views of the live (gathered/merged) parameters: copy them before the next iteration.
+    Under ZeRO-3 each module is gathered only while its group is being consumed.
+    """
+    peft = _is_peft(model)
+    # Group parameters by owning module, keeping module order.
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault(_module_of(name), []).append((name, p))
+    with _merged(model):
+        for module_name, items in groups.items():
+            with _gathered([p for _, p in items]):
+                out = []
+                for name, p in items:
+                    mapped = hf_name(name, peft)
+                    if mapped is not None:
+                        out.append((mapped, _full(p)))
+                if out:
+                    yield (hf_name(module_name + ".x", peft) or module_name).rsplit(".", 1)[0], out
+
+
+@torch.no_grad()
+def collect_state_dict(model: nn.Module, is_main_process: bool = True, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Full HF-named copy of the weights (PEFT merged) on `device`; every rank must call, only main gets data."""
+    state: dict[str, torch.Tensor] = {}
+    for _, tensors in iter_full_params(model):
+        if is_main_process:
+            for name, t in tensors:
+                state[name] = t.to(device, copy=True)
+    return state

