@@ -1,1 +1,21 @@
-"""grpo_async."""
+"""grpo_async: an async GRPO trainer that is a real `transformers.Trainer`."""
+
+__version__ = "0.1.0"
+
+from .algo.advantages import compute_advantages
+from .config import GRPOConfig
+from .data.async_loader import AsyncDataLoaderWrapper
+from .data.sampler import RepeatSampler
+from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest, BatchResult
+from .trainer import GRPOTrainer
+
+__all__ = [
+    "AsyncBatchGenerator",
+    "AsyncDataLoaderWrapper",
+    "BatchRequest",
+    "BatchResult",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "RepeatSampler",
+    "compute_advantages",
+]

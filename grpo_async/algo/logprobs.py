@@ -1,0 +1,58 @@
+"""Per-token log-probabilities of completion tokens, computed in chunks to bound memory.
+
+Shapes: `B` rows, `P` prompt tokens, `T` completion tokens, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)[..., index]` without materialising the full `[B, T, V]` log-softmax.
+
+    logits: `[B, T, V]`, index: `[B, T]` → `[B, T]`.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)  # [B, T]
+        norm = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # [B, T]
+        return picked - norm
+    # bf16/fp16: logsumexp is not accurate enough, go row by row in the logits' dtype
+    out = []
+    for row_logits, row_index in zip(logits, index, strict=True):
+        row = torch.log_softmax(row_logits, dim=-1)  # [T, V]
+        out.append(row.gather(dim=-1, index=row_index.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(out)
+
+
+def completion_logps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler.
+
+    Args:
+        input_ids (`[B, P+T]`), attention_mask (`[B, P+T]`): prompt (left-padded) then completion (right-padded).
+        logits_to_keep (`int`): T, the completion length.
+        batch_size (`int`, *optional*): rows per forward pass (all at once when `None`).
+
+    Returns:
+        `[B, T]` log-probabilities (values at padded positions are meaningless; mask them).
+    """
+    batch_size = batch_size or input_ids.size(0)
+    out = []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start : start + batch_size]  # [b, P+T]
+        am = attention_mask[start : start + batch_size]  # [b, P+T]
+        # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
+        position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # [b, P+T]
+        logits = model(
+            input_ids=ids, attention_mask=am, position_ids=position_ids, logits_to_keep=logits_to_keep + 1
+        ).logits  # [b, T+1, V]
+        logits = logits[:, :-1, :] / temperature  # [b, T, V]
+        out.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))  # [b, T]
+    return torch.cat(out, dim=0)  # [B, T]

@@ -1,0 +1,239 @@
+"""`GRPOConfig`: every knob of the trainer, grouped by concern, validated at construction.
+
+Names follow TRL's `GRPOConfig` wherever TRL has the same knob, so a TRL config ports by changing the import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from .algo.advantages import SCALE_REWARDS
+from .algo.loss import LOSS_TYPES
+
+GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
+VLLM_MODES = ("colocate", "server")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "ipc", "checkpoint_dir", "none")
+
+
+def _err(field_name: str, message: str) -> ValueError:
+    return ValueError(f"GRPOConfig.{field_name}: {message}")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    r"""Configuration of [`GRPOTrainer`]; all [`~transformers.TrainingArguments`] fields apply as well.
+
+    Batch geometry (G = `num_generations`, μ = `num_iterations`, N = processes):
+
+    ```txt
+    generation round = per_device_train_batch_size × N × steps_per_generation rows  (= prompts × G)
+    one round is generated every steps_per_generation × μ micro-steps, trained μ times (epoch order: a b | a b)
+    ```
+    """
+
+    # ---- overridden TrainingArguments defaults -------------------------------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's GRPO default)."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X optimizer steps."})
+    remove_unused_columns: bool | None = field(
+        default=False, metadata={"help": "Keep dataset columns: they are passed to the reward functions."}
+    )
+
+    # ---- model -------------------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | None = field(
+        default=None, metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a name or path."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Set every dropout probability to 0."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the model repo."})
+
+    # ---- data --------------------------------------------------------------------------------------------
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this (in tokens) are truncated from the left, or rejected (see "
+                          "`prompt_truncation`). `None` keeps them whole."},
+    )
+    prompt_truncation: str = field(
+        default="left", metadata={"help": "'left': keep the last tokens and count it; 'error': raise."}
+    )
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch."})
+
+    # ---- generation --------------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (G)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also divides trainer logits)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 disables it."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
+    min_p: float = field(default=0.0, metadata={"help": "Min-p sampling; 0.0 disables it."})
+    stop: list[str] | None = field(default=None, metadata={"help": "Stop strings (besides EOS)."})
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per generation round across processes. Derived from steps_per_generation if unset."},
+    )
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "Micro-steps per generation round. Defaults to gradient_accumulation_steps."}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Exclude completions that hit max_completion_length from the loss."}
+    )
+    generation_backend: str | None = field(
+        default=None,
+        metadata={"help": f"One of {GENERATION_BACKENDS}. Default: 'hf', or from use_vllm/vllm_mode like TRL."},
+    )
+    use_vllm: bool = field(default=False, metadata={"help": "TRL-style switch: generate with vLLM."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "TRL-style: 'colocate' (in-process) or 'server'."})
+    vllm_server_urls: list[str] | None = field(
+        default=None, metadata={"help": "Base URLs of `grpo-async serve` servers (vllm_server backend)."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "TRL-style single server URL; appended to vllm_server_urls."}
+    )
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for a server to answer."})
+    vllm_api_key: str | None = field(default=None, metadata={"help": "API key of the servers / OpenAI endpoint."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocated vLLM's memory share."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM max_model_len."})
+    openai_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint (openai)."})
+    openai_model: str | None = field(default=None, metadata={"help": "Model name sent to the OpenAI endpoint."})
+
+    # ---- weight sync -------------------------------------------------------------------------------------
+    weight_sync_transport: str = field(
+        default="auto",
+        metadata={"help": f"One of {WEIGHT_SYNC_TRANSPORTS}; 'auto' picks the best the backend supports."},
+    )
+    weight_sync_bucket_mb: float = field(
+        default=256.0, metadata={"help": "Size threshold of a weight-transfer bucket (modules are never split)."}
+    )
+
+    # ---- async pipeline ----------------------------------------------------------------------------------
+    num_batches_ahead: int = field(
+        default=1,
+        metadata={"help": "Rounds generated ahead of training (0 = synchronous; k = staleness of at most k rounds)."},
+    )
+    async_generation_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds any wait on the generator may last before raising."}
+    )
+    async_max_queue_size: int | None = field(
+        default=None, metadata={"help": "Rounds queued or completed-unfetched at once. Default num_batches_ahead+2."}
+    )
+
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (k3 estimator); 0 loads no reference model."})
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each generation round (μ)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range ε."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range; defaults to epsilon."})
+    loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES}."})
+    scale_rewards: str = field(default="group", metadata={"help": f"One of {SCALE_REWARDS}."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
+
+    # ---- logging -----------------------------------------------------------------------------------------
+    log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
+    num_completions_to_print: int = field(default=4, metadata={"help": "Completions printed per log."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.vllm_server_base_url:
+            self.vllm_server_urls = list(self.vllm_server_urls or []) + [self.vllm_server_base_url]
+        if self.generation_backend is None:
+            if self.openai_base_url:
+                self.generation_backend = "openai"
+            elif self.use_vllm:
+                if self.vllm_mode not in VLLM_MODES:
+                    raise _err("vllm_mode", f"must be one of {VLLM_MODES}, got {self.vllm_mode!r}")
+                self.generation_backend = "vllm" if self.vllm_mode == "colocate" else "vllm_server"
+            else:
+                self.generation_backend = "hf"
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.async_max_queue_size is None:
+            self.async_max_queue_size = self.num_batches_ahead + 2
+        self._validate()
+
+    @property
+    def global_micro_batch_size(self) -> int:
+        """Derived: rows trained per micro-step across all processes."""
+        return self.per_device_train_batch_size * self.world_size
+
+    def _validate(self) -> None:
+        G = self.num_generations
+        if not isinstance(G, int) or G < 2:
+            raise _err("num_generations", f"must be an int >= 2 (GRPO compares completions of a prompt), got {G!r}")
+        for name in ("steps_per_generation", "num_iterations"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise _err(name, f"must be an int >= 1, got {v!r}")
+        micro = self.global_micro_batch_size
+        if self.generation_batch_size is None:
+            self.generation_batch_size = micro * self.steps_per_generation
+        elif self.generation_batch_size % micro != 0:
+            raise _err(
+                "generation_batch_size",
+                f"{self.generation_batch_size} is not a multiple of per_device_train_batch_size × processes = {micro}",
+            )
+        else:
+            self.steps_per_generation = self.generation_batch_size // micro
+        if self.generation_batch_size % G != 0:
+            raise _err(
+                "generation_batch_size",
+                f"the generation round has {self.generation_batch_size} rows "
+                f"(per_device_train_batch_size={self.per_device_train_batch_size} × processes={self.world_size} × "
+                f"steps_per_generation={self.steps_per_generation}), not a multiple of num_generations={G}; "
+                f"valid num_generations divide {self.generation_batch_size}: "
+                f"{[g for g in range(2, self.generation_batch_size + 1) if self.generation_batch_size % g == 0]}",
+            )
+        if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:
+            raise _err("num_batches_ahead", f"must be an int >= 0 (0 = synchronous), got {self.num_batches_ahead!r}")
+        if not self.async_generation_timeout or self.async_generation_timeout <= 0:
+            raise _err("async_generation_timeout", f"must be > 0 seconds, got {self.async_generation_timeout!r}")
+        if self.async_max_queue_size < self.num_batches_ahead + 1:
+            raise _err(
+                "async_max_queue_size",
+                f"{self.async_max_queue_size} cannot hold num_batches_ahead + 1 = {self.num_batches_ahead + 1} rounds",
+            )
+        if not self.temperature > 0:
+            raise _err("temperature", f"must be > 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise _err("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise _err("top_k", f"must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.min_p < 1:
+            raise _err("min_p", f"must be in [0, 1), got {self.min_p!r}")
+        if not isinstance(self.max_completion_length, int) or self.max_completion_length <= 0:
+            raise _err("max_completion_length", f"must be an int > 0, got {self.max_completion_length!r}")
+        if self.max_prompt_length is not None and (
+            not isinstance(self.max_prompt_length, int) or self.max_prompt_length <= 0
+        ):
+            raise _err("max_prompt_length", f"must be an int > 0 or None, got {self.max_prompt_length!r}")
+        if self.prompt_truncation not in ("left", "error"):
+            raise _err("prompt_truncation", f"must be 'left' or 'error', got {self.prompt_truncation!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise _err("loss_type", f"unknown loss type {self.loss_type!r}; choose one of {LOSS_TYPES}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise _err("scale_rewards", f"must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        if self.beta < 0:
+            raise _err("beta", f"must be >= 0, got {self.beta!r}")
+        if not self.epsilon > 0 or not self.epsilon_high > 0:
+            raise _err("epsilon", f"epsilon and epsilon_high must be > 0, got {self.epsilon!r}, {self.epsilon_high!r}")
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise _err("generation_backend", f"must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}")
+        if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
+            raise _err(
+                "weight_sync_transport", f"must be one of {WEIGHT_SYNC_TRANSPORTS}, got {self.weight_sync_transport!r}"
+            )
+        if self.weight_sync_bucket_mb <= 0:
+            raise _err("weight_sync_bucket_mb", f"must be > 0, got {self.weight_sync_bucket_mb!r}")
+        if self.generation_backend == "vllm_server" and not self.vllm_server_urls:
+            raise _err("vllm_server_urls", "the vllm_server backend needs at least one server URL")
+        if self.generation_backend == "openai":
+            if not self.openai_base_url:
+                raise _err("openai_base_url", "the openai backend needs openai_base_url")
+            if self.weight_sync_transport in ("broadcast", "ipc"):
+                raise _err(
+                    "weight_sync_transport",
+                    f"{self.weight_sync_transport!r} is impossible with a remote OpenAI-compatible engine (it cannot "
+                    "join a process group or map this machine's memory); use 'checkpoint_dir' or 'none'",
+                )
+        if self.generation_backend == "hf" and self.weight_sync_transport in ("broadcast", "ipc", "checkpoint_dir"):
+            raise _err("weight_sync_transport", f"the hf backend syncs in-process; got {self.weight_sync_transport!r}")

@@ -1,0 +1,289 @@
+"""`grpo-async serve`: vLLM's own OpenAI-compatible server plus narrow weight-update endpoints.
+
+Takes every flag `vllm serve` takes (`--model`, `--dtype`, `--max-model-len`, `--tensor-parallel-size`,
+`--data-parallel-size`, `--gpu-memory-utilization`, `--api-key`, ...), with three different defaults:
+`--host 127.0.0.1` (loopback only unless you say otherwise), `--worker-extension-cls
+grpo_async.generation.vllm_worker.WeightSyncWorker` and `--logprobs-mode processed_logprobs` (sampler logprobs
+of the temperature-scaled, filtered distribution it sampled from).
+
+```
+python -m grpo_async.generation.serve --model PATH --port 8000 --api-key SECRET
+# prints:  grpo-async serve: ready at http://127.0.0.1:8000
+```
+
+Security: `--api-key` guards EVERY route (the OpenAI API, `/health`, `/ws/*`), not only `/v1`. vLLM's
+generic dev routes (`/collective_rpc`, `/pause`, `/sleep`, ...) are never exposed: `VLLM_SERVER_DEV_MODE` is forced
+off and those paths answer 404 even if a plugin registers them. Weight updates only go through:
+
+| route | body (JSON only; pickled or non-JSON bodies get 415) | answer |
+|---|---|---|
+| `GET /ws/info` | — | `{"world_size", "workers": [{"rank", "device", "version", ...}], "version"}` |
+| `POST /ws/init_broadcast` | `{"host", "port", "world_size", "group_name", "timeout_s"}` | `{"ranks": [...]}` |
+| `POST /ws/close_broadcast` | `{}` | `{"closed": bool}` |
+| `POST /ws/update` | see below | `{"tensors", "bytes", "buckets", "version", "seconds"[, "digests"]}` |
+
+`/ws/update` body:
+```
+{"transport": "broadcast" | "shm" | "cuda_ipc",
+ "buckets":   [layout, ...],        # grpo_async.weight_sync.buckets layouts: {"buffers": {dtype: nbytes},
+                                    #   "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]}
+ "segments":  [{dtype: shm_name}],  # shm only, one per bucket
+ "handles":   [{dtype: handle}],    # cuda_ipc only (JSON, base64 bytes)
+ "version": int, "begin": true, "end": true, "load": true, "digests": false}
+```
+A request with `begin` pauses generation (in-flight requests finish first) and opens a reload session; one with
+`end` finalizes it, resets the prefix cache and resumes generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import secrets
+import sys
+
+WORKER_EXTENSION = "grpo_async.generation.vllm_worker.WeightSyncWorker"
+
+#: vLLM dev-mode routes that must never be reachable through `grpo-async serve`.
+BLOCKED_PATHS = (
+    "/collective_rpc",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/server_info",
+    "/init_weight_transfer_engine",
+    "/update_weights",
+    "/get_world_size",
+    "/start_weight_update",
+    "/finish_weight_update",
+)
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware: 404 for vLLM's dev routes, 401 for any request without the API key (every path)."""
+
+    def __init__(self, app, api_keys: list[str] | None = None):
+        self.app = app
+        self.hashes = [hashlib.sha256(k.encode()).digest() for k in (api_keys or []) if k]
+
+    async def _reply(self, send, status: int, message: str):
+        body = json.dumps({"error": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope) -> bool:
+        if not self.hashes:
+            return True
+        value = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for h in self.hashes:
+            ok |= secrets.compare_digest(digest, h)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
+        if any(path == p or path.startswith(p + "/") for p in BLOCKED_PATHS):
+            if scope["type"] == "http":
+                return await self._reply(send, 404, f"{path} is not exposed by grpo-async serve")
+            return None
+        if scope.get("method") != "OPTIONS" and not self._authorized(scope):
+            if scope["type"] == "http":
+                return await self._reply(send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+            return None
+        return await self.app(scope, receive, send)
+
+
+async def _json_body(request) -> dict:
+    """Parse a weight-endpoint body; refuse anything but a JSON object (pickles in particular)."""
+    from fastapi import HTTPException
+
+    raw = await request.body()
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if raw[:1] == b"\x80" or ctype in ("application/python-pickle", "application/x-pickle"):
+        raise HTTPException(415, "pickled payloads are refused; send the JSON body documented in grpo_async serve")
+    if ctype != "application/json":
+        raise HTTPException(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
+    try:
+        body = json.loads(raw.decode("utf-8")) if raw else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPException(415, f"body is not valid JSON ({e}); pickled or binary payloads are refused") from e
+    if not isinstance(body, dict):
+        raise HTTPException(400, "body must be a JSON object")
+    return body
+
+
+def add_weight_routes(app) -> None:
+    """Register `/ws/*` on a vLLM FastAPI app (engine client read from `app.state.engine_client` per request)."""
+    from fastapi import HTTPException, Request
+
+    from grpo_async.generation.vllm_worker import validate_update_request
+
+    lock = asyncio.Lock()
+    state = {"session_open": False}
+
+    def engine(request: Request):
+        return request.app.state.engine_client
+
+    @app.get("/ws/info")
+    async def ws_info(request: Request):
+        workers = await engine(request).collective_rpc("ws_info")
+        return {"world_size": workers[0]["world_size"], "workers": workers, "version": workers[0]["version"]}
+
+    @app.post("/ws/init_broadcast")
+    async def ws_init_broadcast(request: Request):
+        body = await _json_body(request)
+        spec = {"host": str, "port": int, "world_size": int, "group_name": str, "timeout_s": (int, float)}
+        if set(body) - set(spec) or not {"host", "port", "world_size"} <= set(body):
+            raise HTTPException(400, f"init_broadcast takes keys {sorted(spec)} (host, port, world_size required)")
+        for k, typ in spec.items():
+            if k in body and (not isinstance(body[k], typ) or isinstance(body[k], bool)):
+                raise HTTPException(400, f"init_broadcast: {k!r} has the wrong type ({type(body[k]).__name__})")
+        async with lock:
+            out = await engine(request).collective_rpc("ws_init_broadcast", kwargs=body)
+        return {"ranks": [o["rank"] for o in out]}
+
+    @app.post("/ws/close_broadcast")
+    async def ws_close_broadcast(request: Request):
+        await _json_body(request)
+        async with lock:
+            out = await engine(request).collective_rpc("ws_close_broadcast")
+        return {"closed": any(o["closed"] for o in out)}
+
+    @app.post("/ws/update")
+    async def ws_update(request: Request):
+        body = await _json_body(request)
+        try:
+            validate_update_request(body)
+        except ValueError as e:
+            raise HTTPException(400, f"bad weight-update request: {e}") from e
+        eng = engine(request)
+        begin, end = body.get("begin", True), body.get("end", True)
+        async with lock:
+            if begin and not state["session_open"]:
+                await eng.pause_generation(mode="wait", clear_cache=True)
+                state["session_open"] = True
+            try:
+                out = await eng.collective_rpc("ws_update", kwargs={"request": body})
+            except Exception as e:
+                end = True  # the worker finalized the session before raising
+                raise HTTPException(500, f"weight update failed in the worker: {type(e).__name__}: {e}") from e
+            finally:
+                if end and state["session_open"]:
+                    await eng.reset_prefix_cache()
+                    await eng.resume_generation()
+                    state["session_open"] = False
+        return out[0]
+
+
+def make_parser():
+    """vLLM's `serve` argument parser with grpo-async defaults (host, worker extension, logprobs mode)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(
+        FlexibleArgumentParser(prog="grpo-async serve", description="vLLM OpenAI server + grpo-async weight sync")
+    )
+    parser.set_defaults(host="127.0.0.1", worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs")
+    return parser
+
+
+async def _serve(args) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    import vllm.envs as envs
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client(args) as engine_client:
+        supported_tasks = await engine_client.get_supported_tasks()
+        app = build_app(args, supported_tasks, engine_client.model_config)
+        add_weight_routes(app)
+        app.add_middleware(GuardMiddleware, api_keys=[k for k in (args.api_key or []) if k])  # outermost
+        await init_app_state(engine_client, app.state, args, supported_tasks)
+        kwargs = {}
+        log_config = get_uvicorn_log_config(args)
+        if log_config is not None:
+            kwargs["log_config"] = log_config
+        shutdown_task = await serve_http(
+            app,
+            sock=sock,
+            enable_ssl_refresh=args.enable_ssl_refresh,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count,
+            **kwargs,
+        )
+        server = app.state.server
+        while not getattr(server, "started", False) and not shutdown_task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"grpo-async serve: ready at {listen_address}", flush=True)
+    try:
+        await shutdown_task
+    finally:
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `grpo-async serve`; `argv` excludes the program name (defaults to `sys.argv[1:]`)."""
+    os.environ["VLLM_SERVER_DEV_MODE"] = "0"  # never expose vLLM's generic dev routes
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
+    args = make_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
+        raise SystemExit(
+            f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "
+            f"(got {args.worker_extension_cls!r})"
+        )
+    if getattr(args, "model_tag", None) and not args.model:
+        args.model = args.model_tag
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(_serve(args))
+
+
+def _is_subclass_path(qualname: str) -> bool:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from grpo_async.generation.vllm_worker import WeightSyncWorker
+
+    try:
+        cls = resolve_obj_by_qualname(qualname)
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(cls, type) and issubclass(cls, WeightSyncWorker)
+
+
+if __name__ == "__main__":
+    main()

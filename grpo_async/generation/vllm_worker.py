@@ -1,0 +1,323 @@
+"""vLLM worker extension that receives weights: `--worker-extension-cls grpo_async.generation.vllm_worker.WeightSyncWorker`.
+
+vLLM mixes this class into its worker (`CPUWorker` / GPU `Worker`), so `self.model_runner.model` is the served model
+and `self.rank` the worker's rank. Every method is prefixed `ws_` (vLLM refuses names that clash with the worker).
+Methods are reached through `collective_rpc`: from `grpo-async serve`'s narrow `/ws/*` routes (JSON in, msgpack-able
+dicts out) or in-process from `VLLMColocateBackend`.
+
+One reload session (layerwise reload, the sequence that works after vLLM repacked weights for its kernels):
+
+```
+begin:  initialize_layerwise_reload(model)              # layers go to meta, loaders buffer until a layer is whole
+load:   model.load_weights([(hf_name, tensor), ...])     # once per bucket; vLLM fuses q/k/v and gate/up itself
+end:    finalize_layerwise_reload(model, model_config)  # ALWAYS (in `finally`): otherwise the model stays on meta
+```
+
+A request may carry a whole session (`begin` and `end` true, the normal case) or a part of one (per-tensor mode used
+by the benchmark); any error finalizes the open session before it propagates.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import time
+from datetime import timedelta
+
+import torch
+
+from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
+
+logger = logging.getLogger("grpo_async.ws_worker")
+
+TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes (dtype- and shape-independent), used to prove bit-identical arrival."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def validate_update_request(req: object) -> dict:
+    """Check a `/ws/update` request body (see `grpo_async.generation.serve`) and return it."""
+    if not isinstance(req, dict):
+        raise ValueError("the weight-update request must be a JSON object")
+    allowed = {"transport", "buckets", "version", "begin", "end", "load", "digests", "segments", "handles"}
+    unknown = set(req) - allowed
+    if unknown:
+        raise ValueError(f"unknown keys in weight-update request: {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if req.get("transport") not in TRANSPORTS:
+        raise ValueError(f"'transport' must be one of {TRANSPORTS}, got {req.get('transport')!r}")
+    buckets = req.get("buckets")
+    if not isinstance(buckets, list):
+        raise ValueError("'buckets' must be a list of bucket layouts")
+    for b in buckets:
+        validate_layout(b)
+    version = req.get("version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise ValueError(f"'version' must be an integer, got {version!r}")
+    for key in ("begin", "end", "load", "digests"):
+        if key in req and not isinstance(req[key], bool):
+            raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")
+    if req["transport"] == "shm":
+        segs = req.get("segments")
+        if not isinstance(segs, list) or len(segs) != len(buckets):
+            raise ValueError("'segments' must list one {dtype: shared-memory name} object per bucket")
+        for seg, layout in zip(segs, buckets):
+            if not isinstance(seg, dict) or set(seg) != set(layout["buffers"]):
+                raise ValueError("each 'segments' entry must name one shared-memory segment per dtype buffer")
+            if not all(isinstance(v, str) and v and "/" not in v for v in seg.values()):
+                raise ValueError("shared-memory segment names must be non-empty strings without '/'")
+    if req["transport"] == "cuda_ipc":
+        handles = req.get("handles")
+        if not isinstance(handles, list) or len(handles) != len(buckets):
+            raise ValueError("'handles' must list one {dtype: ipc handle} object per bucket")
+    return req
+
+
+class WeightSyncWorker:
+    """Mixed into vLLM's worker; see the module docstring."""
+
+    # ------------------------------------------------------------------ state helpers
+    def _ws_state(self) -> dict:
+        st = self.__dict__.get("_ws")
+        if st is None:
+            st = {"pg": None, "open": False, "keep": [], "version": None, "rank_offset": 1}
+            self.__dict__["_ws"] = st
+        return st
+
+    def _ws_model(self):
+        return self.model_runner.model
+
+    def _ws_device(self) -> torch.device:
+        dev = getattr(self, "device", None)
+        return dev if isinstance(dev, torch.device) else torch.device("cpu")
+
+    def _ws_begin(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        st = self._ws_state()
+        if st["open"]:
+            raise RuntimeError("a weight reload session is already open (begin sent twice without end)")
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self._ws_model())
+        st["open"] = True
+
+    def _ws_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        if not self._ws_state()["open"]:
+            raise RuntimeError("weights sent without an open reload session (send begin=true first)")
+        with set_current_vllm_config(self.vllm_config):
+            self._ws_model().load_weights(named)
+
+    def _ws_end(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        st = self._ws_state()
+        if not st["open"]:
+            return
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                fn = getattr(self.model_runner, reset, None)
+                if fn is not None:
+                    fn()
+        finally:
+            st["open"] = False
+            self._ws_release()
+
+    def _ws_release(self) -> None:
+        """Drop views of shared memory, then close the segments (a mapped view makes `close()` raise)."""
+        st = self._ws_state()
+        segments = [k for k in st["keep"] if not isinstance(k, torch.Tensor)]
+        st["keep"] = []
+        gc.collect()
+        for shm in segments:
+            try:
+                shm.close()
+            except BufferError:  # a view survived; the mapping goes when it does
+                logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
+
+    # ------------------------------------------------------------------ public methods (ws_*)
+    def ws_info(self) -> dict:
+        """`{"rank", "world_size", "device", "version", "reload_open"}` of this worker."""
+        st = self._ws_state()
+        return {
+            "rank": int(getattr(self, "rank", 0)),
+            "world_size": int(self.vllm_config.parallel_config.world_size),
+            "device": str(self._ws_device()),
+            "version": st["version"],
+            "reload_open": st["open"],
+        }
+
+    def ws_init_broadcast(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        group_name: str = "grpo_async_ws",
+        timeout_s: float = 60.0,
+    ) -> dict:
+        """Join the trainer's dedicated process group (gloo on CPU, NCCL on GPU) as rank `rank_offset + self.rank`.
+
+        Uses a `TCPStore` (the trainer is master) wrapped in a `PrefixStore`; vLLM's own default group is untouched.
+        """
+        from torch.distributed import PrefixStore, TCPStore
+
+        st = self._ws_state()
+        self.ws_close_broadcast()
+        rank = int(rank_offset) + int(getattr(self, "rank", 0))
+        timeout = timedelta(seconds=float(timeout_s))
+        store = TCPStore(host, int(port), int(world_size), is_master=False, timeout=timeout)
+        prefixed = PrefixStore(group_name, store)
+        if self._ws_device().type == "cuda":
+            from torch.distributed import ProcessGroupNCCL
+
+            pg = ProcessGroupNCCL(prefixed, rank, int(world_size), ProcessGroupNCCL.Options())
+        else:
+            from torch.distributed import ProcessGroupGloo
+
+            pg = ProcessGroupGloo(prefixed, rank, int(world_size), timeout)
+        st["pg"], st["store"], st["rank_offset"] = pg, store, int(rank_offset)
+        return {"rank": rank, "world_size": int(world_size)}
+
+    def ws_close_broadcast(self) -> dict:
+        st = self._ws_state()
+        pg = st.pop("pg", None)
+        st["pg"] = None
+        st.pop("store", None)
+        if pg is not None and hasattr(pg, "shutdown"):
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on teardown
+                pass
+        return {"closed": pg is not None}
+
+    def ws_update(self, request: dict) -> dict:
+        """Receive and load buckets; `request` is the JSON body documented in `grpo_async.generation.serve`.
+
+        Returns:
+            `dict`: `{"tensors": int, "bytes": int, "version": int | None, "seconds": float}` plus
+            `"digests": {name: sha256}` of the tensors as received when `request["digests"]` is true.
+        """
+        req = validate_update_request(request)
+        t0 = time.perf_counter()
+        begin, end, load = req.get("begin", True), req.get("end", True), req.get("load", True)
+        want_digests = req.get("digests", False)
+        layouts = req["buckets"]
+        digests: dict[str, str] = {}
+        count = nbytes = 0
+        try:
+            if begin and load:
+                self._ws_begin()
+            for named in self._ws_receive(req):
+                count += len(named)
+                nbytes += sum(t.numel() * t.element_size() for _, t in named)
+                if want_digests:
+                    digests.update({n: tensor_digest(t) for n, t in named})
+                if load:
+                    self._ws_load(named)
+        except BaseException:
+            self._ws_end()  # never leave the model on meta
+            raise
+        if end:
+            self._ws_end()
+            if req.get("version") is not None:
+                self._ws_state()["version"] = req["version"]
+        elif not load:
+            self._ws_release()
+        out = {"tensors": count, "bytes": nbytes, "buckets": len(layouts), "version": self._ws_state()["version"]}
+        out["seconds"] = time.perf_counter() - t0
+        if want_digests:
+            out["digests"] = digests
+        return out
+
+    def ws_load_tensors(self, buckets, version: int | None = None, digests: bool = False) -> dict:
+        """In-process only (colocate): one session loading each bucket (`list[(name, tensor)]`) in turn."""
+        out: dict[str, str] = {}
+        count = 0
+        self._ws_begin()
+        try:
+            for named in buckets:
+                if digests:
+                    out.update({n: tensor_digest(t) for n, t in named})
+                count += len(named)
+                self._ws_load(named)
+        finally:
+            self._ws_end()
+        if version is not None:
+            self._ws_state()["version"] = version
+        result = {"tensors": count, "version": self._ws_state()["version"]}
+        if digests:
+            result["digests"] = out
+        return result
+
+    # ------------------------------------------------------------------ receivers (yield one bucket at a time)
+    def _ws_receive(self, req: dict):
+        kind = req["transport"]
+        if kind == "broadcast":
+            yield from self._ws_recv_broadcast(req["buckets"])
+        elif kind == "shm":
+            yield from self._ws_recv_shm(req["buckets"], req["segments"])
+        else:
+            yield from self._ws_recv_cuda_ipc(req["buckets"], req["handles"])
+
+    def _ws_recv_broadcast(self, layouts: list[dict]):
+        from torch.distributed import BroadcastOptions
+
+        st = self._ws_state()
+        if st["pg"] is None:
+            raise RuntimeError("broadcast update before /ws/init_broadcast: no process group")
+        pg, device = st["pg"], self._ws_device()
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+
+        def post(layout):
+            bufs = {dt: torch.empty(n, dtype=torch.uint8, device=device) for dt, n in layout["buffers"].items()}
+            works = [pg.broadcast([bufs[dt]], opts) for dt in layout["buffers"]]  # same dtype order as the sender
+            return bufs, works
+
+        # Pipeline: the receive of bucket i+1 is posted before bucket i is loaded.
+        nxt = post(layouts[0]) if layouts else None
+        for i, layout in enumerate(layouts):
+            bufs, works = nxt
+            nxt = post(layouts[i + 1]) if i + 1 < len(layouts) else None
+            for w in works:
+                w.wait()
+            yield unpack_bucket(layout, bufs)
+
+    def _ws_recv_shm(self, layouts: list[dict], segments: list[dict]):
+        from multiprocessing import resource_tracker, shared_memory
+
+        st = self._ws_state()
+        for layout, seg in zip(layouts, segments):
+            bufs = {}
+            for dt, name in seg.items():
+                shm = shared_memory.SharedMemory(name=name, create=False)
+                try:  # the trainer owns (and unlinks) the segment
+                    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+                except Exception:  # noqa: BLE001
+                    pass
+                st["keep"].append(shm)
+                if shm.size < layout["buffers"][dt]:
+                    raise ValueError(f"shared-memory segment {name!r} holds {shm.size} bytes, layout needs more")
+                bufs[dt] = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout["buffers"][dt]) if layout[
+                    "buffers"
+                ][dt] else torch.empty(0, dtype=torch.uint8)
+            yield unpack_bucket(layout, bufs)
+            del bufs
+
+    def _ws_recv_cuda_ipc(self, layouts: list[dict], handles: list[dict]):
+        from grpo_async.weight_sync.transports import decode_cuda_ipc
+
+        device = self._ws_device()
+        for layout, handle in zip(layouts, handles):
+            bufs = {dt: decode_cuda_ipc(handle[dt], device) for dt in layout["buffers"]}
+            yield unpack_bucket(layout, bufs)

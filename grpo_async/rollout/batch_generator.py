@@ -1,0 +1,222 @@
+"""`AsyncBatchGenerator`: one background thread that turns `BatchRequest`s into `BatchResult`s (seed 003 §15).
+
+```
+trainer thread                        generator thread "grpo-async-generator"
+──────────────                        ─────────────────────────────────────────
+submit_batch(r0) ──▶ [request queue] ──▶ generate_fn(r0) ──▶ completed[0]
+submit_batch(r1) ──▶                     generate_fn(r1) ──▶ completed[1]
+get_batch(0)  ◀───────────────────────── (waits at most `timeout`)
+```
+
+Guarantees: a request is never dropped (a full queue makes `submit_batch` wait, then raise); every wait is
+bounded; an exception in `generate_fn` reaches the caller of `get_batch` as
+`RuntimeError("Async generation failed: ...")` chained from the original; a dead thread is reported, not waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchRequest:
+    """One generation round.
+
+    Args:
+        batch_id (`int`): round index; results are fetched by it.
+        prompts (`list`): the unique prompts of the round across all processes (text, chat messages or token ids).
+        inputs (`list[dict]`, *optional*): the dataset rows behind `prompts` (extra columns go to reward functions).
+        metadata (`dict`, *optional*): anything the `generate_fn` needs (e.g. the policy version to use).
+    """
+
+    batch_id: int
+    prompts: list
+    inputs: list | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class BatchResult:
+    """Outcome of one round: `processed_results` on success, `error` (the exception) on failure."""
+
+    batch_id: int
+    processed_results: Any
+    error: BaseException | None = None
+    generation_time: float = 0.0
+
+
+class AsyncBatchGenerator:
+    """Owns the generator thread, its bounded request queue and the completed results.
+
+    Args:
+        generate_fn (`Callable[[BatchRequest], Any]`): produces the processed results of one request.
+        max_queue_size (`int`, *optional*, defaults to `4`): most requests queued, running or completed-but-not-
+            fetched at once. `submit_batch` waits for room, up to `generation_timeout`, then raises.
+        generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
+        name (`str`, *optional*): thread name, also the prefix of its log lines.
+    """
+
+    def __init__(
+        self,
+        generate_fn: Callable[[BatchRequest], Any],
+        max_queue_size: int = 4,
+        generation_timeout: float = 600.0,
+        name: str = "grpo-async-generator",
+    ):
+        if not callable(generate_fn):
+            raise TypeError(f"AsyncBatchGenerator: generate_fn must be callable, got {type(generate_fn).__name__}")
+        if not isinstance(max_queue_size, int) or max_queue_size < 1:
+            raise ValueError(f"AsyncBatchGenerator: max_queue_size must be an int >= 1, got {max_queue_size!r}")
+        if not generation_timeout or generation_timeout <= 0 or generation_timeout == float("inf"):
+            raise ValueError(
+                f"AsyncBatchGenerator: generation_timeout must be a finite number of seconds > 0, "
+                f"got {generation_timeout!r}"
+            )
+        self.generate_fn = generate_fn
+        self.max_queue_size = max_queue_size
+        self.generation_timeout = float(generation_timeout)
+        self.name = name
+        self._requests: queue.Queue[BatchRequest] = queue.Queue()
+        self._cond = threading.Condition()
+        self._submitted: set[int] = set()
+        self._pending: set[int] = set()  # queued or running
+        self._completed: dict[int, BatchResult] = {}
+        self._times: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> AsyncBatchGenerator:
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish its current request and exit; join at most `timeout` seconds."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("[%s] still running after %.1fs; it is a daemon and will not block exit", self.name,
+                               timeout)
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raise if the thread died outside of a request (requests' own errors are returned by `get_batch`)."""
+        if self._fatal is not None:
+            raise RuntimeError(f"Async generation failed: thread {self.name} died: {self._fatal!r}") from self._fatal
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError(f"Async generation failed: thread {self.name} exited unexpectedly")
+
+    # -- producer side ---------------------------------------------------------------------------------------
+    def submit_batch(self, request: BatchRequest, timeout: float | None = None) -> None:
+        """Queue `request`. Waits for room (at most `timeout`, default `generation_timeout`), then raises."""
+        if not isinstance(request, BatchRequest):
+            raise TypeError(f"submit_batch expects a BatchRequest, got {type(request).__name__}")
+        if self._thread is None:
+            raise RuntimeError("AsyncBatchGenerator.submit_batch called before start()")
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if request.batch_id in self._submitted:
+                raise ValueError(f"batch_id {request.batch_id} was already submitted")
+            while len(self._pending) + len(self._completed) >= self.max_queue_size:
+                self.check_health()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"submit_batch({request.batch_id}): queue full ({len(self._pending)} pending, "
+                        f"{len(self._completed)} completed not fetched, max_queue_size={self.max_queue_size}) "
+                        f"for {timeout:.1f}s; the request was not queued"
+                    )
+                self._cond.wait(min(left, 0.5))
+            self._submitted.add(request.batch_id)
+            self._pending.add(request.batch_id)
+        self._requests.put(request)
+
+    # -- consumer side ---------------------------------------------------------------------------------------
+    def get_batch(self, batch_id: int, timeout: float | None = None) -> BatchResult:
+        """Wait for round `batch_id` (at most `timeout`, default `generation_timeout`) and return its result.
+
+        Raises:
+            `RuntimeError`: "Async generation failed: ..." when `generate_fn` raised (chained) or the thread died.
+            `TimeoutError`: when the round is not ready in time.
+            `KeyError`: when `batch_id` was never submitted.
+        """
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if batch_id not in self._submitted:
+                raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
+            while batch_id not in self._completed:
+                self.check_health()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"Async generation timed out: batch {batch_id} not ready after {timeout:.1f}s "
+                        f"(pending={sorted(self._pending)}); raise `async_generation_timeout` if rounds are slow"
+                    )
+                self._cond.wait(min(left, 0.5))
+            result = self._completed.pop(batch_id)
+            self._submitted.discard(batch_id)
+            self._cond.notify_all()
+        if result.error is not None:
+            raise RuntimeError(
+                f"Async generation failed: batch {batch_id}: {type(result.error).__name__}: {result.error}"
+            ) from result.error
+        return result
+
+    def get_pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def get_completed_count(self) -> int:
+        with self._cond:
+            return len(self._completed)
+
+    def get_average_generation_time(self) -> float:
+        with self._cond:
+            return sum(self._times) / len(self._times) if self._times else 0.0
+
+    # -- the thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    request = self._requests.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                start = time.perf_counter()
+                try:
+                    processed = self.generate_fn(request)
+                    result = BatchResult(request.batch_id, processed, None, time.perf_counter() - start)
+                except Exception as e:  # returned to the trainer by get_batch
+                    logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
+                    result = BatchResult(request.batch_id, {}, e, time.perf_counter() - start)
+                with self._cond:
+                    self._pending.discard(request.batch_id)
+                    self._completed[request.batch_id] = result
+                    if result.error is None:
+                        self._times.append(result.generation_time)
+                    self._cond.notify_all()
+        except BaseException as e:  # pragma: no cover - e.g. KeyboardInterrupt delivered to this thread
+            self._fatal = e
+            with self._cond:
+                self._cond.notify_all()
+            raise

@@ -1,0 +1,582 @@
+"""`GRPOTrainer`: a `transformers.Trainer` whose inputs are generated ahead of training by a background thread.
+
+Orchestration only: the math lives in `algo/`, the thread in `rollout/batch_generator.py`, row handling in
+`rollout/distribute.py`, generation in `generation/`, weight collection in `weight_sync/`.
+
+Timeline with `num_batches_ahead = 1` (one round = steps_per_generation × μ micro-steps):
+
+```txt
+trainer  | submit r0,r1 | wait r0 | train r0 ........ | submit r2 | train r1 ........ | submit r3 | train r2 ...
+generator|              | gen r0  | gen r1 (weights@0)|           | gen r2 (weights@r1 start)  | gen r3 ...
+```
+Round r is generated from the weights the trainer had when it started round r − k (staleness ≤ k rounds).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+
+from .algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
+from .algo.logprobs import completion_logps
+from .algo.loss import LossContext, grpo_loss
+from .config import GRPOConfig
+from .data.async_loader import AsyncDataLoaderWrapper
+from .data.sampler import RepeatSampler
+from .generation.base import SamplingConfig
+from .rewards import prepare_reward_funcs, score_completions
+from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest
+from .rollout.distribute import pad, process_slice, select_rows, shuffle_rows, split_rows, trim_padding
+from .weight_sync.collect import collect_state_dict
+
+logger = logging.getLogger(__name__)
+
+
+def _identity(rows):
+    return rows
+
+
+def _is_conversational(prompt) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+class GRPOTrainer(Trainer):
+    """Group Relative Policy Optimization with asynchronous generation.
+
+    Args:
+        model (`str` or `PreTrainedModel`): a model id/path (loaded with `args.model_init_kwargs`) or a model.
+        reward_funcs (`callable` or `list[callable]`): `f(prompts, completions, completion_ids, **columns)`
+            returning one float (or `None`) per completion; see `grpo_async.rewards`.
+        args (`GRPOConfig`, *optional*): configuration; a default one writing to `<model>-GRPO` if omitted.
+        train_dataset (`datasets.Dataset`): rows with a `prompt` column (text or chat messages) plus any columns
+            the reward functions read.
+        eval_dataset (`datasets.Dataset`, *optional*): same format.
+        processing_class (`PreTrainedTokenizerBase`, *optional*): loaded from the model if omitted; must have a
+            pad token.
+        callbacks, optimizers: as for `Trainer`.
+        peft_config (`peft.PeftConfig`, *optional*): train a PEFT adapter; the reference model is then the base
+            model with the adapter disabled.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss already divides by gradient accumulation
+    _tag_names = ["trl", "grpo", "grpo_async"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(output_dir=f"{str(name).split('/')[-1]}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a grpo_async.GRPOConfig, got {type(args).__name__}")
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        if isinstance(model, str):
+            kwargs = dict(args.model_init_kwargs or {})
+            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        elif args.model_init_kwargs:
+            raise ValueError("GRPOConfig.model_init_kwargs only applies when `model` is a name or path")
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+        if getattr(processing_class, "pad_token", None) is None:
+            raise ValueError(
+                f"The tokenizer of {model_id!r} has no pad token. Set one before creating the trainer, e.g. "
+                "`tokenizer.pad_token = tokenizer.eos_token`."
+            )
+        processing_class.padding_side = "left"
+        if train_dataset is not None:
+            self._check_dataset(train_dataset, args, "train_dataset")
+        if eval_dataset is not None:
+            self._check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
+
+        self.is_peft = peft_config is not None
+        ref_model = None
+        if args.beta > 0 and not self.is_peft:
+            ref_model = copy.deepcopy(model).eval()
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        if self.is_peft:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        if args.disable_dropout:
+            for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+
+        self.reward_funcs, self.reward_func_names = prepare_reward_funcs(reward_funcs)
+        weights = args.reward_weights
+        if weights is not None and len(weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"GRPOConfig.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward functions"
+            )
+        self.reward_weights = torch.tensor(weights or [1.0] * len(self.reward_funcs), dtype=torch.float32)
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.ref_model = None
+        if ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+        G = args.num_generations
+        self.num_generations = G
+        self.generate_every = args.steps_per_generation * args.num_iterations
+        self.compute_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._step = 0  # training_step calls
+        self._epoch_seen = None
+        self._epoch_call = 0  # _prepare_inputs calls in the current epoch
+        self._round = 0  # index of the next round to train (global, across epochs)
+        self._submitted: set[int] = set()  # round ids submitted (tracked on every rank)
+        self._round_weights: dict[int, int] = {}  # round id -> round at which its weights were staged (main)
+        self._buffered_inputs: list[dict] | None = None
+        self._staged: tuple[int, dict] | None = None  # (policy version, state dict) on main
+        self._staged_round = 0
+        self._train_step_time = 0.0
+        self._async_loader: AsyncDataLoaderWrapper | None = None
+        self.generator: AsyncBatchGenerator | None = None
+        self.backend = None
+
+    # ------------------------------------------------------------------------------------------------------
+    # construction-time checks
+    # ------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = None) -> None:
+        columns = getattr(dataset, "column_names", None)
+        if columns is None and len(dataset):
+            columns = list(dataset[0].keys())
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(f"{name} needs a 'prompt' column (text or chat messages); it has {columns}")
+        need = min_rows if min_rows is not None else args.generation_batch_size // args.num_generations
+        if len(dataset) < need:
+            raise ValueError(
+                f"{name} has {len(dataset)} prompts but one generation round needs {need} "
+                f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations})"
+            )
+
+    # ------------------------------------------------------------------------------------------------------
+    # data
+    # ------------------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def _get_train_sampler(self, dataset=None):
+        dataset = self.train_dataset if dataset is None else dataset
+        return RepeatSampler(
+            data_source=dataset,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
+            shuffle=self.args.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def get_train_dataloader(self):
+        """The generation-batch dataloader (per device: `per_device_train_batch_size × steps_per_generation`
+        rows), wrapped so the pipeline can peek at the rounds ahead."""
+        dataloader = self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+        ahead = self.args.num_batches_ahead * self.generate_every
+        self._async_loader = AsyncDataLoaderWrapper(
+            dataloader,
+            buffer_size=max(5, ahead + self.args.gradient_accumulation_steps + 1),
+            history_size=self.args.gradient_accumulation_steps + 1,
+        )
+        return self._async_loader
+
+    # ------------------------------------------------------------------------------------------------------
+    # the pipeline
+    # ------------------------------------------------------------------------------------------------------
+    def _ensure_generator(self) -> None:
+        if not self.accelerator.is_main_process or self.generator is not None:
+            return
+        if self.backend is None:
+            self.backend = self._make_backend()
+        self.generator = AsyncBatchGenerator(
+            self._generate_round,
+            max_queue_size=self.args.async_max_queue_size,
+            generation_timeout=self.args.async_generation_timeout,
+        ).start()
+
+    def _make_backend(self):
+        from .generation import make_backend
+
+        return make_backend(self.args, self.accelerator.unwrap_model(self.model), self.processing_class)
+
+    def _sampling_config(self) -> SamplingConfig:
+        a = self.args
+        return SamplingConfig(
+            n=a.num_generations,
+            max_tokens=a.max_completion_length,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            min_p=a.min_p,
+            stop=a.stop,
+        )
+
+    def _stage_weights(self) -> None:
+        """At a sync point (round start, after an optimizer step): snapshot the weights for the generator.
+
+        Every rank takes part (ZeRO-3 gathers); only the main process keeps the copy. Skipped when the policy
+        version (optimizer step) has not changed since the last snapshot.
+        """
+        version = self.state.global_step
+        if self._staged is not None and self._staged[0] == version:
+            return
+        state = collect_state_dict(self.accelerator.unwrap_model(self.model), self.accelerator.is_main_process)
+        self._staged = (version, state) if self.accelerator.is_main_process else (version, {})
+        self._staged_round = self._round
+
+    def _submit_rounds(self, generation_batch: list[dict]) -> None:
+        """Submit the current round if needed and up to `num_batches_ahead` rounds after it."""
+        todo = []
+        if self._round not in self._submitted:
+            todo.append((self._round, generation_batch))
+        for j in range(1, self.args.num_batches_ahead + 1):
+            if self._round + j in self._submitted:
+                continue
+            future = self._async_loader.batch_at(self._epoch_call + j * self.generate_every)
+            if future is None:  # end of the epoch: that round is generated when its epoch starts
+                break
+            todo.append((self._round + j, future))
+        if not todo:
+            return
+        self._stage_weights()
+        for round_id, rows in todo:
+            all_rows = gather_object(list(rows))  # every rank's rows, rank order
+            self._submitted.add(round_id)
+            if self.accelerator.is_main_process:
+                self.generator.submit_batch(
+                    BatchRequest(
+                        batch_id=round_id,
+                        prompts=[r["prompt"] for r in all_rows[:: self.num_generations]],
+                        inputs=all_rows,
+                        metadata={"weights": self._staged, "weights_round": self._staged_round},
+                    )
+                )
+
+    def _next_round(self, generation_batch: list[dict]) -> list[dict]:
+        self._ensure_generator()
+        self._submit_rounds(generation_batch)
+        round_id = self._round
+        payload, err = None, None
+        wait_start = time.perf_counter()
+        if self.accelerator.is_main_process:
+            try:
+                result = self.generator.get_batch(round_id)
+                payload = result.processed_results
+                payload["generation_time"] = result.generation_time
+            except Exception as e:  # tell the other ranks before raising, so they don't wait in the broadcast
+                err = e
+                payload = {"__error__": f"{type(e).__name__}: {e}"}
+        wait_time = time.perf_counter() - wait_start
+        payload = broadcast_object_list([payload], from_process=0)[0]
+        if err is not None:
+            raise err
+        if "__error__" in payload:
+            raise RuntimeError(f"Async generation failed on the main process: {payload['__error__']}")
+        self._submitted.discard(round_id)
+        self._round += 1
+        self._log_round_metrics(payload, wait_time)
+
+        # keep this process's rows only
+        total = payload["advantages"].size(0)
+        local = select_rows(payload["rows"], process_slice(total, self.accelerator.num_processes,
+                                                          self.accelerator.process_index))
+        local["num_items_in_batch"] = payload["num_items_in_batch"]
+        local = self._add_logps(local)
+        local = shuffle_rows(local)
+        return [trim_padding(b) for b in split_rows(local, self.args.steps_per_generation)]
+
+    @torch.no_grad()
+    def _add_logps(self, local: dict) -> dict:
+        """Old-policy logps (when the policy moves before the rows are trained) and reference logps (β > 0)."""
+        if not self.compute_old_logps and self.args.beta == 0:
+            return local
+        device = self.accelerator.device
+        ids = torch.cat([local["prompt_ids"], local["completion_ids"]], 1).to(device)  # [L, P+T]
+        am = torch.cat([local["prompt_mask"], local["completion_mask"]], 1).to(device)  # [L, P+T]
+        T = local["completion_ids"].size(1)
+        bs = self.args.per_device_train_batch_size
+        if self.compute_old_logps:
+            local["old_logps"] = completion_logps(self.model, ids, am, T, self.args.temperature, bs).cpu()
+        if self.args.beta > 0:
+            if self.ref_model is not None:
+                ref = completion_logps(self.ref_model, ids, am, T, self.args.temperature, bs)
+            else:  # PEFT: the base model is the reference
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    ref = completion_logps(self.model, ids, am, T, self.args.temperature, bs)
+            local["ref_logps"] = ref.cpu()
+        return local
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            raise NotImplementedError(
+                "GRPOTrainer.evaluate is not available yet: eval-time generation lands with the eval step"
+            )
+        loader = self._async_loader
+        if loader is not None and loader.epoch != self._epoch_seen:
+            self._epoch_seen, self._epoch_call = loader.epoch, 0
+        if self._epoch_call % self.generate_every == 0 or self._buffered_inputs is None:
+            self._buffered_inputs = self._next_round(generation_batch)
+        inputs = self._buffered_inputs[self._epoch_call % self.args.steps_per_generation]
+        self._epoch_call += 1
+        return {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+    # ------------------------------------------------------------------------------------------------------
+    # generator thread (main process only)
+    # ------------------------------------------------------------------------------------------------------
+    def _tokenize_prompt(self, prompt) -> list[int]:
+        tok = self.processing_class
+        if _is_conversational(prompt):
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        return tok(prompt)["input_ids"]
+
+    def _generate_round(self, request: BatchRequest) -> dict[str, Any]:
+        """Runs in the generator thread: weights → generate → rewards → advantages → padded tensors."""
+        args, G = self.args, self.num_generations
+        version, state = request.metadata["weights"]
+        if getattr(self.backend, "version", None) != version:
+            self.backend.update_weights(state, version)
+        rows = request.inputs
+        for g in range(0, len(rows), G):
+            if any(rows[g + i]["prompt"] != rows[g]["prompt"] for i in range(G)):
+                raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
+        prompt_ids, truncated = [], 0
+        for p in request.prompts:
+            ids = self._tokenize_prompt(p)
+            if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
+                if args.prompt_truncation == "error":
+                    raise ValueError(
+                        f"a prompt has {len(ids)} tokens > max_prompt_length={args.max_prompt_length}: {p!r:.200}"
+                    )
+                ids, truncated = ids[-args.max_prompt_length :], truncated + 1
+            prompt_ids.append(ids)
+        t0 = time.perf_counter()
+        completions = self.backend.generate(prompt_ids, self._sampling_config())
+        t_gen = time.perf_counter() - t0
+
+        tok = self.processing_class
+        completion_ids = [c.completion_ids for c in completions]
+        texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts_rep = [r["prompt"] for r in rows]
+        completions_fmt = [
+            [{"role": "assistant", "content": t}] if _is_conversational(p) else t
+            for p, t in zip(prompts_rep, texts, strict=True)
+        ]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        t0 = time.perf_counter()
+        rewards_per_func = score_completions(
+            self.reward_funcs, self.reward_func_names, prompts_rep, completions_fmt, completion_ids, columns
+        )  # [R, F]
+        t_reward = time.perf_counter() - t0
+        rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [R]
+        advantages = compute_advantages(rewards, G, args.scale_rewards)  # [R]
+
+        R = len(rows)
+        prompt_rep_ids = [prompt_ids[i // G] for i in range(R)]
+        completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
+        truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
+        loss_mask = completion_mask.clone()  # [R, T] tokens trained on
+        if args.mask_truncated_completions:
+            loss_mask[truncated_rows] = 0
+        lengths = completion_mask.sum(1).float()
+        metrics = {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated_rows.float().mean().item(),
+            "reward": torch.nanmean(rewards).item(),
+            "reward_std": nanstd(rewards).item(),
+            "frac_reward_zero_std": group_std_is_zero(rewards, G).float().mean().item(),
+            "prompts/truncated": float(truncated),
+            "timing/rollout": t_gen,
+            "timing/rewards": t_reward,
+        }
+        for i, name in enumerate(self.reward_func_names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        return {
+            "rows": {
+                "prompt_ids": pad(prompt_rep_ids, tok.pad_token_id, side="left"),  # [R, P]
+                "prompt_mask": pad([[1] * len(p) for p in prompt_rep_ids], 0, side="left"),  # [R, P]
+                "completion_ids": pad(completion_ids, tok.pad_token_id),  # [R, T]
+                "completion_mask": completion_mask,  # [R, T]
+                "loss_mask": loss_mask,  # [R, T]
+                "sampler_logps": pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
+                "advantages": advantages,  # [R]
+                "policy_version": torch.full((R,), version, dtype=torch.long),  # [R]
+                "weights_round": torch.full((R,), request.metadata["weights_round"], dtype=torch.long),  # [R]
+                "round_id": torch.full((R,), request.batch_id, dtype=torch.long),  # [R]
+                "row_index": torch.arange(R),  # [R] position in the global round
+            },
+            "advantages": advantages,
+            "num_items_in_batch": loss_mask.sum().item(),
+            "metrics": metrics,
+            "samples": {"prompt": prompts_rep, "completion": texts, "reward": rewards.tolist(),
+                        "advantage": advantages.tolist()},
+        }
+
+    # ------------------------------------------------------------------------------------------------------
+    # loss
+    # ------------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss does not return outputs")
+        args = self.args
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+T]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # [B, P+T]
+        T = inputs["completion_ids"].size(1)
+        logps = completion_logps(model, ids, attention_mask, T, args.temperature)  # [B, T]
+        mask = inputs["loss_mask"]  # [B, T]
+        out = grpo_loss(
+            logps,
+            inputs["advantages"],
+            mask,
+            loss_type=args.loss_type,
+            old_per_token_logps=inputs.get("old_logps"),
+            ref_per_token_logps=inputs.get("ref_logps"),
+            beta=args.beta,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            ctx=LossContext(
+                grad_accum_steps=self.current_gradient_accumulation_steps,
+                max_completion_length=args.max_completion_length,
+                num_items_in_batch=inputs["num_items_in_batch"],
+                num_processes=self.accelerator.num_processes,
+                steps_per_generation=args.steps_per_generation,
+            ),
+        )
+        self._log_loss_metrics(out, mask, inputs)
+        return out.loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step += 1
+        self._train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["timing/train_step"].append(self._train_step_time)
+            self._train_step_time = 0.0
+        return loss
+
+    # ------------------------------------------------------------------------------------------------------
+    # metrics
+    # ------------------------------------------------------------------------------------------------------
+    def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]).float(), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _log_loss_metrics(self, out, mask, inputs) -> None:
+        m = self._metrics["train"]
+        mask = mask.float()
+        if out.per_token_kl is not None:
+            m["kl"].append(self._global_masked_mean(out.per_token_kl.detach(), mask))
+        low, high = out.is_low_clipped.float(), out.is_high_clipped.float()
+        m["clip_ratio/low_mean"].append(self._global_masked_mean(low, mask))
+        m["clip_ratio/high_mean"].append(self._global_masked_mean(high, mask))
+        m["clip_ratio/region_mean"].append(self._global_masked_mean(torch.maximum(low, high), mask))
+        staleness = (self._round - 1 - inputs["weights_round"]).float()  # [B] rounds
+        stats = self.accelerator.gather(staleness)
+        m["async/staleness"].append(stats.mean().item())
+        m["async/staleness_max"].append(stats.max().item())
+        m["async/staleness_min"].append(stats.min().item())
+        steps = self.accelerator.gather((self.state.global_step - inputs["policy_version"]).float())
+        m["async/staleness_steps"].append(steps.mean().item())
+
+    def _log_round_metrics(self, payload: dict, wait_time: float) -> None:
+        m = self._metrics["train"]
+        for k, v in payload["metrics"].items():
+            m[k].append(v)
+        m["timing/generation"].append(payload["generation_time"])
+        m["timing/wait_generation"].append(wait_time)
+        if self.generator is not None:
+            m["async/pending"].append(float(self.generator.get_pending_count()))
+            m["async/completed"].append(float(self.generator.get_completed_count()))
+        self._last_samples = payload.get("samples")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
+        if mode == "eval":
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+        for key in ("async/staleness_max", "async/pending"):
+            if self._metrics[mode].get(key):
+                metrics[key] = max(self._metrics[mode][key])
+        if self._metrics[mode].get("async/staleness_min"):
+            metrics["async/staleness_min"] = min(self._metrics[mode]["async/staleness_min"])
+        logs = {**logs, **{k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}}
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+        if self.args.log_completions and self.accelerator.is_main_process and getattr(self, "_last_samples", None):
+            self._print_completions(self._last_samples)
+
+    def _print_completions(self, samples: dict) -> None:
+        n = min(self.args.num_completions_to_print, len(samples["prompt"]))
+        try:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=f"completions @ step {self.state.global_step}", show_lines=True)
+            for col in ("prompt", "completion", "reward", "advantage"):
+                table.add_column(col)
+            for i in range(n):
+                table.add_row(str(samples["prompt"][i])[-80:], repr(samples["completion"][i])[:80],
+                              f"{samples['reward'][i]:.3f}", f"{samples['advantage'][i]:.3f}")
+            Console().print(table)
+        except ImportError:  # pragma: no cover
+            for i in range(n):
+                print(samples["prompt"][i], "→", samples["completion"][i], samples["reward"][i])
+
+    # ------------------------------------------------------------------------------------------------------
+    # lifecycle
+    # ------------------------------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_generator()
+
+    def close_generator(self) -> None:
+        """Stop the generator thread (rounds still queued are abandoned); the backend stays for a later train()."""
+        if self.generator is not None:
+            self.generator.stop()
+            self.generator = None
+        self._submitted.clear()
+        self._buffered_inputs = None
+        self._staged = None

@@ -1,0 +1,435 @@
+"""Transports that carry weight buckets from the trainer into vLLM.
+
+| name | target | data path | control |
+|---|---|---|---|
+| `ColocateTransport` | a `vllm.LLM` in this process | tensors passed by reference | direct `collective_rpc` |
+| `BroadcastTransport` (`"broadcast"`) | a `grpo-async serve` server, local or remote | a dedicated process group (gloo on CPU, NCCL on GPU), one flat uint8 broadcast per bucket and dtype | JSON `POST /ws/update` |
+| `ShmTransport` (`"shm"`) | a server on this machine (CPU) | one POSIX shared-memory segment per bucket and dtype | JSON `POST /ws/update` |
+| `CudaIpcTransport` (`"cuda_ipc"`) | a server on this machine (GPU) | CUDA IPC handle of the packed bucket, sent as JSON | JSON `POST /ws/update` |
+
+Every transport takes `bucket_mb`: a size threshold (modules never split, see `buckets.py`) or `None` for the
+per-tensor mode kept for the benchmark (one request, and one broadcast, per tensor). Nothing is ever pickled: the
+control messages are JSON layouts, the data are raw bytes. After a sync the server resets its prefix cache (a
+repeated prompt would otherwise be served from KV computed with the old weights).
+
+Broadcast timeline (the HTTP call blocks until the worker has received everything, so it runs in a thread):
+
+```
+trainer main thread            trainer http thread              server worker
+pack b0                        POST /ws/update {layouts}  ───▶  begin reload; post recv b0, b1
+broadcast b0 ─────────────────────────────────────────────────▶ recv b0  → load_weights(b0)
+pack b1 (while b0 flies)                                        recv b1  → load_weights(b1)
+broadcast b1 ─────────────────────────────────────────────────▶ finalize (always), reset prefix cache
+join http thread  ◀──────────── {"tensors": n, ...}  ◀──────────
+```
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+
+from grpo_async.weight_sync.buckets import NamedTensors, BucketPlan, pack_bucket, plan_buckets
+
+logger = logging.getLogger("grpo_async.weight_sync")
+
+Groups = Iterable[tuple[str, NamedTensors]]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error, or did not answer in time."""
+
+
+class ServerClient:
+    """JSON-over-HTTP client for one `grpo-async serve` server (also used by `VLLMServerBackend`).
+
+    Args:
+        url (`str`): base URL, e.g. `"http://127.0.0.1:8000"`.
+        api_key (`str`, *optional*): sent as `Authorization: Bearer <key>` on every request.
+        timeout (`float`, *optional*, defaults to 120): seconds any single request may take.
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0):
+        import requests
+        from requests.adapters import HTTPAdapter
+
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"server url must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout = float(timeout)
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(pool_connections=4, pool_maxsize=64))
+        self.session.headers["Content-Type"] = "application/json"
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        import requests
+
+        t = self.timeout if timeout is None else timeout
+        try:
+            r = self.session.request(
+                method, self.url + path, data=None if body is None else json.dumps(body), timeout=(min(t, 10.0), t)
+            )
+        except requests.RequestException as e:
+            raise ServerError(f"{method} {self.url}{path} failed: {type(e).__name__}: {e}") from e
+        if r.status_code >= 400:
+            raise ServerError(f"{method} {self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else None
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body: dict, timeout: float | None = None) -> Any:
+        return self.request("POST", path, body, timeout=timeout)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class _Call(threading.Thread):
+    """Run one blocking HTTP call in a named thread; `result()` re-raises its error."""
+
+    def __init__(self, fn, name: str):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+
+    def run(self):
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in result()
+            self.error = e
+
+    def result(self, timeout: float):
+        self.join(timeout)
+        if self.is_alive():
+            raise ServerError(f"{self.name}: no answer within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class WeightTransport(ABC):
+    """Carries buckets to one target. `push` is called by the generator thread between rounds.
+
+    Args:
+        bucket_mb (`float` or `None`, *optional*, defaults to 64): bucket threshold in MiB; `None` = per-tensor.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, bucket_mb: float | None = 64.0):
+        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number of MiB or None (per-tensor), got {bucket_mb!r}")
+        self.bucket_mb = bucket_mb
+
+    @abstractmethod
+    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+        """Send `(module, [(hf_name, tensor), ...])` groups; return the receiver's summary.
+
+        `digests=True` asks the receiver for sha256 of every tensor as received; `load=False` moves the bytes without
+        loading them (benchmark of the transport alone).
+        """
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- colocate (in-process)
+class ColocateTransport(WeightTransport):
+    """Load into a `vllm.LLM` living in this process (engine in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+
+    Each bucket is one `load_weights` call inside one layerwise-reload session; tensors are passed by reference.
+    """
+
+    name = "colocate"
+
+    def __init__(self, llm, bucket_mb: float | None = 64.0):
+        super().__init__(bucket_mb)
+        self.llm = llm
+
+    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+        if not load:
+            raise ValueError("ColocateTransport moves no bytes; load=False is meaningless here")
+        buckets = [p.tensors for p in plan_buckets(groups, self.bucket_mb)]
+        out = self.llm.collective_rpc(
+            "ws_load_tensors", kwargs={"buckets": buckets, "version": version, "digests": digests}
+        )[0]
+        self.llm.reset_prefix_cache()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- server transports
+class _ServerTransport(WeightTransport):
+    """Common driver: one `/ws/update` request per session, or per tensor in per-tensor mode."""
+
+    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, timeout: float | None = None):
+        super().__init__(bucket_mb)
+        self.client = client
+        self.timeout = client.timeout if timeout is None else float(timeout)
+
+    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+        plans = plan_buckets(groups, self.bucket_mb)
+        if self.bucket_mb is not None or len(plans) <= 1:
+            return self._session(plans, {"version": version, "digests": digests, "load": load})
+        # Per-tensor mode: one request per tensor inside one reload session.
+        total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}}
+        done = False
+        try:
+            for i, plan in enumerate(plans):
+                extra = {"begin": i == 0, "end": i == len(plans) - 1, "digests": digests, "load": load}
+                if i == len(plans) - 1:
+                    extra["version"] = version
+                out = self._session([plan], extra)
+                for k in ("tensors", "bytes", "buckets"):
+                    total[k] += out[k]
+                total["digests"].update(out.get("digests", {}))
+                total["version"] = out.get("version")
+            done = True
+        finally:
+            if not done:  # make sure the server finalizes an interrupted session
+                try:
+                    self.client.post("/ws/update", {"transport": self.name, "buckets": [], "begin": False,
+                                                    **self._empty_extra()}, timeout=self.timeout)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("could not close the interrupted reload session on %s: %s", self.client.url, e)
+        if not digests:
+            total.pop("digests")
+        return total
+
+    def _empty_extra(self) -> dict:
+        return {"segments": []} if self.name == "shm" else ({"handles": []} if self.name == "cuda_ipc" else {})
+
+    @abstractmethod
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict: ...
+
+
+class BroadcastTransport(_ServerTransport):
+    """Broadcast packed buckets over a dedicated process group to every worker of one server.
+
+    Args:
+        client (`ServerClient`): the server.
+        bucket_mb (`float` or `None`, *optional*, defaults to 64): bucket threshold; `None` = per-tensor.
+        master_address (`str`, *optional*, defaults to `"127.0.0.1"`): address of this (trainer) process that the
+            server's workers can reach; the trainer hosts the `TCPStore`.
+        backend (`str`, *optional*): `"gloo"` (CPU tensors) or `"nccl"` (CUDA tensors); default by `device`.
+        device (`str`, *optional*, defaults to `"cpu"`): where the trainer packs buckets.
+        group_timeout (`float`, *optional*, defaults to 60): process-group timeout in seconds (a blocked receive
+            stalls the server's engine loop, so keep it short).
+    """
+
+    name = "broadcast"
+
+    def __init__(
+        self,
+        client: ServerClient,
+        bucket_mb: float | None = 64.0,
+        *,
+        master_address: str = "127.0.0.1",
+        backend: str | None = None,
+        device: str | torch.device = "cpu",
+        group_timeout: float = 60.0,
+        timeout: float | None = None,
+    ):
+        super().__init__(client, bucket_mb, timeout)
+        self.device = torch.device(device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        self.master_address = master_address
+        self.group_timeout = float(group_timeout)
+        self.pg = None
+        self.store = None
+        self._connect()
+
+    def _connect(self) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        info = self.client.get("/ws/info", timeout=self.timeout)
+        world = 1 + int(info["world_size"])
+        port = free_port(self.master_address if self.master_address != "0.0.0.0" else "127.0.0.1")
+        timeout = timedelta(seconds=self.group_timeout)
+        self.store = TCPStore(self.master_address, port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        group_name = f"grpo_async_ws_{port}"
+        body = {"host": self.master_address, "port": port, "world_size": world, "group_name": group_name,
+                "timeout_s": self.group_timeout}
+        call = _Call(lambda: self.client.post("/ws/init_broadcast", body, timeout=self.timeout), "ws-init-broadcast")
+        call.start()
+        prefixed = PrefixStore(group_name, self.store)
+        if self.backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            self.pg = ProcessGroupNCCL(prefixed, 0, world, ProcessGroupNCCL.Options())
+        else:
+            from torch.distributed import ProcessGroupGloo
+
+            self.pg = ProcessGroupGloo(prefixed, 0, world, timeout)
+        call.result(self.timeout)
+        self.world_size = world
+
+    def _broadcast(self, bufs: dict[str, torch.Tensor]):
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        return [self.pg.broadcast([b], opts) for b in bufs.values()]
+
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        body = {"transport": "broadcast", "buckets": [p.layout for p in plans], **extra}
+        call = _Call(lambda: self.client.post("/ws/update", body, timeout=self.timeout), "ws-update-broadcast")
+        call.start()
+        inflight = None
+        try:
+            for plan in plans:
+                _, bufs = pack_bucket(plan.tensors, device=self.device)  # packs while the previous bucket flies
+                if inflight is not None:
+                    for w in inflight[0]:
+                        w.wait()
+                inflight = (self._broadcast(bufs), bufs)
+            if inflight is not None:
+                for w in inflight[0]:
+                    w.wait()
+        except BaseException:
+            try:
+                call.result(self.timeout)
+            except BaseException as server_error:  # noqa: BLE001 - the server's error explains ours
+                raise server_error
+            raise
+        return call.result(self.timeout)
+
+    def close(self) -> None:
+        if self.pg is None:
+            return
+        try:
+            self.client.post("/ws/close_broadcast", {}, timeout=min(self.timeout, 10.0))
+        except Exception as e:  # noqa: BLE001 - server may be gone
+            logger.info("close_broadcast on %s: %s", self.client.url, e)
+        try:
+            if hasattr(self.pg, "shutdown"):
+                self.pg.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        self.pg = self.store = None
+
+
+class ShmTransport(_ServerTransport):
+    """Pack each bucket straight into a POSIX shared-memory segment; the server maps it (same machine only)."""
+
+    name = "shm"
+
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        from multiprocessing import shared_memory
+
+        segments, names = [], []
+        try:
+            for plan in plans:
+                seg_names = {}
+                out = {}
+                for dt, nbytes in plan.layout["buffers"].items():
+                    shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
+                    segments.append(shm)
+                    seg_names[dt] = shm.name.lstrip("/")
+                    out[dt] = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else None
+                pack_bucket(plan.tensors, out={k: v for k, v in out.items() if v is not None})
+                del out
+                names.append(seg_names)
+            body = {"transport": "shm", "buckets": [p.layout for p in plans], "segments": names, **extra}
+            return self.client.post("/ws/update", body, timeout=self.timeout)
+        finally:
+            for shm in segments:
+                try:
+                    shm.close()
+                finally:
+                    shm.unlink()
+
+
+def encode_cuda_ipc(buf: torch.Tensor) -> dict:
+    """JSON-able CUDA IPC handle of a contiguous uint8 CUDA tensor (no pickle: bytes as base64)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buf)
+    (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_h, ref_off, ev_h, ev_sync) = args
+
+    def b64(x):
+        return None if x is None else base64.b64encode(x).decode()
+
+    return {"size": list(size), "stride": list(stride), "offset": offset, "device": device, "handle": b64(handle),
+            "size_bytes": size_bytes, "offset_bytes": offset_bytes, "ref_handle": b64(ref_h), "ref_offset": ref_off,
+            "event_handle": b64(ev_h), "event_sync": bool(ev_sync)}
+
+
+def decode_cuda_ipc(obj: dict, device: torch.device) -> torch.Tensor:
+    """Open a handle made by `encode_cuda_ipc` on `device` (the receiver's GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    def unb64(x):
+        return None if x is None else base64.b64decode(x)
+
+    return rebuild_cuda_tensor(
+        torch.Tensor, tuple(obj["size"]), tuple(obj["stride"]), int(obj["offset"]), torch.storage.UntypedStorage,
+        torch.uint8, device.index if device.index is not None else int(obj["device"]), unb64(obj["handle"]),
+        int(obj["size_bytes"]), int(obj["offset_bytes"]), False, unb64(obj["ref_handle"]), int(obj["ref_offset"]),
+        unb64(obj["event_handle"]), bool(obj["event_sync"]),
+    )
+
+
+class CudaIpcTransport(_ServerTransport):
+    """Pack buckets on the trainer's GPU and hand the server CUDA IPC handles (same machine, GPU only)."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, *, device="cuda", timeout=None):
+        super().__init__(client, bucket_mb, timeout)
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaIpcTransport needs a CUDA device, got {device!r}; use 'shm' on CPU")
+
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        keep, handles = [], []
+        for plan in plans:
+            _, bufs = pack_bucket(plan.tensors, device=self.device)
+            keep.append(bufs)
+            handles.append({dt: encode_cuda_ipc(b) for dt, b in bufs.items()})
+        torch.cuda.synchronize(self.device)
+        body = {"transport": "cuda_ipc", "buckets": [p.layout for p in plans], "handles": handles, **extra}
+        out = self.client.post("/ws/update", body, timeout=self.timeout)
+        del keep
+        return out
+
+
+#: name → transport class for a server target.
+TRANSPORTS: dict[str, type[_ServerTransport]] = {
+    "broadcast": BroadcastTransport,
+    "shm": ShmTransport,
+    "cuda_ipc": CudaIpcTransport,
+}
+
+
+def make_transport(name: str, client: ServerClient, bucket_mb: float | None = 64.0, **kwargs) -> _ServerTransport:
+    """Build the server transport registered under `name` (`"broadcast"`, `"shm"`, `"cuda_ipc"`)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {name!r}; choose one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name](client, bucket_mb, **kwargs)
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
