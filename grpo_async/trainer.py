@@ -32,6 +32,7 @@ from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
 from .generation.base import SamplingConfig
+from .logging_utils import MetricsJsonlCallback
 from .rewards import prepare_reward_funcs, score_completions
 from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest
 from .rollout.distribute import pad, process_slice, select_rows, shuffle_rows, split_rows, trim_padding
@@ -139,6 +140,7 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        self.add_callback(MetricsJsonlCallback())
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)

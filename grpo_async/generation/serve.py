@@ -216,6 +216,7 @@ async def _serve(args) -> None:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         add_weight_routes(app)
+        app.middleware_stack = None  # vLLM's bootstrap may have built it; ours must wrap everything
         app.add_middleware(GuardMiddleware, api_keys=[k for k in (args.api_key or []) if k])  # outermost
         await init_app_state(engine_client, app.state, args, supported_tasks)
         kwargs = {}

@@ -1,0 +1,154 @@
+"""Advantages and losses: hand-worked values, and TRL 1.16's own `_compute_loss` on identical inputs."""
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+from grpo_async import compute_advantages
+from grpo_async.algo.advantages import combine_rewards
+from grpo_async.algo.loss import LossContext, grpo_loss, k3_kl
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def test_group_advantages_hand_worked():
+    # groups [1, 0] and [1, 1]: means 0.5 and 1; unbiased stds sqrt(0.5)=0.70711 and 0
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "group")
+    s = math.sqrt(0.5) + 1e-4
+    torch.testing.assert_close(adv, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]))
+
+
+def test_batch_and_none_scaling_hand_worked():
+    r = torch.tensor([1.0, 0.0, 3.0, 1.0])  # group means 0.5, 2 → centred [0.5, -0.5, 1, -1]
+    torch.testing.assert_close(compute_advantages(r, 2, "none"), torch.tensor([0.5, -0.5, 1.0, -1.0]))
+    batch_std = torch.tensor([1.0, 0.0, 3.0, 1.0]).std().item()  # unbiased: sqrt(11/4 / 3 * 4 / 4)...
+    expected = torch.tensor([0.5, -0.5, 1.0, -1.0]) / (batch_std + 1e-4)
+    torch.testing.assert_close(compute_advantages(r, 2, "batch"), expected)
+
+
+def test_nan_rewards_get_zero_advantage_and_are_left_out_of_the_group():
+    # group [nan, 1, 3]: mean over {1, 3} = 2, std = sqrt(2)
+    adv = compute_advantages(torch.tensor([float("nan"), 1.0, 3.0]), 3, "group")
+    s = math.sqrt(2) + 1e-4
+    torch.testing.assert_close(adv, torch.tensor([0.0, -1 / s, 1 / s]))
+
+
+def test_combine_rewards_keeps_unscorable_rows_nan():
+    table = torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")], [0.5, 2.0]])
+    out = combine_rewards(table, torch.tensor([1.0, 0.5]))
+    assert out[0].item() == 1.0 and math.isnan(out[1].item()) and out[2].item() == 1.5
+
+
+def test_advantages_reject_bad_input():
+    with pytest.raises(ValueError, match="not a multiple of num_generations=3"):
+        compute_advantages(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        compute_advantages(torch.zeros(4), 2, "std")
+
+
+# ---------------------------------------------------------------------------------------------- loss, by hand
+def test_clipped_surrogate_hand_worked():
+    # one token, A = +1, ratio e^{0.5} = 1.6487 > 1 + 0.2 → clipped to 1.2 → loss -1.2
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    old = torch.tensor([[-0.5]])
+    out = grpo_loss(logp, torch.tensor([1.0]), torch.ones(1, 1), loss_type="bnpo", old_per_token_logps=old)
+    assert out.loss.item() == pytest.approx(-1.2)
+    assert out.is_high_clipped.item() and not out.is_low_clipped.item()
+    out.loss.backward()
+    assert logp.grad.item() == 0.0  # clipped: no gradient
+    # A = -1: min(-1.6487, -1.2) = -1.6487 → loss +1.6487 (the pessimistic side is not clipped)
+    out = grpo_loss(logp.detach(), torch.tensor([-1.0]), torch.ones(1, 1), loss_type="bnpo", old_per_token_logps=old)
+    assert out.loss.item() == pytest.approx(math.exp(0.5))
+
+
+def test_reductions_hand_worked():
+    # per-token loss with ratio 1: -A. Row 0: A=1, 2 tokens; row 1: A=-2, 1 token (mask).
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    ctx = LossContext(grad_accum_steps=2, max_completion_length=4, num_items_in_batch=6, num_processes=1,
+                      steps_per_generation=2)
+    # grpo: seq means [-1, 2] → mean 0.5 → /GA 0.25
+    assert grpo_loss(logp, adv, mask, loss_type="grpo", ctx=ctx).loss.item() == pytest.approx(0.25)
+    # bnpo: (-1 -1 +2) / 3 tokens = 0 → 0
+    assert grpo_loss(logp, adv, mask, loss_type="bnpo", ctx=ctx).loss.item() == pytest.approx(0.0)
+    # dr_grpo: sum 0 / (2·4) → 0; use A=[1, 1]: sum -3 / 8 / 2 = -0.1875
+    assert grpo_loss(logp, torch.ones(2), mask, loss_type="dr_grpo", ctx=ctx).loss.item() == pytest.approx(-0.1875)
+    # dapo: sum -3 / (6 / 1 · 2 / 2) = -0.5
+    assert grpo_loss(logp, torch.ones(2), mask, loss_type="dapo", ctx=ctx).loss.item() == pytest.approx(-0.5)
+
+
+def test_k3_kl_hand_worked():
+    # d = ref - logp = log 2 → e^d - d - 1 = 2 - 0.693147 - 1 = 0.306853
+    kl = k3_kl(torch.tensor([[0.0]]), torch.tensor([[math.log(2)]]))
+    assert kl.item() == pytest.approx(0.306853, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- TRL parity
+def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_len):
+    """Run TRL 1.16's own GRPOTrainer._compute_loss; only its model forward and collectives are stood in for."""
+    fake = SimpleNamespace(
+        top_entropy_quantile=1.0,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        beta=beta,
+        importance_sampling_level="token",
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        current_gradient_accumulation_steps=ga,
+        max_completion_length=max_len,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        model=SimpleNamespace(training=True),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=spg),
+        # single process: reduce/gather are the identity
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+    )
+    return TRLGRPOTrainer._compute_loss(fake, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("with_old", [False, True])
+def test_loss_matches_trl(loss_type, beta, with_old):
+    g = torch.Generator().manual_seed(0)
+    B, T, ga, spg, max_len = 4, 6, 2, 4, 8
+    logps = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64) if with_old else None
+    ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 4:] = 0
+    mask[2, 1:] = 0
+    n_items = torch.tensor(37.0, dtype=torch.float64)
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": n_items,
+    }
+    ctx = LossContext(grad_accum_steps=ga, max_completion_length=max_len, num_items_in_batch=n_items,
+                      num_processes=1, steps_per_generation=spg)
+    ours = grpo_loss(logps, adv, mask, loss_type=loss_type, old_per_token_logps=old, ref_per_token_logps=ref,
+                     beta=beta, epsilon_low=0.2, epsilon_high=0.28, ctx=ctx)
+    theirs = _trl_loss(loss_type, logps, inputs, beta, 0.2, 0.28, ga, spg, max_len)
+    torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=0)
+
+    # per-token: with bnpo and a one-token mask, TRL's reduced loss is that token's loss / GA
+    for i in range(B):
+        for t in range(T):
+            one = torch.zeros(B, T, dtype=torch.long)
+            one[i, t] = 1
+            theirs_t = _trl_loss("bnpo", logps, {**inputs, "completion_mask": one}, beta, 0.2, 0.28, ga, spg, max_len)
+            torch.testing.assert_close(ours.per_token_loss[i, t] / ga, theirs_t, atol=1e-6, rtol=0)

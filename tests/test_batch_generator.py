@@ -1,0 +1,99 @@
+import threading
+import time
+
+import pytest
+
+from grpo_async import AsyncBatchGenerator, BatchRequest
+
+
+def test_results_in_submission_order_and_counters():
+    gen = AsyncBatchGenerator(lambda r: [p * 2 for p in r.prompts], max_queue_size=3, generation_timeout=10).start()
+    try:
+        for i in range(3):
+            gen.submit_batch(BatchRequest(i, [i, i + 1]))
+        assert gen.get_batch(1).processed_results == [2, 4]  # out-of-order fetch is fine
+        assert gen.get_batch(0).processed_results == [0, 2]
+        r = gen.get_batch(2)
+        assert r.batch_id == 2 and r.error is None and r.generation_time >= 0
+        assert gen.get_pending_count() == 0 and gen.get_completed_count() == 0
+        assert gen.get_average_generation_time() >= 0
+    finally:
+        gen.stop()
+    assert not gen.is_running()
+
+
+def test_generate_fn_error_is_raised_chained_by_get_batch():
+    def boom(request):
+        raise ValueError("bad prompt 7")
+
+    gen = AsyncBatchGenerator(boom, generation_timeout=10).start()
+    try:
+        gen.submit_batch(BatchRequest(0, ["x"]))
+        with pytest.raises(RuntimeError, match="Async generation failed: batch 0: ValueError: bad prompt 7") as ei:
+            gen.get_batch(0)
+        assert isinstance(ei.value.__cause__, ValueError)
+    finally:
+        gen.stop()
+
+
+def test_slow_generation_times_out_instead_of_hanging():
+    release = threading.Event()
+    gen = AsyncBatchGenerator(lambda r: release.wait(5), generation_timeout=10).start()
+    try:
+        gen.submit_batch(BatchRequest(0, ["x"]))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="batch 0 not ready after 0.3s"):
+            gen.get_batch(0, timeout=0.3)
+        assert time.monotonic() - start < 3
+    finally:
+        release.set()
+        gen.stop()
+
+
+def test_full_queue_refuses_instead_of_dropping():
+    release = threading.Event()
+    gen = AsyncBatchGenerator(lambda r: release.wait(5), max_queue_size=2, generation_timeout=10).start()
+    try:
+        gen.submit_batch(BatchRequest(0, ["a"]))
+        gen.submit_batch(BatchRequest(1, ["b"]))
+        with pytest.raises(TimeoutError, match="queue full.*the request was not queued"):
+            gen.submit_batch(BatchRequest(2, ["c"]), timeout=0.2)
+        release.set()
+        assert gen.get_batch(0).processed_results is True
+        gen.submit_batch(BatchRequest(2, ["c"]))  # room again: accepted
+        assert gen.get_batch(1).batch_id == 1 and gen.get_batch(2).batch_id == 2
+    finally:
+        release.set()
+        gen.stop()
+
+
+def test_misuse_is_reported():
+    gen = AsyncBatchGenerator(lambda r: None, generation_timeout=5)
+    with pytest.raises(RuntimeError, match="before start"):
+        gen.submit_batch(BatchRequest(0, []))
+    gen.start()
+    try:
+        with pytest.raises(KeyError, match="never submitted"):
+            gen.get_batch(42)
+        gen.submit_batch(BatchRequest(0, []))
+        with pytest.raises(ValueError, match="already submitted"):
+            gen.submit_batch(BatchRequest(0, []))
+    finally:
+        gen.stop()
+    with pytest.raises(ValueError, match="generation_timeout"):
+        AsyncBatchGenerator(lambda r: None, generation_timeout=float("inf"))
+    with pytest.raises(ValueError, match="max_queue_size"):
+        AsyncBatchGenerator(lambda r: None, max_queue_size=0)
+
+
+def test_dead_thread_is_reported_not_waited_on():
+    gen = AsyncBatchGenerator(lambda r: None, generation_timeout=30).start()
+    gen.submit_batch(BatchRequest(0, []))
+    gen.get_batch(0)
+    gen._fatal = SystemError("thread killed")  # fault injection: a real thread cannot be killed on demand
+    gen.submit_batch(BatchRequest(1, []))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="died"):
+        gen.get_batch(1) if gen.get_completed_count() == 0 else gen.check_health()
+    assert time.monotonic() - start < 5
+    gen.stop()
