@@ -160,6 +160,7 @@ class GRPOTrainer(Trainer):
         self._staged: tuple[int, dict] | None = None  # (policy version, state dict) on main
         self._staged_round = 0
         self._train_step_time = 0.0
+        self._wait_in_step = 0.0  # part of the current training_step spent waiting for a round
         self._async_loader: AsyncDataLoaderWrapper | None = None
         self.generator: AsyncBatchGenerator | None = None
         self.backend = None
@@ -304,6 +305,7 @@ class GRPOTrainer(Trainer):
                 err = e
                 payload = {"__error__": f"{type(e).__name__}: {e}"}
         wait_time = time.perf_counter() - wait_start
+        self._wait_in_step += wait_time
         payload = broadcast_object_list([payload], from_process=0)[0]
         if err is not None:
             raise err
@@ -489,9 +491,10 @@ class GRPOTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
+        self._wait_in_step = 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._step += 1
-        self._train_step_time += time.perf_counter() - start
+        self._train_step_time += time.perf_counter() - start - self._wait_in_step  # compute only, waits excluded
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["timing/train_step"].append(self._train_step_time)
             self._train_step_time = 0.0

@@ -1,0 +1,149 @@
+"""End-to-end training on the tiny model (HF generate backend), single process."""
+
+import threading
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.demo_task import letter_reward, make_dataset
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+class Recorder(GRPOTrainer):
+    """Records every micro-batch handed to compute_loss (observation only, nothing replaced)."""
+
+    def compute_loss(self, model, inputs, *a, **k):
+        self.seen = getattr(self, "seen", [])
+        self.seen.append({k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                          for k2, v in inputs.items()})
+        return super().compute_loss(model, inputs, *a, **k)
+
+
+def _changed(before, model):
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, num_batches_ahead=ahead),
+                 train_dataset=make_dataset(64))
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.train()
+    changed = _changed(before, t.model)
+    assert len(changed) == len(before), f"unchanged: {set(before) - changed}"
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert len(logs) == 3
+    for key in ("reward", "reward_std", "rewards/letter_reward/mean", "completions/mean_length", "clip_ratio/region_mean",
+                "timing/generation", "timing/train_step", "async/pending", "async/completed", "async/staleness"):
+        assert key in logs[-1], key
+    # staleness never exceeds num_batches_ahead rounds, and reaches it once the pipeline is primed
+    stale = [h["async/staleness_max"] for h in logs]
+    assert max(stale) == min(ahead, 2) and all(s <= ahead for s in stale)
+    # attention mask and loss mask are separate tensors
+    b = t.seen[0]
+    assert b["loss_mask"].data_ptr() != b["completion_mask"].data_ptr()
+    assert t.generator is None  # thread stopped after train()
+
+
+def test_synchronous_mode_is_on_policy(tiny_model_path, tmp_path):
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, num_batches_ahead=0),
+                 train_dataset=make_dataset(64))
+    t.train()
+    # each round generated from the weights of the step it is trained at
+    assert all(int(b["policy_version"][0]) == i // 2 for i, b in enumerate(t.seen))
+
+
+def test_round_reuse_old_logps_and_reference(tiny_model_path, tmp_path):
+    # μ = 2: rounds are reused, old logps are computed; β > 0: reference logps and KL
+    args = _args(tmp_path, num_iterations=2, beta=0.1, max_steps=4, num_batches_ahead=1)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert "old_logps" in t.seen[0] and "ref_logps" in t.seen[0]
+    # generation every GA·μ = 4 micro-steps; epoch order a b | a b
+    rounds = [int(b["round_id"][0]) for b in t.seen]
+    assert rounds == [0] * 4 + [1] * 4
+    rows = [sorted(b["row_index"].tolist()) for b in t.seen[:4]]
+    assert rows[0] == rows[2] and rows[1] == rows[3] and rows[0] != rows[1]
+    assert sorted(rows[0] + rows[1]) == list(range(16))
+    assert any("kl" in h for h in t.state.log_history)
+
+
+def test_conversational_and_peft(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    args = _args(tmp_path, beta=0.05, max_steps=2)
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64),
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora_before = {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_B" in n}
+    t.train()
+    assert any(not torch.equal(p, dict(t.model.named_parameters())[n]) for n, p in lora_before.items())
+    assert t.ref_model is None  # adapter-disabled base is the reference
+
+
+def test_generator_error_reaches_the_trainer_within_seconds(tiny_model_path, tmp_path):
+    calls = []
+
+    def flaky_reward(prompts, completions, completion_ids, **kw):
+        calls.append(1)
+        if len(calls) >= 2:
+            raise ZeroDivisionError("scoring service down")
+        return [0.0] * len(completions)
+
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=flaky_reward, args=_args(tmp_path, max_steps=10),
+                    train_dataset=make_dataset(64))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="flaky_reward.*scoring service down"):
+        t.train()
+    assert time.monotonic() - start < 30
+    assert not any(th.name == "grpo-async-generator" for th in threading.enumerate())
+
+
+def test_bad_input_errors_at_construction(tiny_model_path, tmp_path):
+    args = _args(tmp_path)
+    with pytest.raises(ValueError, match="needs a 'prompt' column"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args,
+                    train_dataset=Dataset.from_dict({"question": ["a"] * 8}))
+    with pytest.raises(ValueError, match="has 3 prompts but one generation round needs 4"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(3))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.pad_token = None
+    with pytest.raises(ValueError, match="no pad token"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64),
+                    processing_class=tok)
+    with pytest.raises(TypeError, match=r"reward_funcs\[0\] is a str"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs="accuracy", args=args, train_dataset=make_dataset(64))
+    with pytest.raises(ValueError, match="reward_weights has 2 values for 1"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, reward_weights=[1.0, 2.0]),
+                    train_dataset=make_dataset(64))
+
+
+def test_reward_function_wrong_length_is_named(tiny_model_path, tmp_path):
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=short, args=_args(tmp_path), train_dataset=make_dataset(64))
+    with pytest.raises(RuntimeError, match="reward function 'short' returned 1 values for 16 completions"):
+        t.train()
