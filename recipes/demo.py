@@ -25,7 +25,7 @@ def main(argv=None):
     p.add_argument("--learning_rate", type=float, default=3e-3)
     a = p.parse_args(argv)
 
-    model_dir = build_tiny_model(os.path.join(a.output_dir, "tiny-model"), TinyModelSpec(hidden_size=64))
+    model_dir = build_tiny_model(os.path.join(a.output_dir, "tiny-model"), TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4))
     metrics = os.path.join(a.output_dir, METRICS_FILE)
     if os.path.exists(metrics):
         os.remove(metrics)

@@ -152,3 +152,37 @@ def test_loss_matches_trl(loss_type, beta, with_old):
             one[i, t] = 1
             theirs_t = _trl_loss("bnpo", logps, {**inputs, "completion_mask": one}, beta, 0.2, 0.28, ga, spg, max_len)
             torch.testing.assert_close(ours.per_token_loss[i, t] / ga, theirs_t, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_a_real_trl_trainer(tiny_model_path, tmp_path, scale):
+    """TRL 1.16's GRPOTrainer computes advantages for rewards we choose (Nones included); ours must agree."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+
+    given = []
+
+    def reward(prompts, completions, **kw):
+        g = torch.Generator().manual_seed(len(given))
+        vals = torch.randint(0, 4, (len(completions),), generator=g).float().tolist()
+        vals = [None if i % 7 == 3 else v for i, v in enumerate(vals)]  # some unscorable completions
+        given.append(vals)
+        return vals
+
+    captured = []
+
+    class Capture(TRLGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            captured.append(out["advantages"].detach().clone())
+            return out
+
+    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+                     num_generations=4, max_completion_length=4, max_steps=2, scale_rewards=scale,
+                     logging_steps=1, save_strategy="no", disable_tqdm=True)
+    ds = Dataset.from_dict({"prompt": [f"Say {c}" for c in "abcdefgh"]})
+    Capture(model=tiny_model_path, reward_funcs=reward, args=args, train_dataset=ds).train()
+    assert len(captured) == 2
+    for vals, trl_adv in zip(given, captured, strict=True):
+        r = torch.tensor([float("nan") if v is None else v for v in vals])
+        torch.testing.assert_close(compute_advantages(r, 4, scale), trl_adv, atol=1e-6, rtol=0)
