@@ -44,6 +44,8 @@ import os
 import secrets
 import sys
 
+from fastapi import HTTPException, Request
+
 WORKER_EXTENSION = "grpo_async.generation.vllm_worker.WeightSyncWorker"
 
 #: vLLM dev-mode routes that must never be reachable through `grpo-async serve`.
@@ -108,10 +110,8 @@ class GuardMiddleware:
         return await self.app(scope, receive, send)
 
 
-async def _json_body(request) -> dict:
+async def _json_body(request: Request) -> dict:
     """Parse a weight-endpoint body; refuse anything but a JSON object (pickles in particular)."""
-    from fastapi import HTTPException
-
     raw = await request.body()
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if raw[:1] == b"\x80" or ctype in ("application/python-pickle", "application/x-pickle"):
@@ -129,8 +129,6 @@ async def _json_body(request) -> dict:
 
 def add_weight_routes(app) -> None:
     """Register `/ws/*` on a vLLM FastAPI app (engine client read from `app.state.engine_client` per request)."""
-    from fastapi import HTTPException, Request
-
     from grpo_async.generation.vllm_worker import validate_update_request
 
     lock = asyncio.Lock()
@@ -223,6 +221,13 @@ async def _serve(args) -> None:
         log_config = get_uvicorn_log_config(args)
         if log_config is not None:
             kwargs["log_config"] = log_config
+
+        async def announce():  # serve_http blocks until shutdown: print from a side task once uvicorn is up
+            while not getattr(getattr(app.state, "server", None), "started", False):
+                await asyncio.sleep(0.05)
+            print(f"grpo-async serve: ready at {listen_address}", flush=True)
+
+        announcer = asyncio.get_running_loop().create_task(announce())
         shutdown_task = await serve_http(
             app,
             sock=sock,
@@ -241,11 +246,7 @@ async def _serve(args) -> None:
             h11_max_header_count=args.h11_max_header_count,
             **kwargs,
         )
-        server = app.state.server
-        while not getattr(server, "started", False) and not shutdown_task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            print(f"grpo-async serve: ready at {listen_address}", flush=True)
+        announcer.cancel()
     try:
         await shutdown_task
     finally:

@@ -1,0 +1,129 @@
+"""Start and stop `grpo-async serve` processes (tests, benchmark, recipes that launch their own servers).
+
+Each server runs in its own session (process group), so `stop()` / `kill()` take down the API process together with
+vLLM's engine-core and worker children: no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from grpo_async.weight_sync.transports import free_port
+
+#: environment every CPU server gets unless the caller overrides it.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass
+class ServerProcess:
+    """A running `grpo-async serve`: `url`, `api_key`, the `Popen` and its log file."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+    api_key: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (simulates a crash)."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after `timeout` seconds."""
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)  # children (engine core, worker) may outlive the API process
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the server's own session: pgid == its pid
+        except ProcessLookupError:
+            pass
+
+
+def launch_server(
+    model: str,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    log_path: str | None = None,
+    wait: bool = True,
+    ready_timeout: float = 240.0,
+) -> ServerProcess:
+    """Start `python -m grpo_async.generation.serve --model MODEL ...` and (by default) wait for its ready line.
+
+    Args:
+        model (`str`): model folder.
+        port (`int`, *optional*): defaults to a free port.
+        api_key (`str`, *optional*): passed as `--api-key`.
+        extra_args (`list[str]`, *optional*): more `vllm serve` flags, e.g. `["--dtype", "float32"]`.
+        env (`dict`, *optional*): extra environment (on top of `os.environ` and `CPU_ENV`).
+        log_path (`str`, *optional*): where stdout+stderr go; defaults to a temp file.
+        wait (`bool`, *optional*, defaults to `True`): block until ready (call `wait_ready` yourself otherwise).
+        ready_timeout (`float`, *optional*, defaults to 240): seconds to wait; the process is killed on timeout.
+    """
+    import tempfile
+
+    port = port or free_port(host)
+    args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--host", host, "--port", str(port)]
+    if api_key:
+        args += ["--api-key", api_key]
+    args += list(extra_args)
+    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    full_env.pop("VLLM_SERVER_DEV_MODE", None)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")
+        os.close(fd)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    server = ServerProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_path, api_key=api_key, args=args)
+    if wait:
+        wait_ready(server, ready_timeout)
+    return server
+
+
+def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
+    """Block until the server printed its ready line and answers `/health`; kill it and raise otherwise."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive:
+            raise RuntimeError(f"grpo-async serve exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(server.url + "/health", headers=headers, timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise TimeoutError(f"grpo-async serve at {server.url} not healthy after {timeout:.0f} s:\n{server.log_tail()}")
