@@ -36,8 +36,8 @@ demo: install
 	$(PY) recipes/demo.py
 
 lint: install
-	$(VENV)/bin/ruff check grpo_async tests bench recipes
-	$(VENV)/bin/ruff format --check grpo_async tests bench recipes
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 format: install
 	$(VENV)/bin/ruff format grpo_async tests bench recipes

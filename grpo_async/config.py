@@ -51,8 +51,10 @@ class GRPOConfig(TrainingArguments):
     # ---- data --------------------------------------------------------------------------------------------
     max_prompt_length: int | None = field(
         default=512,
-        metadata={"help": "Prompts longer than this (in tokens) are truncated from the left, or rejected (see "
-                          "`prompt_truncation`). `None` keeps them whole."},
+        metadata={
+            "help": "Prompts longer than this (in tokens) are truncated from the left, or rejected (see "
+            "`prompt_truncation`). `None` keeps them whole."
+        },
     )
     prompt_truncation: str = field(
         default="left", metadata={"help": "'left': keep the last tokens and count it; 'error': raise."}

@@ -20,9 +20,7 @@ def make_dataset(num_prompts: int = 2048, seed: int = 0, conversational: bool = 
 
     rng = random.Random(seed)
     letters = [rng.choice(LETTERS) for _ in range(num_prompts)]
-    prompts = [
-        [{"role": "user", "content": f"Say {c}"}] if conversational else f"Say {c}:" for c in letters
-    ]
+    prompts = [[{"role": "user", "content": f"Say {c}"}] if conversational else f"Say {c}:" for c in letters]
     return Dataset.from_dict({"prompt": prompts, "letter": letters})
 
 
@@ -41,5 +39,7 @@ def letter_reward(prompts, completions, completion_ids, letter, **kwargs) -> lis
 
 def ends_cleanly(prompts, completions, completion_ids, **kwargs) -> list[float]:
     """0.1 when the completion is non-empty and its last token is not a content character (it stopped on EOS)."""
-    return [0.1 if _text(c) and len(ids) > len(_text(c)) else 0.0 for c, ids in zip(completions, completion_ids,
-                                                                                      strict=True)]
+    return [
+        0.1 if _text(c) and len(ids) > len(_text(c)) else 0.0
+        for c, ids in zip(completions, completion_ids, strict=True)
+    ]

@@ -148,7 +148,9 @@ class GRPOTrainer(Trainer):
         G = args.num_generations
         self.num_generations = G
         self.generate_every = args.steps_per_generation * args.num_iterations
-        self.compute_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        self.compute_old_logps = (
+            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        )
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step = 0  # training_step calls
         self._epoch_seen = None
@@ -317,8 +319,9 @@ class GRPOTrainer(Trainer):
 
         # keep this process's rows only
         total = payload["advantages"].size(0)
-        local = select_rows(payload["rows"], process_slice(total, self.accelerator.num_processes,
-                                                          self.accelerator.process_index))
+        local = select_rows(
+            payload["rows"], process_slice(total, self.accelerator.num_processes, self.accelerator.process_index)
+        )
         local["num_items_in_batch"] = payload["num_items_in_batch"]
         local = self._add_logps(local)
         local = shuffle_rows(local)
@@ -452,8 +455,12 @@ class GRPOTrainer(Trainer):
             "advantages": advantages,
             "num_items_in_batch": loss_mask.sum().item(),
             "metrics": metrics,
-            "samples": {"prompt": prompts_rep, "completion": texts, "reward": rewards.tolist(),
-                        "advantage": advantages.tolist()},
+            "samples": {
+                "prompt": prompts_rep,
+                "completion": texts,
+                "reward": rewards.tolist(),
+                "advantage": advantages.tolist(),
+            },
         }
 
     # ------------------------------------------------------------------------------------------------------
@@ -561,8 +568,12 @@ class GRPOTrainer(Trainer):
             for col in ("prompt", "completion", "reward", "advantage"):
                 table.add_column(col)
             for i in range(n):
-                table.add_row(str(samples["prompt"][i])[-80:], repr(samples["completion"][i])[:80],
-                              f"{samples['reward'][i]:.3f}", f"{samples['advantage'][i]:.3f}")
+                table.add_row(
+                    str(samples["prompt"][i])[-80:],
+                    repr(samples["completion"][i])[:80],
+                    f"{samples['reward'][i]:.3f}",
+                    f"{samples['advantage'][i]:.3f}",
+                )
             Console().print(table)
         except ImportError:  # pragma: no cover
             for i in range(n):

@@ -10,6 +10,9 @@ import argparse
 import os
 import time
 
+import torch
+from accelerate import PartialState
+
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics
@@ -22,16 +25,20 @@ def main(argv=None):
     p.add_argument("--max_steps", type=int, default=150)
     p.add_argument("--backend", default=os.environ.get("DEMO_BACKEND", "hf"), help="hf | vllm")
     p.add_argument("--num_batches_ahead", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--learning_rate", type=float, default=2e-3)
     a = p.parse_args(argv)
 
-    model_dir = build_tiny_model(os.path.join(a.output_dir, "tiny-model"), TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4))
+    with PartialState().main_process_first():  # one process writes the model folder, the others wait
+        model_dir = build_tiny_model(
+            os.path.join(a.output_dir, "tiny-model"),
+            TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4),
+        )
     metrics = os.path.join(a.output_dir, METRICS_FILE)
-    if os.path.exists(metrics):
+    if os.path.exists(metrics) and PartialState().is_main_process:
         os.remove(metrics)
     args = GRPOConfig(
         output_dir=a.output_dir,
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=32,
         gradient_accumulation_steps=1,
         num_generations=8,
@@ -59,6 +66,8 @@ def main(argv=None):
     )
     start = time.time()
     trainer.train()
+    if not trainer.accelerator.is_main_process:
+        return
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
     png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="grpo_async demo: letter task")
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -69,4 +78,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -69,8 +69,9 @@ def test_reductions_hand_worked():
     logp = torch.zeros(2, 3)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     adv = torch.tensor([1.0, -2.0])
-    ctx = LossContext(grad_accum_steps=2, max_completion_length=4, num_items_in_batch=6, num_processes=1,
-                      steps_per_generation=2)
+    ctx = LossContext(
+        grad_accum_steps=2, max_completion_length=4, num_items_in_batch=6, num_processes=1, steps_per_generation=2
+    )
     # grpo: seq means [-1, 2] → mean 0.5 → /GA 0.25
     assert grpo_loss(logp, adv, mask, loss_type="grpo", ctx=ctx).loss.item() == pytest.approx(0.25)
     # bnpo: (-1 -1 +2) / 3 tokens = 0 → 0
@@ -138,10 +139,25 @@ def test_loss_matches_trl(loss_type, beta, with_old):
         "ref_per_token_logps": ref,
         "num_items_in_batch": n_items,
     }
-    ctx = LossContext(grad_accum_steps=ga, max_completion_length=max_len, num_items_in_batch=n_items,
-                      num_processes=1, steps_per_generation=spg)
-    ours = grpo_loss(logps, adv, mask, loss_type=loss_type, old_per_token_logps=old, ref_per_token_logps=ref,
-                     beta=beta, epsilon_low=0.2, epsilon_high=0.28, ctx=ctx)
+    ctx = LossContext(
+        grad_accum_steps=ga,
+        max_completion_length=max_len,
+        num_items_in_batch=n_items,
+        num_processes=1,
+        steps_per_generation=spg,
+    )
+    ours = grpo_loss(
+        logps,
+        adv,
+        mask,
+        loss_type=loss_type,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        ctx=ctx,
+    )
     theirs = _trl_loss(loss_type, logps, inputs, beta, 0.2, 0.28, ga, spg, max_len)
     torch.testing.assert_close(ours.loss, theirs, atol=1e-6, rtol=0)
 
@@ -177,9 +193,19 @@ def test_advantages_match_a_real_trl_trainer(tiny_model_path, tmp_path, scale):
             captured.append(out["advantages"].detach().clone())
             return out
 
-    args = TRLConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
-                     num_generations=4, max_completion_length=4, max_steps=2, scale_rewards=scale,
-                     logging_steps=1, save_strategy="no", disable_tqdm=True)
+    args = TRLConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        scale_rewards=scale,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     ds = Dataset.from_dict({"prompt": [f"Say {c}" for c in "abcdefgh"]})
     Capture(model=tiny_model_path, reward_funcs=reward, args=args, train_dataset=ds).train()
     assert len(captured) == 2

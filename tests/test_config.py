@@ -4,8 +4,13 @@ import pytest
 
 from grpo_async import GRPOConfig
 
-BASE = dict(output_dir="/tmp/grpo-async-config-test", use_cpu=True, report_to=[], per_device_train_batch_size=4,
-            num_generations=4)
+BASE = dict(
+    output_dir="/tmp/grpo-async-config-test",
+    use_cpu=True,
+    report_to=[],
+    per_device_train_batch_size=4,
+    num_generations=4,
+)
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,20 @@ HERE = os.path.dirname(__file__)
 
 def launch(script_args, out_dir, timeout=420):
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        os.path.join(HERE, "mp_train.py"), *script_args,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        os.path.join(HERE, "mp_train.py"),
+        *script_args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -37,8 +37,9 @@ class Recorder(GRPOTrainer):
 
     def compute_loss(self, model, inputs, *a, **k):
         self.seen = getattr(self, "seen", [])
-        self.seen.append({k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                          for k2, v in inputs.items()})
+        self.seen.append(
+            {k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k2, v in inputs.items()}
+        )
         return super().compute_loss(model, inputs, *a, **k)
 
 
@@ -48,16 +49,30 @@ def _changed(before, model):
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, num_batches_ahead=ahead),
-                 train_dataset=make_dataset(64))
+    t = Recorder(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=_args(tmp_path, num_batches_ahead=ahead),
+        train_dataset=make_dataset(64),
+    )
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     t.train()
     changed = _changed(before, t.model)
     assert len(changed) == len(before), f"unchanged: {set(before) - changed}"
     logs = [h for h in t.state.log_history if "reward" in h]
     assert len(logs) == 3
-    for key in ("reward", "reward_std", "rewards/letter_reward/mean", "completions/mean_length", "clip_ratio/region_mean",
-                "timing/generation", "timing/train_step", "async/pending", "async/completed", "async/staleness"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/letter_reward/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+        "timing/generation",
+        "timing/train_step",
+        "async/pending",
+        "async/completed",
+        "async/staleness",
+    ):
         assert key in logs[-1], key
     # staleness never exceeds num_batches_ahead rounds, and reaches it once the pipeline is primed
     stale = [h["async/staleness_max"] for h in logs]
@@ -69,8 +84,12 @@ def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
 
 
 def test_synchronous_mode_is_on_policy(tiny_model_path, tmp_path):
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, num_batches_ahead=0),
-                 train_dataset=make_dataset(64))
+    t = Recorder(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=_args(tmp_path, num_batches_ahead=0),
+        train_dataset=make_dataset(64),
+    )
     t.train()
     # each round generated from the weights of the step it is trained at
     assert all(int(b["policy_version"][0]) == i // 2 for i, b in enumerate(t.seen))
@@ -95,8 +114,13 @@ def test_conversational_and_peft(tiny_model_path, tmp_path):
     from peft import LoraConfig
 
     args = _args(tmp_path, beta=0.05, max_steps=2)
-    t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64),
-                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    t = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=make_dataset(64),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     lora_before = {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_B" in n}
     t.train()
     assert any(not torch.equal(p, dict(t.model.named_parameters())[n]) for n, p in lora_before.items())
@@ -112,8 +136,12 @@ def test_generator_error_reaches_the_trainer_within_seconds(tiny_model_path, tmp
             raise ZeroDivisionError("scoring service down")
         return [0.0] * len(completions)
 
-    t = GRPOTrainer(model=tiny_model_path, reward_funcs=flaky_reward, args=_args(tmp_path, max_steps=10),
-                    train_dataset=make_dataset(64))
+    t = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=flaky_reward,
+        args=_args(tmp_path, max_steps=10),
+        train_dataset=make_dataset(64),
+    )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="flaky_reward.*scoring service down"):
         t.train()
@@ -124,20 +152,33 @@ def test_generator_error_reaches_the_trainer_within_seconds(tiny_model_path, tmp
 def test_bad_input_errors_at_construction(tiny_model_path, tmp_path):
     args = _args(tmp_path)
     with pytest.raises(ValueError, match="needs a 'prompt' column"):
-        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args,
-                    train_dataset=Dataset.from_dict({"question": ["a"] * 8}))
+        GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"question": ["a"] * 8}),
+        )
     with pytest.raises(ValueError, match="has 3 prompts but one generation round needs 4"):
         GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(3))
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.pad_token = None
     with pytest.raises(ValueError, match="no pad token"):
-        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64),
-                    processing_class=tok)
+        GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=args,
+            train_dataset=make_dataset(64),
+            processing_class=tok,
+        )
     with pytest.raises(TypeError, match=r"reward_funcs\[0\] is a str"):
         GRPOTrainer(model=tiny_model_path, reward_funcs="accuracy", args=args, train_dataset=make_dataset(64))
     with pytest.raises(ValueError, match="reward_weights has 2 values for 1"):
-        GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=_args(tmp_path, reward_weights=[1.0, 2.0]),
-                    train_dataset=make_dataset(64))
+        GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=_args(tmp_path, reward_weights=[1.0, 2.0]),
+            train_dataset=make_dataset(64),
+        )
 
 
 def test_reward_function_wrong_length_is_named(tiny_model_path, tmp_path):

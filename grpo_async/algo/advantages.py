@@ -31,9 +31,7 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return rewards
 
 
-def compute_advantages(
-    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
-) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """Group-relative advantages.
 
     Args:
@@ -63,7 +61,11 @@ def compute_advantages(
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)  # [B]
     advantages = rewards - mean  # [B]
     if scale_rewards == "group":
-        std = nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1 else torch.zeros_like(rewards)
+        std = (
+            nanstd(grouped, dim=1).repeat_interleave(num_generations)
+            if num_generations > 1
+            else torch.zeros_like(rewards)
+        )
         advantages = advantages / (std + 1e-4)
     elif scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)

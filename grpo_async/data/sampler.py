@@ -43,8 +43,11 @@ class RepeatSampler(Sampler):
         shuffle: bool = True,
         seed: int | None = None,
     ):
-        for name, value in (("mini_repeat_count", mini_repeat_count), ("batch_size", batch_size),
-                            ("repeat_count", repeat_count)):
+        for name, value in (
+            ("mini_repeat_count", mini_repeat_count),
+            ("batch_size", batch_size),
+            ("repeat_count", repeat_count),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RepeatSampler: {name} must be a positive int, got {value!r}")
         self.data_source = data_source

@@ -83,9 +83,7 @@ class HFBackend:
         )
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
-        gen = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
-        )
+        gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
         seqs = gen.sequences[:, P:].cpu()  # [b*n, T]
         # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
         logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in gen.scores], dim=1).cpu()  # [b*n,T,V]

@@ -53,7 +53,7 @@ def score_completions(
     results: list = [None] * len(funcs)
     coros = {}
     for i, (f, name) in enumerate(zip(funcs, names, strict=True)):
-        if inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None)):
+        if inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__):
             coros[i] = f(**kwargs)
             continue
         try:
@@ -81,5 +81,7 @@ def score_completions(
             try:
                 table[j, i] = float(v)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"reward function {name!r} returned {v!r} at index {j}; expected a number or None") from e
+                raise ValueError(
+                    f"reward function {name!r} returned {v!r} at index {j}; expected a number or None"
+                ) from e
     return table

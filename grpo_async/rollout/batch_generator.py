@@ -111,8 +111,9 @@ class AsyncBatchGenerator:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("[%s] still running after %.1fs; it is a daemon and will not block exit", self.name,
-                               timeout)
+                logger.warning(
+                    "[%s] still running after %.1fs; it is a daemon and will not block exit", self.name, timeout
+                )
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
