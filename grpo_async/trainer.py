@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -166,6 +167,7 @@ class GRPOTrainer(Trainer):
         self._async_loader: AsyncDataLoaderWrapper | None = None
         self.generator: AsyncBatchGenerator | None = None
         self.backend = None
+        self._backend_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------------
     # construction-time checks
@@ -350,9 +352,7 @@ class GRPOTrainer(Trainer):
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
-            raise NotImplementedError(
-                "GRPOTrainer.evaluate is not available yet: eval-time generation lands with the eval step"
-            )
+            raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
         loader = self._async_loader
         if loader is not None and loader.epoch != self._epoch_seen:
             self._epoch_seen, self._epoch_call = loader.epoch, 0
@@ -374,18 +374,27 @@ class GRPOTrainer(Trainer):
             raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         return tok(prompt)["input_ids"]
 
-    def _generate_round(self, request: BatchRequest) -> dict[str, Any]:
-        """Runs in the generator thread: weights → generate → rewards → advantages → padded tensors."""
-        args, G = self.args, self.num_generations
-        version, state = request.metadata["weights"]
-        if getattr(self.backend, "version", None) != version:
-            self.backend.update_weights(state, version)
-        rows = request.inputs
-        for g in range(0, len(rows), G):
-            if any(rows[g + i]["prompt"] != rows[g]["prompt"] for i in range(G)):
-                raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
-        prompt_ids, truncated = [], 0
-        for p in request.prompts:
+    def _score(self, rows: list[dict], completions) -> torch.Tensor:
+        """Decode completions (chat-formatted for chat prompts) and call the reward functions. Returns `[R, F]`."""
+        completion_ids = [c.completion_ids for c in completions]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        for c, t in zip(completions, texts):
+            c.text = t
+        prompts = [r["prompt"] for r in rows]
+        formatted = [
+            [{"role": "assistant", "content": t}] if _is_conversational(p) else t
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        return score_completions(
+            self.reward_funcs, self.reward_func_names, prompts, formatted, completion_ids, columns
+        )
+
+    def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], int]:
+        """Token ids of each prompt, left-truncated to `max_prompt_length` (counted) or refused, as configured."""
+        args = self.args
+        out, truncated = [], 0
+        for p in prompts:
             ids = self._tokenize_prompt(p)
             if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:
                 if args.prompt_truncation == "error":
@@ -393,24 +402,38 @@ class GRPOTrainer(Trainer):
                         f"a prompt has {len(ids)} tokens > max_prompt_length={args.max_prompt_length}: {p!r:.200}"
                     )
                 ids, truncated = ids[-args.max_prompt_length :], truncated + 1
-            prompt_ids.append(ids)
+            out.append(ids)
+        return out, truncated
+
+    def _generate_with(self, prompt_ids: list[list[int]], weights: tuple[int, dict], n: int | None = None):
+        """Load `weights` into the backend if it holds another version, then generate; atomic w.r.t. other callers
+        (the generator thread and evaluate), so a round always runs on the weights it asked for."""
+        version, state = weights
+        sampling = self._sampling_config()
+        if n is not None:
+            sampling.n = n
+        with self._backend_lock:
+            if getattr(self.backend, "version", None) != version:
+                self.backend.update_weights(state, version)
+            return self.backend.generate(prompt_ids, sampling)
+
+    def _generate_round(self, request: BatchRequest) -> dict[str, Any]:
+        """Runs in the generator thread: weights → generate → rewards → advantages → padded tensors."""
+        args, G = self.args, self.num_generations
+        version, state = request.metadata["weights"]
+        rows = request.inputs
+        for g in range(0, len(rows), G):
+            if any(rows[g + i]["prompt"] != rows[g]["prompt"] for i in range(G)):
+                raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
+        prompt_ids, truncated = self._tokenize_prompts(request.prompts)
         t0 = time.perf_counter()
-        completions = self.backend.generate(prompt_ids, self._sampling_config())
+        completions = self._generate_with(prompt_ids, (version, state))
         t_gen = time.perf_counter() - t0
 
         tok = self.processing_class
         completion_ids = [c.completion_ids for c in completions]
-        texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        prompts_rep = [r["prompt"] for r in rows]
-        completions_fmt = [
-            [{"role": "assistant", "content": t}] if _is_conversational(p) else t
-            for p, t in zip(prompts_rep, texts, strict=True)
-        ]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         t0 = time.perf_counter()
-        rewards_per_func = score_completions(
-            self.reward_funcs, self.reward_func_names, prompts_rep, completions_fmt, completion_ids, columns
-        )  # [R, F]
+        rewards_per_func = self._score(rows, completions)  # [R, F]
         t_reward = time.perf_counter() - t0
         rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [R]
         advantages = compute_advantages(rewards, G, args.scale_rewards)  # [R]
@@ -456,8 +479,8 @@ class GRPOTrainer(Trainer):
             "num_items_in_batch": loss_mask.sum().item(),
             "metrics": metrics,
             "samples": {
-                "prompt": prompts_rep,
-                "completion": texts,
+                "prompt": [r["prompt"] for r in rows],
+                "completion": [c.text for c in completions],
                 "reward": rewards.tolist(),
                 "advantage": advantages.tolist(),
             },
@@ -578,6 +601,61 @@ class GRPOTrainer(Trainer):
         except ImportError:  # pragma: no cover
             for i in range(n):
                 print(samples["prompt"][i], "→", samples["completion"][i], samples["reward"][i])
+
+    # ------------------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Generate G completions per eval prompt once with the current weights, score them, log the means.
+
+        Logs `<prefix>_reward`, `<prefix>_reward_std`, `<prefix>_rewards/<func>`, `<prefix>_completions/mean_length`.
+        Runs beside the training pipeline without touching its queue or its policy-version bookkeeping: the
+        generator thread reloads its own round's weights if evaluation left others in the backend.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (none was given to the trainer or to evaluate)")
+        if isinstance(dataset, dict):
+            out = {}
+            for name, ds in dataset.items():
+                out.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        start = time.perf_counter()
+        # every rank takes part in collecting the weights (ZeRO-3); the main process generates and scores
+        weights = (
+            -1 - self.state.global_step,  # a version no training round uses
+            collect_state_dict(self.accelerator.unwrap_model(self.model), self.accelerator.is_main_process),
+        )
+        metrics = None
+        if self.accelerator.is_main_process:
+            if self.backend is None:
+                self.backend = self._make_backend()
+            G = self.num_generations
+            chunk = max(1, self.args.generation_batch_size // G)
+            rewards_all, per_func_all, lengths = [], [], []
+            for lo in range(0, len(dataset), chunk):
+                rows = [dataset[i] for i in range(lo, min(lo + chunk, len(dataset)))]
+                prompt_ids, _ = self._tokenize_prompts([r["prompt"] for r in rows])
+                completions = self._generate_with(prompt_ids, weights, n=G)
+                rows_rep = [r for r in rows for _ in range(G)]
+                per_func = self._score(rows_rep, completions)  # [n·G, F]
+                per_func_all.append(per_func)
+                rewards_all.append(combine_rewards(per_func, self.reward_weights))
+                lengths += [len(c.completion_ids) for c in completions]
+            rewards, per_func = torch.cat(rewards_all), torch.cat(per_func_all)
+            metrics = {
+                "reward": torch.nanmean(rewards).item(),
+                "reward_std": nanstd(rewards).item(),
+                "completions/mean_length": sum(lengths) / len(lengths),
+                **{f"rewards/{n}": torch.nanmean(per_func[:, i]).item() for i, n in enumerate(self.reward_func_names)},
+                "runtime": time.perf_counter() - start,
+            }
+        metrics = broadcast_object_list([metrics], from_process=0)[0]
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        metrics["epoch"] = self.state.epoch
+        Trainer.log(self, metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # ------------------------------------------------------------------------------------------------------
     # lifecycle

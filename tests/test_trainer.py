@@ -188,3 +188,25 @@ def test_reward_function_wrong_length_is_named(tiny_model_path, tmp_path):
     t = GRPOTrainer(model=tiny_model_path, reward_funcs=short, args=_args(tmp_path), train_dataset=make_dataset(64))
     with pytest.raises(RuntimeError, match="reward function 'short' returned 1 values for 16 completions"):
         t.train()
+
+
+def test_evaluate_generates_once_and_leaves_training_alone(tiny_model_path, tmp_path):
+    args = _args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, num_batches_ahead=1)
+    t = Recorder(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=make_dataset(64),
+        eval_dataset=make_dataset(6, seed=1),
+    )
+    t.train()
+    evals = [h for h in t.state.log_history if "eval_reward" in h]
+    assert len(evals) == 2
+    for key in ("eval_reward", "eval_reward_std", "eval_rewards/letter_reward", "eval_completions/mean_length"):
+        assert key in evals[0]
+    # training rounds kept their own weights and bookkeeping: staleness still bounded by num_batches_ahead,
+    # and every trained round carries a training policy version (evaluation versions are negative)
+    assert all(int(b["policy_version"].min()) >= 0 for b in t.seen)
+    assert max(h.get("async/staleness_max", 0) for h in t.state.log_history) <= 1
+    m = t.evaluate()
+    assert m["eval_completions/mean_length"] > 0
