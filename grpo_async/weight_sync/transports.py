@@ -54,7 +54,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error, or did not answer in time."""
+    """A server answered with an error (`status` = HTTP code), or did not answer in time (`status` = None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerClient:
@@ -91,7 +95,7 @@ class ServerClient:
         except requests.RequestException as e:
             raise ServerError(f"{method} {self.url}{path} failed: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
-            raise ServerError(f"{method} {self.url}{path} → HTTP {r.status_code}: {r.text[:500]}")
+            raise ServerError(f"{method} {self.url}{path} → HTTP {r.status_code}: {r.text[:500]}", r.status_code)
         return r.json() if r.content else None
 
     def get(self, path: str, timeout: float | None = None) -> Any:

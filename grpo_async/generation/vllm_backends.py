@@ -1,0 +1,479 @@
+"""vLLM generation backends: in-process (colocate), `grpo-async serve` servers, and any OpenAI-compatible server.
+
+| backend | generation | weight sync |
+|---|---|---|
+| `VLLMColocateBackend(model_path)` | `vllm.LLM` in this process | in-process layerwise reload, module-grouped buckets |
+| `VLLMServerBackend(urls)` | `/v1/completions`, least-outstanding routing, failover | `"broadcast"` (gloo/NCCL), `"shm"` / `"cuda_ipc"` (same machine) |
+| `OpenAIRemoteBackend(base_url, model)` | `/v1/completions` | none, or `"checkpoint_dir"` (writes safetensors for the remote's operator) |
+
+Sampling means the same everywhere (`SamplingConfig`): `top_k = 0`, `top_p = 1`, `min_p = 0` are off, and every
+completion carries the sampler's logprob of each token under the distribution it sampled from (vLLM runs with
+`logprobs_mode="processed_logprobs"`: temperature and filters applied), comparable to the trainer's
+`log_softmax(logits / T)` when no filter is on.
+
+Routing over servers (`VLLMServerBackend`): each prompt (with its `n` samples) is one request, sent to the live server
+with the fewest outstanding requests. A server that fails to answer (connection error, timeout, 5xx) is taken out
+of rotation with a warning and the request is retried on another; only when none is left does `generate` raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from grpo_async.generation.base import Completion, SamplingConfig, check_completions
+from grpo_async.weight_sync.buckets import group_by_module
+from grpo_async.weight_sync.transports import ColocateTransport, ServerClient, ServerError, make_transport
+
+logger = logging.getLogger("grpo_async.vllm_backends")
+
+
+def validate_sampling(s: SamplingConfig) -> SamplingConfig:
+    """Raise `ValueError` naming the field of `SamplingConfig` that no backend can honour."""
+    if not (isinstance(s.n, int) and s.n >= 1):
+        raise ValueError(f"SamplingConfig.n must be an integer ≥ 1, got {s.n!r}")
+    if not (isinstance(s.max_tokens, int) and s.max_tokens >= 1):
+        raise ValueError(f"SamplingConfig.max_tokens must be an integer ≥ 1, got {s.max_tokens!r}")
+    if not s.temperature >= 0:
+        raise ValueError(f"SamplingConfig.temperature must be ≥ 0, got {s.temperature!r}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {s.top_p!r}")
+    if not (isinstance(s.top_k, int) and s.top_k >= 0):
+        raise ValueError(f"SamplingConfig.top_k must be an integer ≥ 0 (0 = off), got {s.top_k!r}")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError(f"SamplingConfig.min_p must be in [0, 1], got {s.min_p!r}")
+    if s.stop is not None and not (isinstance(s.stop, list) and all(isinstance(x, str) for x in s.stop)):
+        raise ValueError(f"SamplingConfig.stop must be a list of strings or None, got {s.stop!r}")
+    return s
+
+
+def _check_prompts(prompt_ids) -> None:
+    if not isinstance(prompt_ids, list) or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt_ids
+    ):
+        raise ValueError("prompt_ids must be a list of non-empty lists of token ids (int)")
+
+
+def to_vllm_sampling_params(s: SamplingConfig):
+    """`SamplingConfig` → `vllm.SamplingParams` with `logprobs=0` (the sampled token's logprob only)."""
+    from vllm import SamplingParams
+
+    validate_sampling(s)
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,  # vLLM: 0 = off
+        min_p=s.min_p,
+        stop=s.stop,
+        seed=s.seed,
+        logprobs=0,
+    )
+
+
+def to_completions_body(model: str, prompt: list[int], s: SamplingConfig) -> dict:
+    """`/v1/completions` body for one tokenized prompt; filters that are off are left out (portable)."""
+    validate_sampling(s)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "n": s.n,
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "logprobs": 0,
+        "return_token_ids": True,  # vLLM extension
+        "return_tokens_as_token_ids": True,  # fallback: tokens come back as "token_id:<id>"
+    }
+    if s.top_k > 0:
+        body["top_k"] = s.top_k
+    if s.min_p > 0:
+        body["min_p"] = s.min_p
+    if s.stop:
+        body["stop"] = s.stop
+    if s.seed is not None:
+        body["seed"] = s.seed
+    return body
+
+
+def parse_completions_response(resp: dict, n: int, where: str) -> list[Completion]:
+    """The `n` choices of one `/v1/completions` answer, in choice-index order."""
+    choices = sorted(resp.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise RuntimeError(f"{where} returned {len(choices)} choices for n={n}")
+    out = []
+    for c in choices:
+        lp = c.get("logprobs") or {}
+        ids = c.get("token_ids")
+        if ids is None:
+            toks = lp.get("tokens") or []
+            if not all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
+                raise RuntimeError(
+                    f"{where} returned no token ids (needs vLLM's return_token_ids or return_tokens_as_token_ids)"
+                )
+            ids = [int(t.split(":", 1)[1]) for t in toks]
+        logprobs = lp.get("token_logprobs")
+        if logprobs is None:
+            raise RuntimeError(f"{where} returned no logprobs (request had logprobs=0)")
+        finish = c.get("finish_reason") or "stop"
+        out.append(
+            Completion(
+                completion_ids=list(ids),
+                logprobs=[float(x) for x in logprobs],
+                finish_reason="length" if finish == "length" else "stop",
+                text=c.get("text"),
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- colocate
+class VLLMColocateBackend:
+    """A `vllm.LLM` in this process; weights loaded in place between rounds.
+
+    Needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here when unset; the engine runs in this process so tensors are
+    handed over by reference). On CPU also set `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, e.g. `1`). Note that
+    vLLM CPU pins this process's OpenMP threads and drops torch to one thread.
+
+    Args:
+        model_path (`str`): model folder (HF format).
+        dtype (`str`, *optional*, defaults to `"float32"`): vLLM weight dtype.
+        max_model_len (`int`, *optional*, defaults to 1024): prompt + completion tokens.
+        gpu_memory_utilization (`float`, *optional*, defaults to 0.3): share of GPU memory for vLLM (ignored on CPU).
+        seed (`int`, *optional*, defaults to 0): engine seed.
+        bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
+        enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
+        **llm_kwargs: passed to `vllm.LLM`.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.3,
+        seed: int = 0,
+        bucket_mb: float | None = 64.0,
+        enforce_eager: bool = True,
+        **llm_kwargs,
+    ):
+        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise ValueError(
+                "VLLMColocateBackend needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r})"
+            )
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="grpo_async.generation.vllm_worker.WeightSyncWorker",
+            **llm_kwargs,
+        )
+        self.transport = ColocateTransport(self.llm, bucket_mb)
+        self.version: int | None = None
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        _check_prompts(prompt_ids)
+        params = to_vllm_sampling_params(sampling)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        completions = []
+        for req in outputs:  # vLLM returns requests in submission order
+            for o in sorted(req.outputs, key=lambda o: o.index):
+                ids = list(o.token_ids)
+                lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs is not None else []
+                completions.append(
+                    Completion(
+                        completion_ids=ids,
+                        logprobs=lps,
+                        finish_reason="length" if o.finish_reason == "length" else "stop",
+                        text=o.text,
+                    )
+                )
+        return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.transport.push(group_by_module(state_dict), version)
+        self.version = version
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+
+# ---------------------------------------------------------------------------------------------- HTTP backends
+class _CompletionsRouter:
+    """Least-outstanding routing of `/v1/completions` requests over live servers, with failover."""
+
+    def __init__(self, clients: list[ServerClient], model: str | None, max_concurrency: int, name: str):
+        self.clients = list(clients)
+        self.live = list(clients)
+        self.outstanding = {c.url: 0 for c in clients}
+        self.served = {c.url: 0 for c in clients}
+        self.lock = threading.Lock()
+        self.name = name
+        self.model = model
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"{name}-http")
+
+    @property
+    def live_urls(self) -> list[str]:
+        with self.lock:
+            return [c.url for c in self.live]
+
+    def pick(self) -> ServerClient:
+        """The live server with the fewest outstanding requests (ties: first listed); counts the request."""
+        with self.lock:
+            if not self.live:
+                raise RuntimeError(
+                    f"{self.name}: no vLLM server left in rotation (all of {[c.url for c in self.clients]} "
+                    "stopped answering)"
+                )
+            client = min(self.live, key=lambda c: self.outstanding[c.url])
+            self.outstanding[client.url] += 1
+            return client
+
+    def done(self, client: ServerClient) -> None:
+        with self.lock:
+            self.outstanding[client.url] -= 1
+            self.served[client.url] += 1
+
+    def mark_dead(self, client: ServerClient, error: Exception) -> None:
+        with self.lock:
+            if client in self.live:
+                self.live.remove(client)
+                logger.warning(
+                    "%s: taking %s out of rotation (%s); %d server(s) left", self.name, client.url, error,
+                    len(self.live),
+                )
+
+    def _one(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+        body = None
+        while True:
+            client = self.pick()
+            try:
+                body = body or to_completions_body(self.model, prompt, sampling)
+                resp = client.post("/v1/completions", body)
+                return parse_completions_response(resp, sampling.n, client.url)
+            except ServerError as e:
+                if e.status is not None and e.status < 500:
+                    raise  # our request is wrong; another server would refuse it too
+                self.mark_dead(client, e)
+            finally:
+                self.done(client)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        _check_prompts(prompt_ids)
+        validate_sampling(sampling)
+        futures = [self.pool.submit(self._one, p, sampling) for p in prompt_ids]
+        out: list[Completion] = []
+        for f in futures:  # each request is bounded by the client timeout (and retried at most once per server)
+            out.extend(f.result())
+        return check_completions(out, len(prompt_ids), sampling.n, self.name)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
+
+
+def _model_name(client: ServerClient) -> str:
+    data = client.get("/v1/models").get("data") or []
+    if not data:
+        raise RuntimeError(f"{client.url}/v1/models lists no model")
+    return data[0]["id"]
+
+
+class VLLMServerBackend:
+    """Generate on one or more `grpo-async serve` servers; push weights to every live server.
+
+    Args:
+        urls (`list[str]`): server base URLs, e.g. `["http://127.0.0.1:8000"]`.
+        api_key (`str`, *optional*): the servers' `--api-key`.
+        timeout (`float`, *optional*, defaults to 120): seconds any request (generation or weight push) may take.
+        transport (`str`, *optional*, defaults to `"broadcast"`): `"broadcast"` (gloo on CPU / NCCL on GPU, works
+            for remote servers), `"shm"` (CPU, same machine) or `"cuda_ipc"` (GPU, same machine).
+        bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
+        model (`str`, *optional*): served model name; asked from `/v1/models` when omitted.
+        max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
+        master_address (`str`, *optional*, defaults to `"127.0.0.1"`): this process's address as the servers see it
+            (broadcast only: the trainer hosts the process group's store).
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        transport: str = "broadcast",
+        bucket_mb: float | None = 64.0,
+        model: str | None = None,
+        max_concurrency: int = 16,
+        master_address: str = "127.0.0.1",
+    ):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("VLLMServerBackend needs at least one server url")
+        if transport not in ("broadcast", "shm", "cuda_ipc"):
+            raise ValueError(f"transport must be 'broadcast', 'shm' or 'cuda_ipc', got {transport!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        clients = [ServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
+        live = []
+        for c in clients:
+            try:
+                c.get("/health", timeout=min(timeout, 10.0))
+                model = model or _model_name(c)
+                live.append(c)
+            except ServerError as e:
+                logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
+        if not live:
+            raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health")
+        self.router = _CompletionsRouter(live, model, max_concurrency, "VLLMServerBackend")
+        self.transport_name = transport
+        self.bucket_mb = bucket_mb
+        self.master_address = master_address
+        self.transports: dict[str, object] = {}
+        self.version: int | None = None
+
+    @property
+    def live_urls(self) -> list[str]:
+        return self.router.live_urls
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        return self.router.generate(prompt_ids, sampling)
+
+    def _transport(self, client: ServerClient, device: torch.device):
+        tr = self.transports.get(client.url)
+        if tr is None:
+            kwargs = {}
+            if self.transport_name == "broadcast":
+                kwargs = {"master_address": self.master_address, "device": device}
+            elif self.transport_name == "cuda_ipc":
+                kwargs = {"device": device}
+            tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)
+            self.transports[client.url] = tr
+        return tr
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Push `state_dict` to every live server (one after the other); a server that fails leaves the rotation."""
+        groups = group_by_module(state_dict)
+        first = next(iter(state_dict.values()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        for client in list(self.router.live):
+            try:
+                self._transport(client, device).push(groups, version)
+            except (ServerError, RuntimeError, OSError) as e:
+                self.router.mark_dead(client, e)
+                tr = self.transports.pop(client.url, None)
+                if tr is not None:
+                    tr.close()
+        if not self.router.live:
+            raise RuntimeError(f"VLLMServerBackend: no server left after pushing weights version {version}")
+        self.version = version
+
+    def close(self) -> None:
+        for tr in self.transports.values():
+            tr.close()
+        self.transports.clear()
+        self.router.close()
+
+
+class OpenAIRemoteBackend:
+    """Generation on any OpenAI-compatible `/v1/completions` server (vLLM, SGLang, TGI, a hosted API).
+
+    Remote engines cannot take IPC handles or join our process group: `weight_sync` is `None` (generation only;
+    `update_weights` raises) or `"checkpoint_dir"` (each update is written as `checkpoint_dir/version-<v>/
+    model.safetensors` plus `latest` pointing at it, for the remote's operator to reload).
+
+    Args:
+        base_url (`str`): e.g. `"http://host:8000"` or `"http://host:8000/v1"`.
+        model (`str`): model name sent with each request.
+        api_key (`str`, *optional*): bearer token.
+        weight_sync (`str`, *optional*): `None` or `"checkpoint_dir"`; `"broadcast"`, `"shm"`, `"cuda_ipc"` and any
+            other value raise `ValueError`.
+        checkpoint_dir (`str`, *optional*): required with `weight_sync="checkpoint_dir"`.
+        timeout (`float`, *optional*, defaults to 120): seconds per request.
+        max_concurrency (`int`, *optional*, defaults to 8): requests in flight.
+
+    Sampler logprobs are what the remote returns; only a vLLM started with `--logprobs-mode processed_logprobs`
+    returns temperature-scaled ones.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        weight_sync: str | None = None,
+        checkpoint_dir: str | None = None,
+        timeout: float = 120.0,
+        max_concurrency: int = 8,
+    ):
+        if weight_sync not in (None, "checkpoint_dir"):
+            raise ValueError(
+                f"OpenAIRemoteBackend cannot sync weights with {weight_sync!r}: a remote OpenAI-compatible engine "
+                "takes neither IPC handles (shm/cuda_ipc) nor a process-group broadcast. Use weight_sync=None "
+                "(generation only), weight_sync='checkpoint_dir', or VLLMServerBackend with a grpo-async serve server."
+            )
+        if weight_sync == "checkpoint_dir" and not checkpoint_dir:
+            raise ValueError("OpenAIRemoteBackend(weight_sync='checkpoint_dir') needs checkpoint_dir=<folder>")
+        if not model:
+            raise ValueError("OpenAIRemoteBackend needs the model name to send (model=...)")
+        base = base_url.rstrip("/")
+        base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.router = _CompletionsRouter(
+            [ServerClient(base, api_key=api_key, timeout=timeout)], model, max_concurrency, "OpenAIRemoteBackend"
+        )
+        self.weight_sync = weight_sync
+        self.checkpoint_dir = checkpoint_dir
+        self.version: int | None = None
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        return self.router.generate(prompt_ids, sampling)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        if self.weight_sync is None:
+            raise RuntimeError(
+                "OpenAIRemoteBackend(weight_sync=None) is generation-only and cannot receive weights; "
+                "use weight_sync='checkpoint_dir' or a VLLMServerBackend"
+            )
+        from safetensors.torch import save_file
+
+        folder = os.path.join(self.checkpoint_dir, f"version-{version}")
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, os.path.join(folder, "model.safetensors"))
+        tmp = os.path.join(self.checkpoint_dir, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"version-{version}\n")
+        os.replace(tmp, os.path.join(self.checkpoint_dir, "latest"))
+        self.version = version
+
+    def close(self) -> None:
+        self.router.close()
+
+
+#: name → backend class, for configs that pick a backend by name.
+BACKENDS = {
+    "vllm_colocate": VLLMColocateBackend,
+    "vllm_server": VLLMServerBackend,
+    "openai_remote": OpenAIRemoteBackend,
+}
