@@ -177,8 +177,14 @@ def add_weight_routes(app) -> None:
                 state["session_open"] = True
             try:
                 out = await eng.collective_rpc("ws_update", kwargs={"request": body})
+                errors = [o["error"] for o in out if "error" in o]
+                if errors:
+                    end = True  # the worker finalized the session before answering
+                    raise HTTPException(500, f"weight update failed in the worker: {errors[0]}")
+            except HTTPException:
+                raise
             except Exception as e:
-                end = True  # the worker finalized the session before raising
+                end = True
                 raise HTTPException(500, f"weight update failed in the worker: {type(e).__name__}: {e}") from e
             finally:
                 if end and state["session_open"]:

@@ -17,6 +17,8 @@ from grpo_async.weight_sync.transports import free_port
 
 #: environment every CPU server gets unless the caller overrides it.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+#: forced for servers: the API server needs its engine in a separate process even when the caller runs in-process.
+SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 @dataclass
@@ -97,7 +99,7 @@ def launch_server(
     if api_key:
         args += ["--api-key", api_key]
     args += list(extra_args)
-    full_env = {**os.environ, **CPU_ENV, **(env or {})}
+    full_env = {**CPU_ENV, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("VLLM_SERVER_DEV_MODE", None)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")

@@ -205,8 +205,17 @@ class WeightSyncWorker:
 
         Returns:
             `dict`: `{"tensors": int, "bytes": int, "version": int | None, "seconds": float}` plus
-            `"digests": {name: sha256}` of the tensors as received when `request["digests"]` is true.
+            `"digests": {name: sha256}` of the tensors as received when `request["digests"]` is true, or
+            `{"error": "<type>: <message>"}` when it failed (vLLM's RPC would hide the message; the open reload
+            session has been finalized either way).
         """
+        try:
+            return self._ws_update(request)
+        except Exception as e:  # noqa: BLE001 - reported to the HTTP caller
+            logger.exception("weight update failed")
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _ws_update(self, request: dict) -> dict:
         req = validate_update_request(request)
         t0 = time.perf_counter()
         begin, end, load = req.get("begin", True), req.get("end", True), req.get("load", True)
