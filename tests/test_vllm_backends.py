@@ -1,0 +1,221 @@
+"""vLLM generation backends against real engines: in-process LLM, two `grpo-async serve` servers on 127.0.0.1.
+
+Order matters at the end of this module: the last two tests kill the servers (one mid-run, then the other).
+"""
+
+import logging
+import math
+import pickle
+import threading
+import time
+
+import pytest
+import requests
+
+from grpo_async.generation.base import GenerationBackend, SamplingConfig
+from grpo_async.generation.vllm_backends import (
+    OpenAIRemoteBackend,
+    VLLMColocateBackend,
+    VLLMServerBackend,
+    _CompletionsRouter,
+    validate_sampling,
+)
+from grpo_async.weight_sync.transports import ServerClient
+
+from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, perturbed_state_dict, running_servers
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype="float32").eval()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path):
+    with running_servers(tiny_model_path, 2) as ss:
+        yield ss
+
+
+# ---------------------------------------------------------------------------------------------- pure checks
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 0), ("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
+     ("stop", "x")],
+)
+def test_sampling_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
+        validate_sampling(SamplingConfig(**{field: value}))
+
+
+def test_router_picks_least_outstanding_and_refuses_when_empty():
+    clients = [ServerClient(f"http://127.0.0.1:{p}") for p in (1, 2, 3)]
+    r = _CompletionsRouter(clients, "m", 1, "t")
+    r.outstanding.update({clients[0].url: 2, clients[1].url: 0, clients[2].url: 1})
+    assert r.pick() is clients[1]  # 0 outstanding → now 1; ties go to the first listed
+    assert r.pick() is clients[1]  # counts [2, 1, 1] → first of the two at 1
+    assert r.outstanding[clients[1].url] == 2
+    for c in clients:
+        r.mark_dead(c, RuntimeError("gone"))
+    with pytest.raises(RuntimeError, match="no vLLM server left"):
+        r.pick()
+    r.close()
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shm", "cuda_ipc", "nccl"])
+def test_remote_refuses_ipc_and_broadcast_sync(mode):
+    with pytest.raises(ValueError, match="cannot sync weights"):
+        OpenAIRemoteBackend("http://127.0.0.1:9", "m", weight_sync=mode)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        OpenAIRemoteBackend("http://127.0.0.1:9", "m", weight_sync="checkpoint_dir")
+
+
+# ---------------------------------------------------------------------------------------------- colocate
+def test_colocate_generate_shape_and_processed_logprobs(tiny_model_path, hf_model):
+    backend = VLLMColocateBackend(tiny_model_path, max_model_len=256)
+    try:
+        assert isinstance(backend, GenerationBackend)
+        s = SamplingConfig(n=3, max_tokens=6, temperature=0.7, seed=1)
+        out = backend.generate(PROMPTS, s)
+        assert len(out) == len(PROMPTS) * 3
+        for i, c in enumerate(out):
+            assert 1 <= len(c.completion_ids) <= 6 and len(c.logprobs) == len(c.completion_ids)
+            # temperature applied: logprobs are those of log_softmax(logits / 0.7), not of the raw logits
+            assert_matches_hf(hf_model, PROMPTS[i // 3], c.completion_ids, c.logprobs, temperature=0.7)
+        # top_k=1 means greedy on every backend: the greedy path, each token with probability 1
+        for prompt, c in zip(PROMPTS, backend.generate(PROMPTS, SamplingConfig(max_tokens=6, top_k=1))):
+            assert c.completion_ids == hf_greedy(hf_model, prompt, 6)
+            assert all(abs(lp) < 1e-5 for lp in c.logprobs)
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def test_api_key_guards_every_endpoint(servers):
+    url = servers[0].url
+    for method, path in [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("GET", "/ws/info"), ("POST", "/ws/update"), ("POST", "/ws/init_broadcast")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = requests.request(method, url + path, json={}, headers=headers, timeout=10)
+            assert r.status_code == 401, (method, path, headers, r.status_code)
+    ok = {"Authorization": f"Bearer {API_KEY}"}
+    assert requests.get(url + "/health", headers=ok, timeout=10).status_code == 200
+    for path in ("/collective_rpc", "/pause", "/reset_prefix_cache", "/sleep"):  # vLLM dev routes never exposed
+        assert requests.post(url + path, json={}, headers=ok, timeout=10).status_code == 404
+
+
+def test_weight_endpoint_refuses_pickled_payload(servers):
+    url = servers[0].url
+    payload = pickle.dumps({"transport": "shm", "buckets": [], "segments": []})
+    for ctype in ("application/octet-stream", "application/json", "application/python-pickle"):
+        r = requests.post(url + "/ws/update", data=payload, timeout=10,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": ctype})
+        assert r.status_code == 415 and "pickle" in r.text.lower(), (ctype, r.text)
+
+
+def test_server_backend_generate_matches_hf(servers, hf_model):
+    backend = VLLMServerBackend([servers[0].url], api_key=API_KEY, timeout=60)
+    try:
+        s = SamplingConfig(n=2, max_tokens=6, temperature=0.8, seed=3)
+        out = backend.generate(PROMPTS, s)
+        assert len(out) == len(PROMPTS) * 2
+        for i, c in enumerate(out):
+            assert_matches_hf(hf_model, PROMPTS[i // 2], c.completion_ids, c.logprobs, temperature=0.8)
+        for prompt, c in zip(PROMPTS, backend.generate(PROMPTS, SamplingConfig(max_tokens=6, top_k=1))):
+            assert c.completion_ids == hf_greedy(hf_model, prompt, 6)
+            assert all(abs(lp) < 1e-5 for lp in c.logprobs)
+        stopped = backend.generate([PROMPTS[0]], SamplingConfig(max_tokens=3, temperature=0.0))
+        assert stopped[0].finish_reason in ("length", "stop") and len(stopped[0].completion_ids) <= 3
+    finally:
+        backend.close()
+
+
+def test_openai_remote_backend_generates_and_checkpoint_sync(servers, tiny_model_path, tmp_path):
+    remote = OpenAIRemoteBackend(servers[0].url + "/v1", tiny_model_path, api_key=API_KEY)
+    try:
+        out = remote.generate(PROMPTS[:2], SamplingConfig(n=2, max_tokens=4))
+        assert len(out) == 4 and all(len(c.logprobs) == len(c.completion_ids) for c in out)
+        with pytest.raises(RuntimeError, match="generation-only"):
+            remote.update_weights({}, 1)
+    finally:
+        remote.close()
+    ckpt = OpenAIRemoteBackend(servers[0].url, tiny_model_path, api_key=API_KEY, weight_sync="checkpoint_dir",
+                               checkpoint_dir=str(tmp_path))
+    _, sd = perturbed_state_dict(tiny_model_path, 5)
+    ckpt.update_weights(sd, 7)
+    from safetensors.torch import load_file
+
+    assert (tmp_path / "latest").read_text().strip() == "version-7"
+    loaded = load_file(str(tmp_path / "version-7" / "model.safetensors"))
+    assert all(loaded[k].equal(v) for k, v in sd.items())
+    ckpt.close()
+
+
+def test_two_servers_share_load_and_both_receive_weights(servers, tiny_model_path):
+    urls = [s.url for s in servers]
+    backend = VLLMServerBackend(urls, api_key=API_KEY, timeout=60, max_concurrency=4)
+    try:
+        out = backend.generate(PROMPTS * 4, SamplingConfig(n=2, max_tokens=8))
+        assert len(out) == 24
+        served = backend.router.served
+        assert served[urls[0]] > 0 and served[urls[1]] > 0, served
+        hf_model, sd = perturbed_state_dict(tiny_model_path, 50)
+        backend.update_weights(sd, version=50)
+        for u in urls:
+            c = ServerClient(u, api_key=API_KEY)
+            assert c.get("/ws/info")["version"] == 50
+            body = {"model": tiny_model_path, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0,
+                    "return_token_ids": True}
+            assert c.post("/v1/completions", body)["choices"][0]["token_ids"] == hf_greedy(hf_model, PROMPTS[0], 6)
+    finally:
+        backend.close()
+
+
+def test_killing_one_of_two_servers_mid_run_is_survived(servers, caplog):
+    urls = [s.url for s in servers]
+    backend = VLLMServerBackend(urls, api_key=API_KEY, timeout=60, max_concurrency=4)
+    result = {}
+
+    def run():
+        try:
+            result["out"] = backend.generate(PROMPTS * 8, SamplingConfig(n=2, max_tokens=48))
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo_async.vllm_backends"):
+            t = threading.Thread(target=run)
+            t.start()
+            deadline = time.monotonic() + 60
+            while backend.router.served[urls[1]] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert backend.router.served[urls[1]] > 0
+            assert t.is_alive()  # the run is still going when the server dies
+            servers[1].kill()
+            t.join(timeout=180)
+            assert not t.is_alive()
+        assert "error" not in result, result.get("error")
+        assert len(result["out"]) == len(PROMPTS) * 8 * 2
+        assert backend.live_urls == [urls[0]]
+        assert any(urls[1] in r.getMessage() and "out of rotation" in r.getMessage() for r in caplog.records)
+    finally:
+        backend.close()
+
+
+def test_killing_the_only_server_gives_clear_error_within_timeout(servers):
+    timeout = 5.0
+    backend = VLLMServerBackend([servers[0].url], api_key=API_KEY, timeout=timeout)
+    try:
+        servers[0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="no vLLM server left"):
+            backend.generate(PROMPTS, SamplingConfig(max_tokens=4))
+        assert time.monotonic() - t0 < 3 * timeout
+        with pytest.raises(RuntimeError, match="no server left"):
+            backend.update_weights({"model.norm.weight": __import__("torch").ones(64)}, 99)
+    finally:
+        backend.close()
+    assert math.isfinite(timeout)
