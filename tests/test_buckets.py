@@ -142,14 +142,14 @@ def test_plan_buckets_counts_bytes():
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda l: l["buffers"].update({"complex64": 8}), "not supported"),
-        (lambda l: l["tensors"][0].update({"nbytes": 4}), "nbytes=4"),
-        (lambda l: l["tensors"][0].update({"offset": 4}), "overflow"),
-        (lambda l: l["tensors"][0].update({"offset": 2}), "multiple of 4"),
-        (lambda l: l["tensors"][0].update({"shape": [2, -1]}), "shape"),
-        (lambda l: l["tensors"][0].update({"dtype": "int8"}), "no buffer"),
-        (lambda l: l["tensors"][0].pop("name"), "exactly the keys"),
-        (lambda l: l.update({"extra": 1}), "exactly the keys"),
+        (lambda lay: lay["buffers"].update({"complex64": 8}), "not supported"),
+        (lambda lay: lay["tensors"][0].update({"nbytes": 4}), "nbytes=4"),
+        (lambda lay: lay["tensors"][0].update({"offset": 4}), "overflow"),
+        (lambda lay: lay["tensors"][0].update({"offset": 2}), "multiple of 4"),
+        (lambda lay: lay["tensors"][0].update({"shape": [2, -1]}), "shape"),
+        (lambda lay: lay["tensors"][0].update({"dtype": "int8"}), "no buffer"),
+        (lambda lay: lay["tensors"][0].pop("name"), "exactly the keys"),
+        (lambda lay: lay.update({"extra": 1}), "exactly the keys"),
     ],
 )
 def test_validate_layout_names_the_problem(mutate, match):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, perturbed_state_dict, running_servers
 
 from grpo_async.generation.base import GenerationBackend, SamplingConfig
 from grpo_async.generation.vllm_backends import (
@@ -21,8 +22,6 @@ from grpo_async.generation.vllm_backends import (
     validate_sampling,
 )
 from grpo_async.weight_sync.transports import ServerClient
-
-from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, perturbed_state_dict, running_servers
 
 pytestmark = pytest.mark.vllm
 
@@ -43,8 +42,7 @@ def servers(tiny_model_path):
 # ---------------------------------------------------------------------------------------------- pure checks
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 0), ("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
-     ("stop", "x")],
+    [("n", 0), ("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5), ("stop", "x")],
 )
 def test_sampling_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
@@ -96,8 +94,14 @@ def test_colocate_generate_shape_and_processed_logprobs(tiny_model_path, hf_mode
 # ---------------------------------------------------------------------------------------------- servers
 def test_api_key_guards_every_endpoint(servers):
     url = servers[0].url
-    for method, path in [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
-                         ("GET", "/ws/info"), ("POST", "/ws/update"), ("POST", "/ws/init_broadcast")]:
+    for method, path in [
+        ("GET", "/health"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("GET", "/ws/info"),
+        ("POST", "/ws/update"),
+        ("POST", "/ws/init_broadcast"),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = requests.request(method, url + path, json={}, headers=headers, timeout=10)
             assert r.status_code == 401, (method, path, headers, r.status_code)
@@ -111,8 +115,12 @@ def test_weight_endpoint_refuses_pickled_payload(servers):
     url = servers[0].url
     payload = pickle.dumps({"transport": "shm", "buckets": [], "segments": []})
     for ctype in ("application/octet-stream", "application/json", "application/python-pickle"):
-        r = requests.post(url + "/ws/update", data=payload, timeout=10,
-                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": ctype})
+        r = requests.post(
+            url + "/ws/update",
+            data=payload,
+            timeout=10,
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": ctype},
+        )
         assert r.status_code == 415 and "pickle" in r.text.lower(), (ctype, r.text)
 
 
@@ -142,8 +150,9 @@ def test_openai_remote_backend_generates_and_checkpoint_sync(servers, tiny_model
             remote.update_weights({}, 1)
     finally:
         remote.close()
-    ckpt = OpenAIRemoteBackend(servers[0].url, tiny_model_path, api_key=API_KEY, weight_sync="checkpoint_dir",
-                               checkpoint_dir=str(tmp_path))
+    ckpt = OpenAIRemoteBackend(
+        servers[0].url, tiny_model_path, api_key=API_KEY, weight_sync="checkpoint_dir", checkpoint_dir=str(tmp_path)
+    )
     _, sd = perturbed_state_dict(tiny_model_path, 5)
     ckpt.update_weights(sd, 7)
     from safetensors.torch import load_file
@@ -167,8 +176,13 @@ def test_two_servers_share_load_and_both_receive_weights(servers, tiny_model_pat
         for u in urls:
             c = ServerClient(u, api_key=API_KEY)
             assert c.get("/ws/info")["version"] == 50
-            body = {"model": tiny_model_path, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0,
-                    "return_token_ids": True}
+            body = {
+                "model": tiny_model_path,
+                "prompt": PROMPTS[0],
+                "max_tokens": 6,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            }
             assert c.post("/v1/completions", body)["choices"][0]["token_ids"] == hf_greedy(hf_model, PROMPTS[0], 6)
     finally:
         backend.close()

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 import requests
-import torch
+from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, digests, hf_greedy, perturbed_state_dict, running_servers
 
 from grpo_async.weight_sync.buckets import group_by_module
 from grpo_async.weight_sync.transports import (
@@ -15,8 +15,6 @@ from grpo_async.weight_sync.transports import (
     ServerClient,
     ShmTransport,
 )
-
-from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, digests, hf_greedy, perturbed_state_dict, running_servers
 
 pytestmark = pytest.mark.vllm
 
@@ -37,8 +35,14 @@ def client(server):
 
 
 def server_greedy(client, model_path, prompt):
-    body = {"model": model_path, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
-            "return_token_ids": True}
+    body = {
+        "model": model_path,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     choice = client.post("/v1/completions", body)["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
@@ -74,21 +78,34 @@ def test_server_transport_bit_identical_then_engine_matches_hf(client, tiny_mode
 def test_transport_only_mode_leaves_weights_alone(client, tiny_model_path):
     hf_model, sd = perturbed_state_dict(tiny_model_path, 10)
     tr = ShmTransport(client, 64)
-    tr.push(group_by_module(sd), version=10)
-    _, other = perturbed_state_dict(tiny_model_path, 11)
-    out = tr.push(group_by_module(other), version=11, digests=True, load=False)
+    try:
+        tr.push(group_by_module(sd), version=10)
+        _, other = perturbed_state_dict(tiny_model_path, 11)
+        out = tr.push(group_by_module(other), version=11, digests=True, load=False)
+    finally:
+        tr.close()
     assert out["digests"] == digests(other)
     check_engine_matches(client, tiny_model_path, hf_model)  # still version 10's weights
 
 
 def test_failed_update_finalizes_and_keeps_serving(client, tiny_model_path):
     hf_model, sd = perturbed_state_dict(tiny_model_path, 20)
-    ShmTransport(client, 64).push(group_by_module(sd), version=20)
-    layout = {"buffers": {"float32": 16},
-              "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}]}
+    tr = ShmTransport(client, 64)
+    try:
+        tr.push(group_by_module(sd), version=20)
+    finally:
+        tr.close()
+    layout = {
+        "buffers": {"float32": 16},
+        "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}],
+    }
     body = {"transport": "shm", "buckets": [layout], "segments": [{"float32": "grpo_async_no_such_segment"}]}
-    r = requests.post(client.url + "/ws/update", data=json.dumps(body), timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    r = requests.post(
+        client.url + "/ws/update",
+        data=json.dumps(body),
+        timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 500 and "FileNotFoundError" in r.text
     assert client.get("/ws/info")["workers"][0]["reload_open"] is False
     check_engine_matches(client, tiny_model_path, hf_model)  # model finalized back, not left on meta
@@ -99,13 +116,15 @@ def test_update_request_validation_and_pickle_refused(client):
     bad_layout = {"transport": "broadcast", "buckets": [{"buffers": {"complex64": 8}, "tensors": []}]}
     r = requests.post(client.url + "/ws/update", json=bad_layout, headers=headers, timeout=30)
     assert r.status_code == 400 and "complex64" in r.text
-    r = requests.post(client.url + "/ws/update", json={"transport": "carrier-pigeon", "buckets": []},
-                      headers=headers, timeout=30)
+    r = requests.post(
+        client.url + "/ws/update", json={"transport": "carrier-pigeon", "buckets": []}, headers=headers, timeout=30
+    )
     assert r.status_code == 400 and "transport" in r.text
     payload = pickle.dumps({"transport": "shm", "buckets": []})
     for ctype in ("application/octet-stream", "application/json"):
-        r = requests.post(client.url + "/ws/update", data=payload, timeout=30,
-                          headers={**headers, "Content-Type": ctype})
+        r = requests.post(
+            client.url + "/ws/update", data=payload, timeout=30, headers={**headers, "Content-Type": ctype}
+        )
         assert r.status_code == 415 and "pickle" in r.text.lower()
     assert requests.get(client.url + "/health", headers=headers, timeout=10).status_code == 200
 

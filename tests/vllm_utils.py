@@ -24,7 +24,9 @@ def running_servers(model: str, count: int = 1, api_key: str | None = API_KEY, e
     servers: list[ServerProcess] = []
     try:
         for _ in range(count):
-            servers.append(launch_server(model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), wait=False))
+            servers.append(
+                launch_server(model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), wait=False)
+            )
         for s in servers:
             wait_ready(s, timeout=300)
         yield servers
@@ -46,8 +48,10 @@ def perturbed_state_dict(model_path: str, seed: int) -> tuple[torch.nn.Module, d
 
 
 def digests(state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in state_dict.items()}
+    return {
+        k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in state_dict.items()
+    }
 
 
 @torch.no_grad()

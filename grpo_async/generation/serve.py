@@ -19,7 +19,7 @@ off and those paths answer 404 even if a plugin registers them. Weight updates o
 |---|---|---|
 | `GET /ws/info` | — | `{"world_size", "workers": [{"rank", "device", "version", ...}], "version"}` |
 | `POST /ws/init_broadcast` | `{"host", "port", "world_size", "group_name", "timeout_s"}` | `{"ranks": [...]}` |
-| `POST /ws/close_broadcast` | `{}` | `{"closed": bool}` |
+| `POST /ws/close_broadcast` | `{"group_name"}` (omit: every group) | `{"closed": bool}` |
 | `POST /ws/update` | see below | `{"tensors", "bytes", "buckets", "version", "seconds"[, "digests"]}` |
 
 `/ws/update` body:
@@ -29,6 +29,7 @@ off and those paths answer 404 even if a plugin registers them. Weight updates o
                                     #   "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]}
  "segments":  [{dtype: shm_name}],  # shm only, one per bucket
  "handles":   [{dtype: handle}],    # cuda_ipc only (JSON, base64 bytes)
+ "group": str,                      # broadcast only: the group_name given to /ws/init_broadcast
  "version": int, "begin": true, "end": true, "load": true, "digests": false}
 ```
 A request with `begin` pauses generation (in-flight requests finish first) and opens a reload session; one with
@@ -157,9 +158,11 @@ def add_weight_routes(app) -> None:
 
     @app.post("/ws/close_broadcast")
     async def ws_close_broadcast(request: Request):
-        await _json_body(request)
+        body = await _json_body(request)
+        if set(body) - {"group_name"} or not isinstance(body.get("group_name", ""), str):
+            raise HTTPException(400, 'close_broadcast takes {"group_name": str} (omit it to close every group)')
         async with lock:
-            out = await engine(request).collective_rpc("ws_close_broadcast")
+            out = await engine(request).collective_rpc("ws_close_broadcast", kwargs=body)
         return {"closed": any(o["closed"] for o in out)}
 
     @app.post("/ws/update")
@@ -207,13 +210,12 @@ def make_parser():
 
 
 async def _serve(args) -> None:
+    import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
-
-    import vllm.envs as envs
 
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as engine_client:

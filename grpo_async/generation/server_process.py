@@ -42,10 +42,13 @@ class ServerProcess:
         except OSError:
             return ""
 
+    shm_before: frozenset[str] = frozenset()
+
     def kill(self) -> None:
-        """SIGKILL the whole process group at once (simulates a crash)."""
+        """SIGKILL the whole process group at once (simulates a crash); vLLM's leaked shared memory is removed."""
         self._signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        remove_orphan_shm(self.shm_before)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL whatever is left after `timeout` seconds."""
@@ -60,12 +63,49 @@ class ServerProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        remove_orphan_shm(self.shm_before)
 
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)  # the server's own session: pgid == its pid
         except ProcessLookupError:
             pass
+
+
+def _shm_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+    except OSError:
+        return set()
+
+
+def remove_orphan_shm(before: frozenset[str] | set[str]) -> list[str]:
+    """Unlink `/dev/shm/psm_*` segments that appeared after `before` and that no live process maps any more.
+
+    vLLM's engine keeps its message queues in shared memory; a SIGKILLed server cannot unlink them.
+    """
+    import glob
+
+    new = _shm_names() - set(before)
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(
+                    part.rsplit("/", 1)[1] for line in f if "/dev/shm/psm_" in line for part in [line.split()[-1]]
+                )
+        except OSError:
+            continue
+    removed = []
+    for name in sorted(new - mapped):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def launch_server(
@@ -104,9 +144,11 @@ def launch_server(
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")
         os.close(fd)
+    shm_before = frozenset(_shm_names())
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = ServerProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_path, api_key=api_key, args=args)
+    server.shm_before = shm_before
     if wait:
         wait_ready(server, ready_timeout)
     return server

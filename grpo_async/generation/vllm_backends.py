@@ -1,10 +1,11 @@
 """vLLM generation backends: in-process (colocate), `grpo-async serve` servers, and any OpenAI-compatible server.
 
-| backend | generation | weight sync |
-|---|---|---|
-| `VLLMColocateBackend(model_path)` | `vllm.LLM` in this process | in-process layerwise reload, module-grouped buckets |
-| `VLLMServerBackend(urls)` | `/v1/completions`, least-outstanding routing, failover | `"broadcast"` (gloo/NCCL), `"shm"` / `"cuda_ipc"` (same machine) |
-| `OpenAIRemoteBackend(base_url, model)` | `/v1/completions` | none, or `"checkpoint_dir"` (writes safetensors for the remote's operator) |
+- `VLLMColocateBackend(model_path)`: a `vllm.LLM` in this process; weights by in-process layerwise reload in
+  module-grouped buckets.
+- `VLLMServerBackend(urls)`: `/v1/completions` on `grpo-async serve` servers, least-outstanding routing, failover;
+  weights by `"broadcast"` (gloo/NCCL), `"shm"` or `"cuda_ipc"` (same machine).
+- `OpenAIRemoteBackend(base_url, model)`: any `/v1/completions`; weights: none, or `"checkpoint_dir"` (writes
+  safetensors for the remote's operator).
 
 Sampling means the same everywhere (`SamplingConfig`): `top_k = 0`, `top_p = 1`, `min_p = 0` are off, and every
 completion carries the sampler's logprob of each token under the distribution it sampled from (vLLM runs with
@@ -258,7 +259,10 @@ class _CompletionsRouter:
             if client in self.live:
                 self.live.remove(client)
                 logger.warning(
-                    "%s: taking %s out of rotation (%s); %d server(s) left", self.name, client.url, error,
+                    "%s: taking %s out of rotation (%s); %d server(s) left",
+                    self.name,
+                    client.url,
+                    error,
                     len(self.live),
                 )
 
@@ -460,7 +464,10 @@ class OpenAIRemoteBackend:
 
         folder = os.path.join(self.checkpoint_dir, f"version-{version}")
         os.makedirs(folder, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, os.path.join(folder, "model.safetensors"))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in state_dict.items()},
+            os.path.join(folder, "model.safetensors"),
+        )
         tmp = os.path.join(self.checkpoint_dir, "latest.tmp")
         with open(tmp, "w") as f:
             f.write(f"version-{version}\n")

@@ -1,4 +1,6 @@
-"""vLLM worker extension that receives weights: `--worker-extension-cls grpo_async.generation.vllm_worker.WeightSyncWorker`.
+"""vLLM worker extension that receives weights.
+
+Use: `--worker-extension-cls grpo_async.generation.vllm_worker.WeightSyncWorker` (the default of `grpo-async serve`).
 
 vLLM mixes this class into its worker (`CPUWorker` / GPU `Worker`), so `self.model_runner.model` is the served model
 and `self.rank` the worker's rank. Every method is prefixed `ws_` (vLLM refuses names that clash with the worker).
@@ -44,7 +46,7 @@ def validate_update_request(req: object) -> dict:
     """Check a `/ws/update` request body (see `grpo_async.generation.serve`) and return it."""
     if not isinstance(req, dict):
         raise ValueError("the weight-update request must be a JSON object")
-    allowed = {"transport", "buckets", "version", "begin", "end", "load", "digests", "segments", "handles"}
+    allowed = {"transport", "buckets", "version", "begin", "end", "load", "digests", "segments", "handles", "group"}
     unknown = set(req) - allowed
     if unknown:
         raise ValueError(f"unknown keys in weight-update request: {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -58,6 +60,8 @@ def validate_update_request(req: object) -> dict:
     version = req.get("version")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
         raise ValueError(f"'version' must be an integer, got {version!r}")
+    if "group" in req and not isinstance(req["group"], str):
+        raise ValueError(f"'group' must be the group_name given to /ws/init_broadcast, got {req['group']!r}")
     for key in ("begin", "end", "load", "digests"):
         if key in req and not isinstance(req[key], bool):
             raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")
@@ -84,7 +88,7 @@ class WeightSyncWorker:
     def _ws_state(self) -> dict:
         st = self.__dict__.get("_ws")
         if st is None:
-            st = {"pg": None, "open": False, "keep": [], "version": None, "rank_offset": 1}
+            st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None}
             self.__dict__["_ws"] = st
         return st
 
@@ -137,12 +141,15 @@ class WeightSyncWorker:
         st = self._ws_state()
         segments = [k for k in st["keep"] if not isinstance(k, torch.Tensor)]
         st["keep"] = []
-        gc.collect()
         for shm in segments:
             try:
                 shm.close()
-            except BufferError:  # a view survived; the mapping goes when it does
-                logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
+            except BufferError:  # a view is still referenced: collect cycles once, then try again
+                gc.collect()
+                try:
+                    shm.close()
+                except BufferError:
+                    logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
 
     # ------------------------------------------------------------------ public methods (ws_*)
     def ws_info(self) -> dict:
@@ -172,7 +179,7 @@ class WeightSyncWorker:
         from torch.distributed import PrefixStore, TCPStore
 
         st = self._ws_state()
-        self.ws_close_broadcast()
+        self.ws_close_broadcast(group_name)
         rank = int(rank_offset) + int(getattr(self, "rank", 0))
         timeout = timedelta(seconds=float(timeout_s))
         store = TCPStore(host, int(port), int(world_size), is_master=False, timeout=timeout)
@@ -185,20 +192,25 @@ class WeightSyncWorker:
             from torch.distributed import ProcessGroupGloo
 
             pg = ProcessGroupGloo(prefixed, rank, int(world_size), timeout)
-        st["pg"], st["store"], st["rank_offset"] = pg, store, int(rank_offset)
+        st["pgs"][group_name] = (pg, store)
+        st["last_group"] = group_name
         return {"rank": rank, "world_size": int(world_size)}
 
-    def ws_close_broadcast(self) -> dict:
+    def ws_close_broadcast(self, group_name: str | None = None) -> dict:
+        """Leave one process group (`group_name`), or all of them when it is None."""
         st = self._ws_state()
-        pg = st.pop("pg", None)
-        st["pg"] = None
-        st.pop("store", None)
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on teardown
-                pass
-        return {"closed": pg is not None}
+        names = list(st["pgs"]) if group_name is None else [group_name]
+        closed = False
+        for name in names:
+            pg, _ = st["pgs"].pop(name, (None, None))
+            if pg is not None:
+                closed = True
+                try:
+                    if hasattr(pg, "shutdown"):
+                        pg.shutdown()
+                except Exception:  # noqa: BLE001 - best effort on teardown
+                    pass
+        return {"closed": closed}
 
     def ws_update(self, request: dict) -> dict:
         """Receive and load buckets; `request` is the JSON body documented in `grpo_async.generation.serve`.
@@ -222,28 +234,35 @@ class WeightSyncWorker:
         want_digests = req.get("digests", False)
         layouts = req["buckets"]
         digests: dict[str, str] = {}
+        phases = {"begin": 0.0, "receive": 0.0, "load": 0.0, "end": 0.0}
         count = nbytes = 0
         try:
             if begin and load:
                 self._ws_begin()
+            phases["begin"] = (t := time.perf_counter()) - t0
             for named in self._ws_receive(req):
+                phases["receive"] += (t1 := time.perf_counter()) - t
                 count += len(named)
-                nbytes += sum(t.numel() * t.element_size() for _, t in named)
+                nbytes += sum(x.numel() * x.element_size() for _, x in named)
                 if want_digests:
-                    digests.update({n: tensor_digest(t) for n, t in named})
+                    digests.update({n: tensor_digest(x) for n, x in named})
                 if load:
                     self._ws_load(named)
+                phases["load"] += (t := time.perf_counter()) - t1
         except BaseException:
             self._ws_end()  # never leave the model on meta
             raise
+        t = time.perf_counter()
         if end:
             self._ws_end()
             if req.get("version") is not None:
                 self._ws_state()["version"] = req["version"]
         elif not load:
             self._ws_release()
+        phases["end"] = time.perf_counter() - t
         out = {"tensors": count, "bytes": nbytes, "buckets": len(layouts), "version": self._ws_state()["version"]}
         out["seconds"] = time.perf_counter() - t0
+        out["phases"] = phases
         if want_digests:
             out["digests"] = digests
         return out
@@ -272,19 +291,20 @@ class WeightSyncWorker:
     def _ws_receive(self, req: dict):
         kind = req["transport"]
         if kind == "broadcast":
-            yield from self._ws_recv_broadcast(req["buckets"])
+            yield from self._ws_recv_broadcast(req["buckets"], req.get("group"))
         elif kind == "shm":
             yield from self._ws_recv_shm(req["buckets"], req["segments"])
         else:
             yield from self._ws_recv_cuda_ipc(req["buckets"], req["handles"])
 
-    def _ws_recv_broadcast(self, layouts: list[dict]):
+    def _ws_recv_broadcast(self, layouts: list[dict], group: str | None):
         from torch.distributed import BroadcastOptions
 
         st = self._ws_state()
-        if st["pg"] is None:
-            raise RuntimeError("broadcast update before /ws/init_broadcast: no process group")
-        pg, device = st["pg"], self._ws_device()
+        group = group or st["last_group"]
+        if group not in st["pgs"]:
+            raise RuntimeError(f"broadcast update for process group {group!r}, which /ws/init_broadcast never set up")
+        pg, device = st["pgs"][group][0], self._ws_device()
         opts = BroadcastOptions()
         opts.rootRank = 0
 
@@ -317,9 +337,11 @@ class WeightSyncWorker:
                 st["keep"].append(shm)
                 if shm.size < layout["buffers"][dt]:
                     raise ValueError(f"shared-memory segment {name!r} holds {shm.size} bytes, layout needs more")
-                bufs[dt] = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout["buffers"][dt]) if layout[
-                    "buffers"
-                ][dt] else torch.empty(0, dtype=torch.uint8)
+                bufs[dt] = (
+                    torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout["buffers"][dt])
+                    if layout["buffers"][dt]
+                    else torch.empty(0, dtype=torch.uint8)
+                )
             yield unpack_bucket(layout, bufs)
             del bufs
 

@@ -193,7 +193,9 @@ def validate_layout(layout: object) -> dict:
         if s["dtype"] not in buffers:
             raise ValueError(f"tensor {s['name']!r} has dtype {s['dtype']!r} with no buffer in layout['buffers']")
         shape = s["shape"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise ValueError(f"tensor {s['name']!r}: shape must be a list of non-negative integers, got {shape!r}")
         itemsize = torch.empty((), dtype=DTYPES[s["dtype"]]).element_size()
         if s["nbytes"] != math.prod(shape) * itemsize:
@@ -203,7 +205,9 @@ def validate_layout(layout: object) -> dict:
             )
         off = s["offset"]
         if not isinstance(off, int) or isinstance(off, bool) or off < 0 or off % itemsize:
-            raise ValueError(f"tensor {s['name']!r}: offset must be a non-negative multiple of {itemsize}, got {off!r}")
+            raise ValueError(
+                f"tensor {s['name']!r}: offset must be a non-negative multiple of {itemsize}, got {off!r}"
+            )
         if off + s["nbytes"] > buffers[s["dtype"]]:
             raise ValueError(
                 f"tensor {s['name']!r}: bytes [{off}, {off + s['nbytes']}) overflow the {s['dtype']} buffer "

@@ -1,11 +1,10 @@
 """Transports that carry weight buckets from the trainer into vLLM.
 
-| name | target | data path | control |
-|---|---|---|---|
-| `ColocateTransport` | a `vllm.LLM` in this process | tensors passed by reference | direct `collective_rpc` |
-| `BroadcastTransport` (`"broadcast"`) | a `grpo-async serve` server, local or remote | a dedicated process group (gloo on CPU, NCCL on GPU), one flat uint8 broadcast per bucket and dtype | JSON `POST /ws/update` |
-| `ShmTransport` (`"shm"`) | a server on this machine (CPU) | one POSIX shared-memory segment per bucket and dtype | JSON `POST /ws/update` |
-| `CudaIpcTransport` (`"cuda_ipc"`) | a server on this machine (GPU) | CUDA IPC handle of the packed bucket, sent as JSON | JSON `POST /ws/update` |
+- `ColocateTransport`: into a `vllm.LLM` in this process; tensors passed by reference to `collective_rpc`.
+- `BroadcastTransport` (`"broadcast"`): into a `grpo-async serve` server, local or remote; one flat uint8 broadcast
+  per bucket and dtype over a dedicated process group (gloo on CPU, NCCL on GPU); control by JSON `/ws/update`.
+- `ShmTransport` (`"shm"`): server on this machine (CPU); one POSIX shared-memory segment per bucket and dtype.
+- `CudaIpcTransport` (`"cuda_ipc"`): server on this machine (GPU); CUDA IPC handles of packed buckets, as JSON.
 
 Every transport takes `bucket_mb`: a size threshold (modules never split, see `buckets.py`) or `None` for the
 per-tensor mode kept for the benchmark (one request, and one broadcast, per tensor). Nothing is ever pickled: the
@@ -39,7 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from grpo_async.weight_sync.buckets import NamedTensors, BucketPlan, pack_bucket, plan_buckets
+from grpo_async.weight_sync.buckets import BucketPlan, NamedTensors, pack_bucket, plan_buckets
 
 logger = logging.getLogger("grpo_async.weight_sync")
 
@@ -152,8 +151,8 @@ class WeightTransport(ABC):
         loading them (benchmark of the transport alone).
         """
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the transport's resources (process group, shared memory); idempotent."""
 
 
 # ---------------------------------------------------------------------------------------------- colocate (in-process)
@@ -210,8 +209,11 @@ class _ServerTransport(WeightTransport):
         finally:
             if not done:  # make sure the server finalizes an interrupted session
                 try:
-                    self.client.post("/ws/update", {"transport": self.name, "buckets": [], "begin": False,
-                                                    **self._empty_extra()}, timeout=self.timeout)
+                    self.client.post(
+                        "/ws/update",
+                        {"transport": self.name, "buckets": [], "begin": False, **self._empty_extra()},
+                        timeout=self.timeout,
+                    )
                 except Exception as e:  # noqa: BLE001
                     logger.warning("could not close the interrupted reload session on %s: %s", self.client.url, e)
         if not digests:
@@ -219,7 +221,9 @@ class _ServerTransport(WeightTransport):
         return total
 
     def _empty_extra(self) -> dict:
-        return {"segments": []} if self.name == "shm" else ({"handles": []} if self.name == "cuda_ipc" else {})
+        if self.name == "broadcast":
+            return {"group": self.group_name}
+        return {"segments": []} if self.name == "shm" else {"handles": []}
 
     @abstractmethod
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict: ...
@@ -270,10 +274,18 @@ class BroadcastTransport(_ServerTransport):
         world = 1 + int(info["world_size"])
         port = free_port(self.master_address if self.master_address != "0.0.0.0" else "127.0.0.1")
         timeout = timedelta(seconds=self.group_timeout)
-        self.store = TCPStore(self.master_address, port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.store = TCPStore(
+            self.master_address, port, world, is_master=True, wait_for_workers=False, timeout=timeout
+        )
         group_name = f"grpo_async_ws_{port}"
-        body = {"host": self.master_address, "port": port, "world_size": world, "group_name": group_name,
-                "timeout_s": self.group_timeout}
+        self.group_name = group_name
+        body = {
+            "host": self.master_address,
+            "port": port,
+            "world_size": world,
+            "group_name": group_name,
+            "timeout_s": self.group_timeout,
+        }
         call = _Call(lambda: self.client.post("/ws/init_broadcast", body, timeout=self.timeout), "ws-init-broadcast")
         call.start()
         prefixed = PrefixStore(group_name, self.store)
@@ -296,7 +308,7 @@ class BroadcastTransport(_ServerTransport):
         return [self.pg.broadcast([b], opts) for b in bufs.values()]
 
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
-        body = {"transport": "broadcast", "buckets": [p.layout for p in plans], **extra}
+        body = {"transport": "broadcast", "buckets": [p.layout for p in plans], "group": self.group_name, **extra}
         call = _Call(lambda: self.client.post("/ws/update", body, timeout=self.timeout), "ws-update-broadcast")
         call.start()
         inflight = None
@@ -322,7 +334,7 @@ class BroadcastTransport(_ServerTransport):
         if self.pg is None:
             return
         try:
-            self.client.post("/ws/close_broadcast", {}, timeout=min(self.timeout, 10.0))
+            self.client.post("/ws/close_broadcast", {"group_name": self.group_name}, timeout=min(self.timeout, 10.0))
         except Exception as e:  # noqa: BLE001 - server may be gone
             logger.info("close_broadcast on %s: %s", self.client.url, e)
         try:
@@ -333,35 +345,66 @@ class BroadcastTransport(_ServerTransport):
         self.pg = self.store = None
 
 
+def _unlink_all(pool: dict) -> None:
+    for shm in pool.values():
+        try:
+            shm.close()
+            shm.unlink()
+        except (FileNotFoundError, BufferError):
+            pass
+    pool.clear()
+
+
 class ShmTransport(_ServerTransport):
-    """Pack each bucket straight into a POSIX shared-memory segment; the server maps it (same machine only)."""
+    """Pack each bucket straight into a POSIX shared-memory segment; the server maps it (same machine only).
+
+    Segments are kept and reused by the next sync (bucket `i`, dtype `d` → the same segment while it is big
+    enough), which saves the page faults of fresh memory; `close()` unlinks them.
+    """
 
     name = "shm"
 
-    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, timeout: float | None = None):
+        import weakref
+
+        super().__init__(client, bucket_mb, timeout)
+        self._pool: dict = {}
+        self._finalizer = weakref.finalize(self, _unlink_all, self._pool)
+        self._counter = 0
+
+    def _segment(self, key, nbytes: int):
         from multiprocessing import shared_memory
 
-        segments, names = [], []
-        try:
-            for plan in plans:
-                seg_names = {}
-                out = {}
-                for dt, nbytes in plan.layout["buffers"].items():
-                    shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
-                    segments.append(shm)
-                    seg_names[dt] = shm.name.lstrip("/")
-                    out[dt] = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes) if nbytes else None
-                pack_bucket(plan.tensors, out={k: v for k, v in out.items() if v is not None})
-                del out
-                names.append(seg_names)
-            body = {"transport": "shm", "buckets": [p.layout for p in plans], "segments": names, **extra}
-            return self.client.post("/ws/update", body, timeout=self.timeout)
-        finally:
-            for shm in segments:
-                try:
-                    shm.close()
-                finally:
-                    shm.unlink()
+        shm = self._pool.get(key)
+        if shm is None or shm.size < nbytes:
+            if shm is not None:
+                _unlink_all({key: shm})
+            shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
+            self._pool[key] = shm
+        return shm
+
+    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+        self._counter = 0
+        return super().push(groups, version, digests=digests, load=load)
+
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        names = []
+        for plan in plans:
+            seg_names, out = {}, {}
+            for dt, nbytes in plan.layout["buffers"].items():
+                shm = self._segment((self._counter, dt), nbytes)
+                seg_names[dt] = shm.name.lstrip("/")
+                if nbytes:
+                    out[dt] = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+            self._counter += 1
+            pack_bucket(plan.tensors, out=out)
+            del out  # no view of the segment may outlive the packing
+            names.append(seg_names)
+        body = {"transport": "shm", "buckets": [p.layout for p in plans], "segments": names, **extra}
+        return self.client.post("/ws/update", body, timeout=self.timeout)
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 def encode_cuda_ipc(buf: torch.Tensor) -> dict:
@@ -369,14 +412,26 @@ def encode_cuda_ipc(buf: torch.Tensor) -> dict:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buf)
-    (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_h, ref_off, ev_h, ev_sync) = args
+    (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_h, ref_off, ev_h, ev_sync) = (
+        args
+    )
 
     def b64(x):
         return None if x is None else base64.b64encode(x).decode()
 
-    return {"size": list(size), "stride": list(stride), "offset": offset, "device": device, "handle": b64(handle),
-            "size_bytes": size_bytes, "offset_bytes": offset_bytes, "ref_handle": b64(ref_h), "ref_offset": ref_off,
-            "event_handle": b64(ev_h), "event_sync": bool(ev_sync)}
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": offset,
+        "device": device,
+        "handle": b64(handle),
+        "size_bytes": size_bytes,
+        "offset_bytes": offset_bytes,
+        "ref_handle": b64(ref_h),
+        "ref_offset": ref_off,
+        "event_handle": b64(ev_h),
+        "event_sync": bool(ev_sync),
+    }
 
 
 def decode_cuda_ipc(obj: dict, device: torch.device) -> torch.Tensor:
@@ -387,10 +442,21 @@ def decode_cuda_ipc(obj: dict, device: torch.device) -> torch.Tensor:
         return None if x is None else base64.b64decode(x)
 
     return rebuild_cuda_tensor(
-        torch.Tensor, tuple(obj["size"]), tuple(obj["stride"]), int(obj["offset"]), torch.storage.UntypedStorage,
-        torch.uint8, device.index if device.index is not None else int(obj["device"]), unb64(obj["handle"]),
-        int(obj["size_bytes"]), int(obj["offset_bytes"]), False, unb64(obj["ref_handle"]), int(obj["ref_offset"]),
-        unb64(obj["event_handle"]), bool(obj["event_sync"]),
+        torch.Tensor,
+        tuple(obj["size"]),
+        tuple(obj["stride"]),
+        int(obj["offset"]),
+        torch.storage.UntypedStorage,
+        torch.uint8,
+        device.index if device.index is not None else int(obj["device"]),
+        unb64(obj["handle"]),
+        int(obj["size_bytes"]),
+        int(obj["offset_bytes"]),
+        False,
+        unb64(obj["ref_handle"]),
+        int(obj["ref_offset"]),
+        unb64(obj["event_handle"]),
+        bool(obj["event_sync"]),
     )
 
 
