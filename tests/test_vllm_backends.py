@@ -72,9 +72,16 @@ def test_remote_refuses_ipc_and_broadcast_sync(mode):
 
 
 # ---------------------------------------------------------------------------------------------- colocate
-def test_colocate_generate_shape_and_processed_logprobs(tiny_model_path, hf_model):
+@pytest.fixture(scope="module")
+def colocate(tiny_model_path):
     backend = VLLMColocateBackend(tiny_model_path, max_model_len=256)
-    try:
+    yield backend
+    backend.close()
+
+
+def test_colocate_generate_shape_and_processed_logprobs(colocate, hf_model):
+    backend = colocate
+    if True:
         assert isinstance(backend, GenerationBackend)
         s = SamplingConfig(n=3, max_tokens=6, temperature=0.7, seed=1)
         out = backend.generate(PROMPTS, s)
@@ -87,8 +94,6 @@ def test_colocate_generate_shape_and_processed_logprobs(tiny_model_path, hf_mode
         for prompt, c in zip(PROMPTS, backend.generate(PROMPTS, SamplingConfig(max_tokens=6, top_k=1))):
             assert c.completion_ids == hf_greedy(hf_model, prompt, 6)
             assert all(abs(lp) < 1e-5 for lp in c.logprobs)
-    finally:
-        backend.close()
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -139,6 +144,33 @@ def test_server_backend_generate_matches_hf(servers, hf_model):
         assert stopped[0].finish_reason in ("length", "stop") and len(stopped[0].completion_ids) <= 3
     finally:
         backend.close()
+
+
+def test_sampling_params_mean_the_same_on_colocate_and_server(colocate, servers, tiny_model_path):
+    from grpo_async.testing import build_tokenizer
+
+    server = VLLMServerBackend([servers[0].url], api_key=API_KEY, timeout=60)
+    remote = OpenAIRemoteBackend(servers[0].url, tiny_model_path, api_key=API_KEY)
+    try:
+        long = colocate.generate([PROMPTS[0]], SamplingConfig(max_tokens=12, temperature=0.0))[0]
+        stop = build_tokenizer().decode([long.completion_ids[4]])
+        configs = [
+            SamplingConfig(max_tokens=12, temperature=0.0, stop=[stop]),
+            SamplingConfig(n=2, max_tokens=8, temperature=1.3, top_p=0.8, min_p=0.05, top_k=20, seed=7),
+        ]
+        for s in configs:
+            a = colocate.generate(PROMPTS, s)
+            for other in (server, remote):
+                b = other.generate(PROMPTS, s)
+                assert [c.completion_ids for c in a] == [c.completion_ids for c in b], s
+                assert [c.finish_reason for c in a] == [c.finish_reason for c in b], s
+                for x, y in zip(a, b):
+                    assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0) < 1e-4
+        stopped = colocate.generate([PROMPTS[0]], configs[0])[0]
+        assert stopped.finish_reason == "stop" and len(stopped.completion_ids) < 12
+    finally:
+        server.close()
+        remote.close()
 
 
 def test_openai_remote_backend_generates_and_checkpoint_sync(servers, tiny_model_path, tmp_path):
@@ -195,7 +227,7 @@ def test_killing_one_of_two_servers_mid_run_is_survived(servers, caplog):
 
     def run():
         try:
-            result["out"] = backend.generate(PROMPTS * 8, SamplingConfig(n=2, max_tokens=48))
+            result["out"] = backend.generate(PROMPTS * 16, SamplingConfig(n=2, max_tokens=48))
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
 
@@ -204,15 +236,15 @@ def test_killing_one_of_two_servers_mid_run_is_survived(servers, caplog):
             t = threading.Thread(target=run)
             t.start()
             deadline = time.monotonic() + 60
-            while backend.router.served[urls[1]] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert backend.router.served[urls[1]] > 0
+            while sum(backend.router.served.values()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert t.is_alive()  # the run is still going when the server dies
+            assert backend.router.outstanding[urls[1]] > 0  # ... and has requests in flight on it
             servers[1].kill()
             t.join(timeout=180)
             assert not t.is_alive()
         assert "error" not in result, result.get("error")
-        assert len(result["out"]) == len(PROMPTS) * 8 * 2
+        assert len(result["out"]) == len(PROMPTS) * 16 * 2
         assert backend.live_urls == [urls[0]]
         assert any(urls[1] in r.getMessage() and "out of rotation" in r.getMessage() for r in caplog.records)
     finally:

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "
             f"(got {args.worker_extension_cls!r})"
         )
-    if getattr(args, "model_tag", None) and not args.model:
+    if getattr(args, "model_tag", None):  # `grpo-async serve MODEL ...` like `vllm serve MODEL`
         args.model = args.model_tag
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)

@@ -74,15 +74,16 @@ class ServerProcess:
 
 def _shm_names() -> set[str]:
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
     except OSError:
         return set()
 
 
 def remove_orphan_shm(before: frozenset[str] | set[str]) -> list[str]:
-    """Unlink `/dev/shm/psm_*` segments that appeared after `before` and that no live process maps any more.
+    """Unlink `/dev/shm/psm_*` and `sem.mp-*` that appeared after `before` and that no live process maps any more.
 
-    vLLM's engine keeps its message queues in shared memory; a SIGKILLed server cannot unlink them.
+    vLLM's engine keeps its message queues (and multiprocessing its semaphores) in shared memory; a SIGKILLed server
+    cannot unlink them.
     """
     import glob
 
@@ -94,7 +95,7 @@ def remove_orphan_shm(before: frozenset[str] | set[str]) -> list[str]:
         try:
             with open(maps) as f:
                 mapped.update(
-                    part.rsplit("/", 1)[1] for line in f if "/dev/shm/psm_" in line for part in [line.split()[-1]]
+                    part.rsplit("/", 1)[1] for line in f if "/dev/shm/" in line for part in [line.split()[-1]]
                 )
         except OSError:
             continue
