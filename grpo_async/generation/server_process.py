@@ -94,9 +94,10 @@ def remove_orphan_shm(before: frozenset[str] | set[str]) -> list[str]:
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:
-                mapped.update(
-                    part.rsplit("/", 1)[1] for line in f if "/dev/shm/" in line for part in [line.split()[-1]]
-                )
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        mapped.add(fields[5].strip().removesuffix(" (deleted)")[len("/dev/shm/") :])
         except OSError:
             continue
     removed = []
