@@ -16,6 +16,21 @@ from .algo.loss import LOSS_TYPES
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
 VLLM_MODES = ("colocate", "server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "ipc", "checkpoint_dir", "none")
+#: the weight-sync transports each backend can use ('none': the sampler keeps its initial weights)
+SYNC_BY_BACKEND = {
+    "hf": ("auto", "none"),
+    "vllm": ("auto", "none"),
+    "vllm_server": ("auto", "broadcast", "ipc", "none"),
+    "openai": ("auto", "checkpoint_dir", "none"),
+}
+SYNC_WHY = {
+    "hf": "the sampler lives in this process and is updated in place",
+    "vllm": "the engine lives in this process and loads the weights in place",
+    "vllm_server": "a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
+    "it does not watch a checkpoint folder",
+    "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory "
+    "(seed 002); it can only reload a shared checkpoint folder",
+}
 
 
 def _err(field_name: str, message: str) -> ValueError:
@@ -94,7 +109,16 @@ class GRPOConfig(TrainingArguments):
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for a server to answer."})
     vllm_api_key: str | None = field(default=None, metadata={"help": "API key of the servers / OpenAI endpoint."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocated vLLM's memory share."})
-    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM max_model_len."})
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "vLLM max_model_len. Default: max_prompt_length + max_completion_length."}
+    )
+    vllm_max_concurrency: int = field(
+        default=32, metadata={"help": "HTTP requests in flight over all servers (vllm_server, openai)."}
+    )
+    vllm_master_address: str = field(
+        default="127.0.0.1",
+        metadata={"help": "This trainer's address as the servers see it (broadcast weight sync hosts the store)."},
+    )
     openai_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint (openai)."})
     openai_model: str | None = field(default=None, metadata={"help": "Model name sent to the OpenAI endpoint."})
 
@@ -228,14 +252,14 @@ class GRPOConfig(TrainingArguments):
             raise _err("weight_sync_bucket_mb", f"must be > 0, got {self.weight_sync_bucket_mb!r}")
         if self.generation_backend == "vllm_server" and not self.vllm_server_urls:
             raise _err("vllm_server_urls", "the vllm_server backend needs at least one server URL")
-        if self.generation_backend == "openai":
-            if not self.openai_base_url:
-                raise _err("openai_base_url", "the openai backend needs openai_base_url")
-            if self.weight_sync_transport in ("broadcast", "ipc"):
-                raise _err(
-                    "weight_sync_transport",
-                    f"{self.weight_sync_transport!r} is impossible with a remote OpenAI-compatible engine (it cannot "
-                    "join a process group or map this machine's memory); use 'checkpoint_dir' or 'none'",
-                )
-        if self.generation_backend == "hf" and self.weight_sync_transport in ("broadcast", "ipc", "checkpoint_dir"):
-            raise _err("weight_sync_transport", f"the hf backend syncs in-process; got {self.weight_sync_transport!r}")
+        if not isinstance(self.vllm_max_concurrency, int) or self.vllm_max_concurrency < 1:
+            raise _err("vllm_max_concurrency", f"must be an int >= 1, got {self.vllm_max_concurrency!r}")
+        allowed = SYNC_BY_BACKEND[self.generation_backend]
+        if self.weight_sync_transport not in allowed:
+            raise _err(
+                "weight_sync_transport",
+                f"{self.weight_sync_transport!r} is not possible with generation_backend={self.generation_backend!r}"
+                f" ({SYNC_WHY[self.generation_backend]}); choose one of {allowed}",
+            )
+        if self.generation_backend == "openai" and not self.openai_base_url:
+            raise _err("openai_base_url", "the openai backend needs openai_base_url")

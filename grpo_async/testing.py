@@ -88,7 +88,8 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
     if spec.head_dim < 32:
         raise ValueError(
             f"TinyModelSpec.head_dim={spec.head_dim} (hidden_size {spec.hidden_size} / "
-            f"{spec.num_attention_heads} heads) is below 32; vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}."
+            f"{spec.num_attention_heads} heads) is below 32; vLLM's CPU attention needs head_dim in "
+            "{32, 64, 80, 96, 112, 128, ...}."
         )
     path = os.fspath(path)
     marker = os.path.join(path, "tiny_spec.json")

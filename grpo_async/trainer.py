@@ -89,6 +89,7 @@ class GRPOTrainer(Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpo_async.GRPOConfig, got {type(args).__name__}")
         model_id = model if isinstance(model, str) else model.config._name_or_path
+        self._model_source = model if isinstance(model, str) else None  # what engines that load a model read
         if isinstance(model, str):
             kwargs = dict(args.model_init_kwargs or {})
             kwargs.setdefault("trust_remote_code", args.trust_remote_code)
@@ -239,7 +240,24 @@ class GRPOTrainer(Trainer):
     def _make_backend(self):
         from .generation import make_backend
 
-        return make_backend(self.args, self.accelerator.unwrap_model(self.model), self.processing_class)
+        model = self.accelerator.unwrap_model(self.model)
+        path = self._model_source
+        if path is None and self.args.generation_backend == "vllm":
+            path = self._save_sampler_model(model)
+        return make_backend(self.args, model, self.processing_class, path)
+
+    def _save_sampler_model(self, model) -> str:
+        """Write the architecture, current weights and tokenizer for an in-process engine that loads a folder (the
+        `model` was given as an object). The trainer pushes its weights before every round anyway."""
+        import tempfile
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        folder = tempfile.mkdtemp(prefix="grpo_async_sampler_")
+        state = collect_state_dict(model)  # PEFT merged, HF names
+        base.save_pretrained(folder, state_dict=state)
+        self.processing_class.save_pretrained(folder)
+        logger.info("saved the policy to %s for the in-process vLLM engine", folder)
+        return folder
 
     def _sampling_config(self) -> SamplingConfig:
         a = self.args
@@ -413,9 +431,37 @@ class GRPOTrainer(Trainer):
         if n is not None:
             sampling.n = n
         with self._backend_lock:
-            if getattr(self.backend, "version", None) != version:
-                self.backend.update_weights(state, version)
-            return self.backend.generate(prompt_ids, sampling)
+            t_sync = self._load_into_backend(weights)
+            return self.backend.generate(prompt_ids, sampling), t_sync
+
+    def _load_into_backend(self, weights: tuple[int, dict]) -> float:
+        """Push `weights` unless the backend already holds that version (caller holds `_backend_lock`); seconds."""
+        version, state = weights
+        if self.args.weight_sync_transport == "none" or getattr(self.backend, "version", None) == version:
+            return 0.0
+        t0 = time.perf_counter()
+        self.backend.update_weights(state, version)
+        return time.perf_counter() - t0
+
+    def sync_weights(self) -> None:
+        """Push the trainer's current weights to the sampler now (every rank must call; the generator thread's
+        rounds are not disturbed: the push waits for the round in progress). Training does this by itself at each
+        round boundary; call it to inspect the sampler between `train()` calls."""
+        self._staged = None
+        self._stage_weights()
+        if self.accelerator.is_main_process:
+            if self.backend is None:
+                self.backend = self._make_backend()
+            with self._backend_lock:
+                self._load_into_backend(self._staged)
+
+    def close(self) -> None:
+        """Stop the generator thread and shut the generation backend down (an in-process vLLM engine frees its
+        memory). The trainer can still `train()` again: a new backend is built then."""
+        self.close_generator()
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
 
     def _generate_round(self, request: BatchRequest) -> dict[str, Any]:
         """Runs in the generator thread: weights → generate → rewards → advantages → padded tensors."""
@@ -427,8 +473,10 @@ class GRPOTrainer(Trainer):
                 raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
         prompt_ids, truncated = self._tokenize_prompts(request.prompts)
         t0 = time.perf_counter()
-        completions = self._generate_with(prompt_ids, (version, state))
-        t_gen = time.perf_counter() - t0
+        completions, t_sync = self._generate_with(prompt_ids, (version, state))
+        if args.weight_sync_transport == "none":
+            version = 0  # the sampler keeps the initial weights
+        t_gen = time.perf_counter() - t0 - t_sync
 
         tok = self.processing_class
         completion_ids = [c.completion_ids for c in completions]
@@ -456,6 +504,7 @@ class GRPOTrainer(Trainer):
             "frac_reward_zero_std": group_std_is_zero(rewards, G).float().mean().item(),
             "prompts/truncated": float(truncated),
             "timing/rollout": t_gen,
+            "timing/weight_sync": t_sync,
             "timing/rewards": t_reward,
         }
         for i, name in enumerate(self.reward_func_names):
@@ -636,7 +685,7 @@ class GRPOTrainer(Trainer):
             for lo in range(0, len(dataset), chunk):
                 rows = [dataset[i] for i in range(lo, min(lo + chunk, len(dataset)))]
                 prompt_ids, _ = self._tokenize_prompts([r["prompt"] for r in rows])
-                completions = self._generate_with(prompt_ids, weights, n=G)
+                completions, _ = self._generate_with(prompt_ids, weights, n=G)
                 rows_rep = [r for r in rows for _ in range(G)]
                 per_func = self._score(rows_rep, completions)  # [n·G, F]
                 per_func_all.append(per_func)

@@ -10,6 +10,10 @@ import argparse
 import os
 import time
 
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine starts in seconds
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
 import torch
 from accelerate import PartialState
 
@@ -19,13 +23,23 @@ from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 
 
+def _default_backend() -> str:
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output_dir", default="demo_output")
-    p.add_argument("--max_steps", type=int, default=150)
-    p.add_argument("--backend", default=os.environ.get("DEMO_BACKEND", "hf"), help="hf | vllm")
+    p.add_argument("--max_steps", type=int, default=200)
+    p.add_argument(
+        "--backend",
+        default=os.environ.get("DEMO_BACKEND", _default_backend()),
+        help="vllm (in-process engine; the default when vLLM is installed) | hf (transformers generate)",
+    )
     p.add_argument("--num_batches_ahead", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--learning_rate", type=float, default=5e-4)
     a = p.parse_args(argv)
 
     with PartialState().main_process_first():  # one process writes the model folder, the others wait
@@ -66,6 +80,7 @@ def main(argv=None):
     )
     start = time.time()
     trainer.train()
+    trainer.close()
     if not trainer.accelerator.is_main_process:
         return
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]

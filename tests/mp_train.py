@@ -1,4 +1,7 @@
-"""Launched by test_multiprocess.py with 2 processes (gloo on CPU). Writes what each rank trained on."""
+"""Launched by the multi-process tests with 2 processes (gloo on CPU). Writes what each rank trained on.
+
+argv: MODEL OUT_DIR NUM_BATCHES_AHEAD NUM_ITERATIONS [SERVER_URL API_KEY] (with a server: the vllm_server backend).
+"""
 
 import json
 import os
@@ -26,6 +29,9 @@ class Recorder(GRPOTrainer):
 
 def main():
     model_path, out_dir, ahead, mu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    server = {}
+    if len(sys.argv) > 5:
+        server = dict(generation_backend="vllm_server", vllm_server_urls=[sys.argv[5]], vllm_api_key=sys.argv[6])
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -43,9 +49,11 @@ def main():
         num_batches_ahead=ahead,
         beta=0.05,
         seed=0,
+        **server,
     )
     trainer = Recorder(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     trainer.train()
+    trainer.close()
     rank = trainer.accelerator.process_index
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

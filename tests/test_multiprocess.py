@@ -1,36 +1,7 @@
 """Two real training processes (accelerate launch, gloo on CPU): each rank trains only its slice of each round."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-HERE = os.path.dirname(__file__)
-
-
-def launch(script_args, out_dir, timeout=420):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        os.path.join(HERE, "mp_train.py"),
-        *script_args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
+from mp_utils import check_disjoint_slices, launch
 
 
 @pytest.mark.multiprocess
@@ -38,34 +9,4 @@ def launch(script_args, out_dir, timeout=420):
 def test_two_processes_train_disjoint_slices(tiny_model_path, tmp_path, ahead, mu):
     out = str(tmp_path)
     ranks = launch([tiny_model_path, out, str(ahead), str(mu)], out)
-    assert [r["world"] for r in ranks] == [2, 2]
-    # a round: per_device 4 × 2 processes × steps_per_generation 2 = 16 rows; each rank gets 8 rows
-    R, L = 16, 8
-    by_round = {}
-    for r in ranks:
-        for batch in r["seen"]:
-            (round_id,) = set(batch["round"])
-            by_round.setdefault(round_id, {}).setdefault(r["rank"], []).append(batch["row"])
-    assert len(by_round) == 4 // mu  # 4 optimizer steps, GA 2 micro-batches each, μ passes per round
-    for round_id, per_rank in by_round.items():
-        assert set(per_rank) == {0, 1}
-        for rank, batches in per_rank.items():
-            rows = [x for b in batches for x in b]
-            # μ passes over the same rows: each row exactly μ times on this rank
-            assert sorted(rows) == sorted(list(range(rank * L, (rank + 1) * L)) * mu), (round_id, rank, rows)
-        # no row is trained by both ranks, and together they cover the round
-        r0 = set(x for b in per_rank[0] for x in b)
-        r1 = set(x for b in per_rank[1] for x in b)
-        assert not r0 & r1 and r0 | r1 == set(range(R))
-    # the G=4 completions of a prompt are consecutive rows: every row of a group carries the same prompt,
-    # whichever rank trained it and however often
-    group_prompt = {}
-    for r in ranks:
-        for batch in r["seen"]:
-            (round_id,) = set(batch["round"])
-            for row, prompt in zip(batch["row"], batch["prompt"], strict=True):
-                assert group_prompt.setdefault((round_id, row // 4), prompt) == prompt
-    assert len(group_prompt) == len(by_round) * R // 4
-    # DDP keeps replicas identical; rewards were logged
-    assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=0, abs=1e-9)
-    assert ranks[0]["rewards"]
+    check_disjoint_slices(ranks, mu)

@@ -140,6 +140,21 @@ def test_cuda_ipc_transport_bit_identical(tiny_model_path):  # pragma: no cover 
         check_engine_matches(c, tiny_model_path, hf_model)
 
 
+@pytest.mark.gpu
+def test_nccl_broadcast_transport_bit_identical(tiny_model_path):  # pragma: no cover - needs a GPU
+    with running_servers(tiny_model_path, 1) as (s,):
+        c = ServerClient(s.url, api_key=API_KEY)
+        hf_model, sd = perturbed_state_dict(tiny_model_path, 31)
+        tr = BroadcastTransport(c, 64, device="cuda")
+        try:
+            assert tr.backend == "nccl"
+            out = tr.push(group_by_module({k: v.cuda() for k, v in sd.items()}), version=31, digests=True)
+        finally:
+            tr.close()
+        assert out["digests"] == digests(sd)
+        check_engine_matches(c, tiny_model_path, hf_model)
+
+
 def test_colocate_transport_bit_identical_then_engine_matches_hf(tiny_model_path):
     from grpo_async.generation.base import SamplingConfig
     from grpo_async.generation.vllm_backends import VLLMColocateBackend

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import urlparse
 
 from .base import Completion, GenerationBackend, SamplingConfig
 
 
-def _make_hf(args, model, tokenizer):
+def _make_hf(args, model, tokenizer, model_path: str):
     from transformers import AutoModelForCausalLM
 
     from .hf import HFBackend
@@ -18,20 +19,101 @@ def _make_hf(args, model, tokenizer):
     return HFBackend(base, tokenizer, batch_size=None)
 
 
-BACKENDS: dict[str, Callable] = {"hf": _make_hf}
+def _torch_dtype_name(model) -> str:
+    return str(getattr(model, "dtype", "float32")).removeprefix("torch.")
+
+
+def _vllm_max_model_len(args, model) -> int:
+    """`vllm_max_model_length`, or prompt + completion capped at the model's position limit."""
+    if args.vllm_max_model_length is not None:
+        return args.vllm_max_model_length
+    want = (args.max_prompt_length or 1024) + args.max_completion_length
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return min(want, limit) if limit else want
+
+
+def _server_transport(args, urls: list[str]) -> str:
+    """`weight_sync_transport` → a server transport: 'ipc' is shared memory on CPU and CUDA IPC on GPU; 'auto' is
+    'ipc' when every server is on this machine (loopback URL), else 'broadcast'."""
+    import torch
+
+    ipc = "cuda_ipc" if torch.cuda.is_available() else "shm"
+    name = args.weight_sync_transport
+    if name == "auto":
+        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+        return ipc if local else "broadcast"
+    return ipc if name == "ipc" else name
+
+
+def _make_vllm_colocate(args, model, tokenizer, model_path: str):
+    from .vllm_backends import VLLMColocateBackend
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return VLLMColocateBackend(
+        model_path,
+        dtype=_torch_dtype_name(base),
+        max_model_len=_vllm_max_model_len(args, base),
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        seed=args.seed,
+        bucket_mb=args.weight_sync_bucket_mb,
+    )
+
+
+def _make_vllm_server(args, model, tokenizer, model_path: str):
+    from .vllm_backends import VLLMServerBackend
+
+    urls = list(args.vllm_server_urls)
+    transport = _server_transport(args, urls)
+    return VLLMServerBackend(
+        urls,
+        api_key=args.vllm_api_key,
+        timeout=args.vllm_server_timeout,
+        transport="broadcast" if transport == "none" else transport,
+        bucket_mb=args.weight_sync_bucket_mb,
+        max_concurrency=args.vllm_max_concurrency,
+        master_address=args.vllm_master_address,
+    )
+
+
+def _make_openai(args, model, tokenizer, model_path: str):
+    import os
+
+    from .vllm_backends import OpenAIRemoteBackend
+
+    checkpoint = args.weight_sync_transport == "checkpoint_dir"
+    return OpenAIRemoteBackend(
+        args.openai_base_url,
+        args.openai_model or model_path,
+        api_key=args.vllm_api_key,
+        weight_sync="checkpoint_dir" if checkpoint else None,
+        checkpoint_dir=os.path.join(args.output_dir, "sampler_weights") if checkpoint else None,
+        timeout=args.vllm_server_timeout,
+        max_concurrency=args.vllm_max_concurrency,
+    )
+
+
+BACKENDS: dict[str, Callable] = {
+    "hf": _make_hf,
+    "vllm": _make_vllm_colocate,
+    "vllm_server": _make_vllm_server,
+    "openai": _make_openai,
+}
 
 
 def register_backend(name: str, factory: Callable) -> None:
-    """Add a backend factory `factory(args, unwrapped_model, tokenizer) -> GenerationBackend`."""
+    """Add a backend factory `factory(args, unwrapped_model, tokenizer, model_path) -> GenerationBackend`.
+
+    `model_path` is a folder (or hub id) holding the policy's architecture, initial weights and tokenizer, for engines
+    that load a model themselves; the trainer pushes its current weights before the first round anyway."""
     BACKENDS[name] = factory
 
 
-def make_backend(args, model, tokenizer) -> GenerationBackend:
+def make_backend(args, model, tokenizer, model_path: str | None = None) -> GenerationBackend:
     """Build the backend named by `args.generation_backend`."""
     name = args.generation_backend
     if name not in BACKENDS:
         raise ValueError(f"generation_backend {name!r} is not available; registered: {sorted(BACKENDS)}")
-    return BACKENDS[name](args, model, tokenizer)
+    return BACKENDS[name](args, model, tokenizer, model_path)
 
 
 __all__ = ["BACKENDS", "Completion", "GenerationBackend", "SamplingConfig", "make_backend", "register_backend"]

@@ -381,16 +381,21 @@ class VLLMServerBackend:
         groups = group_by_module(state_dict)
         first = next(iter(state_dict.values()), None)
         device = first.device if first is not None else torch.device("cpu")
+        errors = []
         for client in list(self.router.live):
             try:
                 self._transport(client, device).push(groups, version)
             except (ServerError, RuntimeError, OSError) as e:
+                errors.append(f"{client.url}: {e}")
                 self.router.mark_dead(client, e)
                 tr = self.transports.pop(client.url, None)
                 if tr is not None:
                     tr.close()
         if not self.router.live:
-            raise RuntimeError(f"VLLMServerBackend: no server left after pushing weights version {version}")
+            raise RuntimeError(
+                f"VLLMServerBackend: no vLLM server left in rotation while pushing weights version {version} "
+                f"(all of {[c.url for c in self.router.clients]} stopped answering); last errors: {errors}"
+            )
         self.version = version
 
     def close(self) -> None:

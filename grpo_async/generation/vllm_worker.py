@@ -33,6 +33,17 @@ from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
 
 logger = logging.getLogger("grpo_async.ws_worker")
 
+
+class _RotaryReloadFilter(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" on every sync: that layer has no
+    checkpoint weights (its cos/sin cache is computed) and vLLM puts the cache back. Drop that one misleading line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
+
 TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
 
 
