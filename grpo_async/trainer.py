@@ -168,7 +168,8 @@ class GRPOTrainer(Trainer):
         self._async_loader: AsyncDataLoaderWrapper | None = None
         self.generator: AsyncBatchGenerator | None = None
         self.backend = None
-        self._backend_lock = threading.Lock()
+        self._backend_lock = threading.Lock()  # one generate/update sequence at a time (generator, evaluate)
+        self._push_lock = threading.Lock()  # one weight push at a time
 
     # ------------------------------------------------------------------------------------------------------
     # construction-time checks
@@ -283,6 +284,9 @@ class GRPOTrainer(Trainer):
         state = collect_state_dict(self.accelerator.unwrap_model(self.model), self.accelerator.is_main_process)
         self._staged = (version, state) if self.accelerator.is_main_process else (version, {})
         self._staged_round = self._round
+        if self.args.weight_sync_inflight and self.accelerator.is_main_process and self.backend is not None:
+            # in-flight mode: the servers get the weights now, while the generator thread's round keeps running
+            self._load_into_backend(self._staged)
 
     def _submit_rounds(self, generation_batch: list[dict]) -> None:
         """Submit the current round if needed and up to `num_batches_ahead` rounds after it."""
@@ -435,13 +439,15 @@ class GRPOTrainer(Trainer):
             return self.backend.generate(prompt_ids, sampling), t_sync
 
     def _load_into_backend(self, weights: tuple[int, dict]) -> float:
-        """Push `weights` unless the backend already holds that version (caller holds `_backend_lock`); seconds."""
+        """Push `weights` unless the backend already holds that version; returns the seconds it took. Callers hold
+        `_backend_lock`, except the in-flight mode's push at the sync point, which must not wait for the round."""
         version, state = weights
-        if self.args.weight_sync_transport == "none" or getattr(self.backend, "version", None) == version:
-            return 0.0
-        t0 = time.perf_counter()
-        self.backend.update_weights(state, version)
-        return time.perf_counter() - t0
+        with self._push_lock:  # in-flight mode pushes from the trainer thread too
+            if self.args.weight_sync_transport == "none" or getattr(self.backend, "version", None) == version:
+                return 0.0
+            t0 = time.perf_counter()
+            self.backend.update_weights(state, version)
+            return time.perf_counter() - t0
 
     def sync_weights(self) -> None:
         """Push the trainer's current weights to the sampler now (every rank must call; the generator thread's

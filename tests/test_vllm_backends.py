@@ -220,6 +220,41 @@ def test_two_servers_share_load_and_both_receive_weights(servers, tiny_model_pat
         backend.close()
 
 
+def test_inflight_update_lands_while_requests_are_running(servers, tiny_model_path):
+    """With in-flight updates the push does not wait for the running requests (vLLM pause mode "keep"); they finish
+    afterwards, and new requests are served by the new weights. Without it, the push waits for them (mode "wait")."""
+    url = servers[0].url
+    hf_model, sd = perturbed_state_dict(tiny_model_path, 60)
+    for inflight, version in ((True, 60), (False, 61)):
+        backend = VLLMServerBackend([url], api_key=API_KEY, timeout=120, max_concurrency=16, inflight_updates=inflight)
+        result = {}
+
+        def run():
+            result["out"] = backend.generate(PROMPTS * 5, SamplingConfig(n=2, max_tokens=200))  # noqa: B023
+            result["done"] = time.monotonic()  # noqa: B023
+
+        try:
+            t = threading.Thread(target=run)
+            t.start()
+            deadline = time.monotonic() + 60
+            while backend.router.outstanding[url] < 15 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # every request has reached the server and is running
+            backend.update_weights(sd, version=version)
+            pushed = time.monotonic()
+            t.join(timeout=120)
+            assert len(result["out"]) == 30
+            if inflight:  # the push landed while the requests were still running
+                assert pushed < result["done"]
+            else:  # the push waited for them
+                assert pushed >= result["done"]
+            assert ServerClient(url, api_key=API_KEY).get("/ws/info")["version"] == version
+            (c,) = backend.generate(PROMPTS[:1], SamplingConfig(max_tokens=6, top_k=1))
+            assert c.completion_ids == hf_greedy(hf_model, PROMPTS[0], 6)
+        finally:
+            backend.close()
+
+
 def test_killing_one_of_two_servers_mid_run_is_survived(servers, caplog):
     urls = [s.url for s in servers]
     backend = VLLMServerBackend(urls, api_key=API_KEY, timeout=60, max_concurrency=4)

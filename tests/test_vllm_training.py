@@ -154,6 +154,18 @@ def test_training_on_two_servers_uses_both(servers, tiny_model_path, tmp_path):
         t.close()
 
 
+def test_inflight_weight_updates_training(servers, tiny_model_path, tmp_path):
+    url = servers[0].url
+    t = _train(_server_args(tmp_path, [url], weight_sync_inflight=True, num_batches_ahead=2), tiny_model_path)
+    try:
+        assert t.backend.inflight_updates
+        # pushed at each sync point: the server holds the weights the last round started with
+        assert t.backend.version == t.state.global_step - 1
+        _assert_sampler_matches(t)
+    finally:
+        t.close()
+
+
 @pytest.mark.multiprocess
 def test_two_trainer_processes_with_a_server(servers, tiny_model_path, tmp_path):
     out = str(tmp_path)

@@ -72,6 +72,7 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
         bucket_mb=args.weight_sync_bucket_mb,
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
+        inflight_updates=args.weight_sync_inflight,
     )
 
 

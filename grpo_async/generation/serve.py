@@ -30,10 +30,13 @@ off and those paths answer 404 even if a plugin registers them. Weight updates o
  "segments":  [{dtype: shm_name}],  # shm only, one per bucket
  "handles":   [{dtype: handle}],    # cuda_ipc only (JSON, base64 bytes)
  "group": str,                      # broadcast only: the group_name given to /ws/init_broadcast
- "version": int, "begin": true, "end": true, "load": true, "digests": false}
+ "version": int, "begin": true, "end": true, "load": true, "digests": false,
+ "pause": "wait" | "keep"}
 ```
-A request with `begin` pauses generation (in-flight requests finish first) and opens a reload session; one with
-`end` finalizes it, resets the prefix cache and resumes generation.
+A request with `begin` pauses generation and opens a reload session; one with `end` finalizes it, resets the prefix
+cache and resumes generation. `"pause": "wait"` (default): requests in flight finish on the old weights first.
+`"keep"` (in-flight updates): they are frozen where they are and continue on the new weights after the update
+(their earlier tokens keep the KV computed with the old weights).
 """
 
 from __future__ import annotations
@@ -176,7 +179,8 @@ def add_weight_routes(app) -> None:
         begin, end = body.get("begin", True), body.get("end", True)
         async with lock:
             if begin and not state["session_open"]:
-                await eng.pause_generation(mode="wait", clear_cache=True)
+                keep = body.get("pause", "wait") == "keep"  # frozen requests keep their KV: no cache clearing
+                await eng.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
                 state["session_open"] = True
             try:
                 out = await eng.collective_rpc("ws_update", kwargs={"request": body})

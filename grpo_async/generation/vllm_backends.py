@@ -317,6 +317,9 @@ class VLLMServerBackend:
         max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
         master_address (`str`, *optional*, defaults to `"127.0.0.1"`): this process's address as the servers see it
             (broadcast only: the trainer hosts the process group's store).
+        inflight_updates (`bool`, *optional*, defaults to `False`): `update_weights` may run while `generate` is in
+            progress; the servers freeze running requests, load, and continue them on the new weights (vLLM pause
+            mode "keep"). Off: requests in flight finish on the old weights before the load starts.
     """
 
     def __init__(
@@ -330,6 +333,7 @@ class VLLMServerBackend:
         model: str | None = None,
         max_concurrency: int = 16,
         master_address: str = "127.0.0.1",
+        inflight_updates: bool = False,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -354,6 +358,7 @@ class VLLMServerBackend:
         self.transport_name = transport
         self.bucket_mb = bucket_mb
         self.master_address = master_address
+        self.inflight_updates = inflight_updates
         self.transports: dict[str, object] = {}
         self.version: int | None = None
 
@@ -373,6 +378,7 @@ class VLLMServerBackend:
             elif self.transport_name == "cuda_ipc":
                 kwargs = {"device": device}
             tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)
+            tr.pause = "keep" if self.inflight_updates else "wait"
             self.transports[client.url] = tr
         return tr
 

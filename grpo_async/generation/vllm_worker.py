@@ -45,6 +45,9 @@ class _RotaryReloadFilter(logging.Filter):
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
 
 TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
+#: what happens to requests in flight during a weight update: "wait" (they finish on the old weights first) or
+#: "keep" (they are frozen, and resume on the new weights after the update: in-flight updates)
+PAUSE_MODES = ("wait", "keep")
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -57,7 +60,19 @@ def validate_update_request(req: object) -> dict:
     """Check a `/ws/update` request body (see `grpo_async.generation.serve`) and return it."""
     if not isinstance(req, dict):
         raise ValueError("the weight-update request must be a JSON object")
-    allowed = {"transport", "buckets", "version", "begin", "end", "load", "digests", "segments", "handles", "group"}
+    allowed = {
+        "transport",
+        "buckets",
+        "version",
+        "begin",
+        "end",
+        "load",
+        "digests",
+        "segments",
+        "handles",
+        "group",
+        "pause",
+    }
     unknown = set(req) - allowed
     if unknown:
         raise ValueError(f"unknown keys in weight-update request: {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -73,6 +88,8 @@ def validate_update_request(req: object) -> dict:
         raise ValueError(f"'version' must be an integer, got {version!r}")
     if "group" in req and not isinstance(req["group"], str):
         raise ValueError(f"'group' must be the group_name given to /ws/init_broadcast, got {req['group']!r}")
+    if req.get("pause", "wait") not in PAUSE_MODES:
+        raise ValueError(f"'pause' must be one of {PAUSE_MODES}, got {req['pause']!r}")
     for key in ("begin", "end", "load", "digests"):
         if key in req and not isinstance(req[key], bool):
             raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")

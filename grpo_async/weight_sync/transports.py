@@ -187,17 +187,20 @@ class _ServerTransport(WeightTransport):
         super().__init__(bucket_mb)
         self.client = client
         self.timeout = client.timeout if timeout is None else float(timeout)
+        #: "wait": requests in flight finish on the old weights first; "keep": in-flight updates (see serve.py)
+        self.pause = "wait"
 
     def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
         plans = plan_buckets(groups, self.bucket_mb)
         if self.bucket_mb is not None or len(plans) <= 1:
-            return self._session(plans, {"version": version, "digests": digests, "load": load})
+            return self._session(plans, {"version": version, "digests": digests, "load": load, "pause": self.pause})
         # Per-tensor mode: one request per tensor inside one reload session.
         total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}}
         done = False
         try:
             for i, plan in enumerate(plans):
                 extra = {"begin": i == 0, "end": i == len(plans) - 1, "digests": digests, "load": load}
+                extra["pause"] = self.pause
                 if i == len(plans) - 1:
                     extra["version"] = version
                 out = self._session([plan], extra)
