@@ -12,6 +12,7 @@ from transformers import TrainingArguments
 
 from .algo.advantages import SCALE_REWARDS
 from .algo.loss import LOSS_TYPES
+from .rollout.aggregation import REUSE_ORDERS, STAGES, check_stage_sizes, service_target_bs, sizes_that_fit
 
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
 VLLM_MODES = ("colocate", "server")
@@ -130,6 +131,38 @@ class GRPOConfig(TrainingArguments):
     weight_sync_bucket_mb: float = field(
         default=256.0, metadata={"help": "Size threshold of a weight-transfer bucket (modules are never split)."}
     )
+    weight_sync_inflight: bool = field(
+        default=False,
+        metadata={
+            "help": "vllm_server only: push new weights as soon as the optimizer made them, while the round in flight "
+            "keeps generating (its running requests continue on the new weights). Off: a round finishes on the "
+            "weights it started with. Samples record the version their round started with."
+        },
+    )
+
+    # ---- per-stage micro-batches (seed 000) ---------------------------------------------------------------
+    rollout_micro_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per generate call (rows after the ×G repeat). Default: per_device_train_batch_size. "
+            "vLLM batches internally: set it to generation_batch_size for one call per round."
+        },
+    )
+    ref_logps_micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per reference-model forward pass. Default: per_device_train_batch_size."},
+    )
+    old_logps_micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per old-policy forward pass. Default: per_device_train_batch_size."},
+    )
+    reuse_order: str = field(
+        default="epoch",
+        metadata={
+            "help": f"Order of the μ passes over a round's micro-batches, one of {REUSE_ORDERS}: 'epoch' (a b | a b) "
+            "or seed 000's 'consecutive' (a a b b)."
+        },
+    )
 
     # ---- async pipeline ----------------------------------------------------------------------------------
     num_batches_ahead: int = field(
@@ -175,7 +208,17 @@ class GRPOConfig(TrainingArguments):
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.async_max_queue_size is None:
             self.async_max_queue_size = self.num_batches_ahead + 2
+        for name in ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.per_device_train_batch_size)
         self._validate()
+
+    @property
+    def service_target_bs(self) -> int:
+        """Derived: rows buffered before the stages run, LCM of the rollout, ref-logps and old-logps micro-batches."""
+        return service_target_bs(
+            self.rollout_micro_batch_size, self.ref_logps_micro_batch_size, self.old_logps_micro_batch_size
+        )
 
     @property
     def global_micro_batch_size(self) -> int:
@@ -209,6 +252,20 @@ class GRPOConfig(TrainingArguments):
                 f"valid num_generations divide {self.generation_batch_size}: "
                 f"{[g for g in range(2, self.generation_batch_size + 1) if self.generation_batch_size % g == 0]}",
             )
+        stages = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
+        for name in stages:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _err(name, f"must be an int >= 1 (rows, counted after the ×G repeat), got {v!r}")
+        local_rows, sizes = self.generation_batch_size // self.world_size, [getattr(self, n) for n in stages]
+        try:  # the stages run on each process's rows of a round: the LCM must divide them
+            check_stage_sizes(local_rows, *sizes)
+        except ValueError as e:
+            fits = sizes_that_fit(local_rows, *sizes)  # name the one stage that can fix it alone, if any
+            culprit = next((n for n, k in zip(stages, STAGES) if fits[k]), stages[0])
+            raise _err(culprit, f"per-stage micro-batches do not fit the per-process generation batch: {e}") from None
+        if self.reuse_order not in REUSE_ORDERS:
+            raise _err("reuse_order", f"must be one of {REUSE_ORDERS}, got {self.reuse_order!r}")
         if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:
             raise _err("num_batches_ahead", f"must be an int >= 0 (0 = synchronous), got {self.num_batches_ahead!r}")
         if not self.async_generation_timeout or self.async_generation_timeout <= 0:
@@ -254,6 +311,15 @@ class GRPOConfig(TrainingArguments):
             raise _err("vllm_server_urls", "the vllm_server backend needs at least one server URL")
         if not isinstance(self.vllm_max_concurrency, int) or self.vllm_max_concurrency < 1:
             raise _err("vllm_max_concurrency", f"must be an int >= 1, got {self.vllm_max_concurrency!r}")
+        if self.weight_sync_inflight and (
+            self.generation_backend != "vllm_server" or self.weight_sync_transport == "none"
+        ):
+            raise _err(
+                "weight_sync_inflight",
+                "in-flight weight updates need the vllm_server backend with a weight-sync transport (a server can "
+                f"pause running requests and resume them); got generation_backend={self.generation_backend!r}, "
+                f"weight_sync_transport={self.weight_sync_transport!r}",
+            )
         allowed = SYNC_BY_BACKEND[self.generation_backend]
         if self.weight_sync_transport not in allowed:
             raise _err(

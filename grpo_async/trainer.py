@@ -15,8 +15,10 @@ Round r is generated from the weights the trainer had when it started round r �
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import os
 import threading
 import time
 from collections import defaultdict
@@ -35,11 +37,15 @@ from .data.sampler import RepeatSampler
 from .generation.base import SamplingConfig
 from .logging_utils import MetricsJsonlCallback
 from .rewards import prepare_reward_funcs, score_completions
+from .rollout.aggregation import MicroBatchBuffer, apply_in_chunks, chunk_slices, reuse_order, split_back
 from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest
-from .rollout.distribute import pad, process_slice, select_rows, shuffle_rows, split_rows, trim_padding
+from .rollout.distribute import num_rows, pad, process_slice, select_rows, shuffle_rows, split_rows, trim_padding
 from .weight_sync.collect import collect_state_dict
 
 logger = logging.getLogger(__name__)
+
+#: written into every checkpoint folder: the pipeline's position (micro-steps, rounds, rounds in flight, geometry)
+PIPELINE_STATE_FILE = "grpo_async_state.json"
 
 
 def _identity(rows):
@@ -150,6 +156,8 @@ class GRPOTrainer(Trainer):
         G = args.num_generations
         self.num_generations = G
         self.generate_every = args.steps_per_generation * args.num_iterations
+        # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
+        self._reuse_order = reuse_order(list(range(args.steps_per_generation)), args.num_iterations, args.reuse_order)
         self.compute_old_logps = (
             args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
         )
@@ -353,34 +361,67 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def _add_logps(self, local: dict) -> dict:
-        """Old-policy logps (when the policy moves before the rows are trained) and reference logps (β > 0)."""
-        if not self.compute_old_logps and self.args.beta == 0:
-            return local
-        device = self.accelerator.device
-        ids = torch.cat([local["prompt_ids"], local["completion_ids"]], 1).to(device)  # [L, P+T]
-        am = torch.cat([local["prompt_mask"], local["completion_mask"]], 1).to(device)  # [L, P+T]
-        T = local["completion_ids"].size(1)
-        bs = self.args.per_device_train_batch_size
+        """Old-policy logps (when the policy moves before the rows are trained) and reference logps (β > 0).
+
+        Seed 000's aggregation on this process's rows: its training micro-batches are buffered until they hold
+        `service_target_bs` rows (forced at the end of the round), then each stage runs over the buffered rows in
+        chunks of its own micro-batch size, and the results are cut back at the micro-batch boundaries.
+        """
+        stages = {}
         if self.compute_old_logps:
-            local["old_logps"] = completion_logps(self.model, ids, am, T, self.args.temperature, bs).cpu()
+            stages["old_logps"] = (self.args.old_logps_micro_batch_size, self._old_logps_fn)
         if self.args.beta > 0:
-            if self.ref_model is not None:
-                ref = completion_logps(self.ref_model, ids, am, T, self.args.temperature, bs)
-            else:  # PEFT: the base model is the reference
-                with self.accelerator.unwrap_model(self.model).disable_adapter():
-                    ref = completion_logps(self.model, ids, am, T, self.args.temperature, bs)
-            local["ref_logps"] = ref.cpu()
+            stages["ref_logps"] = (self.args.ref_logps_micro_batch_size, self._ref_logps_fn)
+        if not stages:
+            return local
+        T = local["completion_ids"].size(1)
+        rows = {
+            "ids": torch.cat([local["prompt_ids"], local["completion_ids"]], 1),  # [L, P+T]
+            "mask": torch.cat([local["prompt_mask"], local["completion_mask"]], 1),  # [L, P+T]
+        }
+        buffer = MicroBatchBuffer(self.args.service_target_bs)
+        micro = chunk_slices(num_rows(rows), self.args.per_device_train_batch_size)
+        pieces: dict[str, list[torch.Tensor]] = {name: [] for name in stages}
+        m = self._metrics["train"]
+        for i, sl in enumerate(micro):
+            buffer.add(select_rows(rows, sl))
+            taken = buffer.take(force=i == len(micro) - 1)
+            if taken is None:
+                continue
+            merged, sizes = taken
+            for name, (size, fn) in stages.items():
+                t0 = time.perf_counter()
+                logps, chunks = apply_in_chunks(lambda b, fn=fn: fn(b, T), merged, size)  # [B, T]
+                pieces[name] += [p["logps"] for p in split_back({"logps": logps}, sizes)]
+                m[f"timing/{name}"].append(time.perf_counter() - t0)
+                m[f"chunks/{name}"].append(float(chunks))
+        for name, parts in pieces.items():
+            local[name] = torch.cat(parts)  # [L, T]
         return local
+
+    def _old_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
+        device = self.accelerator.device
+        return completion_logps(
+            self.model, batch["ids"].to(device), batch["mask"].to(device), T, self.args.temperature
+        ).cpu()  # [b, T]
+
+    def _ref_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
+        device = self.accelerator.device
+        ids, mask = batch["ids"].to(device), batch["mask"].to(device)
+        if self.ref_model is not None:
+            return completion_logps(self.ref_model, ids, mask, T, self.args.temperature).cpu()  # [b, T]
+        with self.accelerator.unwrap_model(self.model).disable_adapter():  # PEFT: the base model is the reference
+            return completion_logps(self.model, ids, mask, T, self.args.temperature).cpu()  # [b, T]
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
         loader = self._async_loader
-        if loader is not None and loader.epoch != self._epoch_seen:
-            self._epoch_seen, self._epoch_call = loader.epoch, 0
+        if loader is not None and loader.epoch != self._epoch_seen:  # a new epoch (resumed: started `skipped` in)
+            self._epoch_seen, self._epoch_call = loader.epoch, loader.skipped
         if self._epoch_call % self.generate_every == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self._next_round(generation_batch)
-        inputs = self._buffered_inputs[self._epoch_call % self.args.steps_per_generation]
+        inputs = self._buffered_inputs[self._reuse_order[self._epoch_call % self.generate_every]]
         self._epoch_call += 1
         return {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
@@ -430,13 +471,21 @@ class GRPOTrainer(Trainer):
     def _generate_with(self, prompt_ids: list[list[int]], weights: tuple[int, dict], n: int | None = None):
         """Load `weights` into the backend if it holds another version, then generate; atomic w.r.t. other callers
         (the generator thread and evaluate), so a round always runs on the weights it asked for."""
-        version, state = weights
+        G = self.num_generations if n is None else n
+        size = self.args.rollout_micro_batch_size
+        if size % G == 0:  # whole groups per call: prompts with n = G
+            calls = [(prompt_ids[s], G) for s in chunk_slices(len(prompt_ids), size // G)]
+        else:  # a chunk may cut a group: every prompt G times with n = 1
+            rows = [p for p in prompt_ids for _ in range(G)]
+            calls = [(rows[s], 1) for s in chunk_slices(len(rows), size)]
         sampling = self._sampling_config()
-        if n is not None:
-            sampling.n = n
         with self._backend_lock:
             t_sync = self._load_into_backend(weights)
-            return self.backend.generate(prompt_ids, sampling), t_sync
+            completions = []
+            for chunk, n_chunk in calls:
+                sampling.n = n_chunk
+                completions += self.backend.generate(chunk, sampling)
+            return completions, t_sync, len(calls)
 
     def _load_into_backend(self, weights: tuple[int, dict]) -> float:
         """Push `weights` unless the backend already holds that version; returns the seconds it took. Callers hold
@@ -479,7 +528,7 @@ class GRPOTrainer(Trainer):
                 raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
         prompt_ids, truncated = self._tokenize_prompts(request.prompts)
         t0 = time.perf_counter()
-        completions, t_sync = self._generate_with(prompt_ids, (version, state))
+        completions, t_sync, rollout_chunks = self._generate_with(prompt_ids, (version, state))
         if args.weight_sync_transport == "none":
             version = 0  # the sampler keeps the initial weights
         t_gen = time.perf_counter() - t0 - t_sync
@@ -511,6 +560,7 @@ class GRPOTrainer(Trainer):
             "prompts/truncated": float(truncated),
             "timing/rollout": t_gen,
             "timing/weight_sync": t_sync,
+            "chunks/rollout": float(rollout_chunks),
             "timing/rewards": t_reward,
         }
         for i, name in enumerate(self.reward_func_names):
@@ -691,7 +741,7 @@ class GRPOTrainer(Trainer):
             for lo in range(0, len(dataset), chunk):
                 rows = [dataset[i] for i in range(lo, min(lo + chunk, len(dataset)))]
                 prompt_ids, _ = self._tokenize_prompts([r["prompt"] for r in rows])
-                completions, _ = self._generate_with(prompt_ids, weights, n=G)
+                completions, _, _ = self._generate_with(prompt_ids, weights, n=G)
                 rows_rep = [r for r in rows for _ in range(G)]
                 per_func = self._score(rows_rep, completions)  # [n·G, F]
                 per_func_all.append(per_func)
@@ -715,11 +765,101 @@ class GRPOTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------------
     # lifecycle
     # ------------------------------------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`; resuming also restores the pipeline (see `PIPELINE_STATE_FILE`): the run continues with
+        exactly the prompts an uninterrupted run would have trained (rounds that were generated ahead but not
+        trained at the checkpoint are generated again, from the checkpoint's weights)."""
+        if resume_from_checkpoint:
+            path = resume_from_checkpoint
+            if path is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                path = get_last_checkpoint(self.args.output_dir)
+                if path is None:
+                    raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint")
+            self._load_pipeline_state(path)
+            resume_from_checkpoint = path
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.close_generator()
+
+    # ------------------------------------------------------------------------------------------------------
+    # checkpoints: what the pipeline needs to resume exactly
+    # ------------------------------------------------------------------------------------------------------
+    def _pipeline_state(self) -> dict:
+        a = self.args
+        return {
+            "micro_steps": self._step,  # training_step calls so far
+            "round": self._round,  # next round to train
+            "policy_version": self.state.global_step,
+            "submitted_rounds": sorted(self._submitted),  # generated ahead, not trained: regenerated on resume
+            "geometry": {
+                "num_processes": self.accelerator.num_processes,
+                "per_device_train_batch_size": a.per_device_train_batch_size,
+                "gradient_accumulation_steps": a.gradient_accumulation_steps,
+                "steps_per_generation": a.steps_per_generation,
+                "num_iterations": a.num_iterations,
+                "num_generations": a.num_generations,
+                "seed": a.seed,
+            },
+        }
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(self._pipeline_state(), f, indent=1)
+            os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
+
+    def _load_pipeline_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, PIPELINE_STATE_FILE)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"{checkpoint} has no {PIPELINE_STATE_FILE}: it was not written by grpo_async's GRPOTrainer, so the "
+                "pipeline position (rounds, micro-steps) cannot be restored"
+            )
+        with open(path) as f:
+            saved = json.load(f)
+        now = self._pipeline_state()["geometry"]
+        diff = {k: (v, now[k]) for k, v in saved["geometry"].items() if now.get(k) != v}
+        if diff:
+            changed = ", ".join(f"{k}: {a} → {b}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"cannot resume from {checkpoint}: the batch geometry changed ({changed}); "
+                "prompts would be skipped or trained twice. Resume with the settings the checkpoint was written with."
+            )
+        self._step, self._round = saved["micro_steps"], saved["round"]
+        if saved["submitted_rounds"]:
+            logger.info(
+                "resuming at round %d: rounds %s were generated ahead of the checkpoint and are generated again",
+                self._round,
+                saved["submitted_rounds"],
+            )
+
+    def _run_epoch(self, *args, **kwargs):
+        # Resuming mid-epoch, the Trainer skips batches with accelerate's `skip_first_batches`, which rebuilds a
+        # plain dataloader: our look-ahead wrapper skips them itself instead, so peeking stays on the same stream.
+        import transformers.trainer as hf_trainer
+
+        original = hf_trainer.skip_first_batches
+
+        def skip(dataloader, num_batches=0):
+            if isinstance(dataloader, AsyncDataLoaderWrapper):
+                return dataloader.skip_first_batches(num_batches)
+            return original(dataloader, num_batches)
+
+        hf_trainer.skip_first_batches = skip
+        try:
+            return super()._run_epoch(*args, **kwargs)
+        finally:
+            hf_trainer.skip_first_batches = original
 
     def close_generator(self) -> None:
         """Stop the generator thread (rounds still queued are abandoned); the backend stays for a later train()."""

@@ -1,6 +1,8 @@
 """Launched by the multi-process tests with 2 processes (gloo on CPU). Writes what each rank trained on.
 
 argv: MODEL OUT_DIR NUM_BATCHES_AHEAD NUM_ITERATIONS [SERVER_URL API_KEY] (with a server: the vllm_server backend).
+Environment (resume tests): GRPO_TEST_MAX_STEPS (default 4), GRPO_TEST_SAVE_STEPS (checkpoint every N steps),
+GRPO_TEST_STOP_AT (stop after that step), GRPO_TEST_RESUME (checkpoint folder to resume from).
 """
 
 import json
@@ -9,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
@@ -27,6 +30,15 @@ class Recorder(GRPOTrainer):
         return super().compute_loss(model, inputs, *a, **k)
 
 
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
 def main():
     model_path, out_dir, ahead, mu = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     server = {}
@@ -41,18 +53,22 @@ def main():
         gradient_accumulation_steps=2,
         num_iterations=mu,
         max_completion_length=6,
-        max_steps=4,
+        max_steps=int(os.environ.get("GRPO_TEST_MAX_STEPS", 4)),
         learning_rate=1e-2,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if "GRPO_TEST_SAVE_STEPS" in os.environ else "no",
+        save_steps=int(os.environ.get("GRPO_TEST_SAVE_STEPS", 500)),
         disable_tqdm=True,
         num_batches_ahead=ahead,
         beta=0.05,
         seed=0,
         **server,
     )
-    trainer = Recorder(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
-    trainer.train()
+    callbacks = [StopAt(int(os.environ["GRPO_TEST_STOP_AT"]))] if "GRPO_TEST_STOP_AT" in os.environ else []
+    trainer = Recorder(
+        model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64), callbacks=callbacks
+    )
+    trainer.train(resume_from_checkpoint=os.environ.get("GRPO_TEST_RESUME"))
     trainer.close()
     rank = trainer.accelerator.process_index
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])

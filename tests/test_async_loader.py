@@ -76,3 +76,19 @@ def test_thread_safe_peeks_and_nexts():
     t.join()
     assert not errors
     assert seen == list(range(2000))
+
+
+def test_skip_first_batches_keeps_look_ahead_and_history():
+    w = AsyncDataLoaderWrapper(list(range(10)), buffer_size=3, history_size=2)
+    assert w.skip_first_batches(4) is w
+    it = iter(w)
+    assert w.skipped == 4 and w.consumed == 4
+    assert w.batch_at(3) == 3  # skipped batches stay readable (the Trainer pulls a GA window first)
+    assert w.peek_ahead(1) == 4 and next(it) == 4
+    assert [next(it) for _ in range(5)] == [5, 6, 7, 8, 9]
+    with pytest.raises(StopIteration):
+        next(it)
+    iter(w)  # the next epoch starts at the beginning again
+    assert w.skipped == 0 and next(w) == 0
+    with pytest.raises(ValueError, match="num_batches must be an int >= 0"):
+        w.skip_first_batches(-1)

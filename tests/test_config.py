@@ -35,6 +35,19 @@ BASE = dict(
         ({"weight_sync_transport": "carrier-pigeon"}, "weight_sync_transport"),
         ({"generation_backend": "vllm_server"}, "vllm_server_urls"),
         ({"openai_base_url": "http://x", "weight_sync_transport": "ipc"}, "weight_sync_transport"),
+        ({"use_vllm": True, "weight_sync_transport": "broadcast"}, "weight_sync_transport"),  # in-process engine
+        (
+            {
+                "vllm_server_urls": ["http://s"],
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "weight_sync_transport": "checkpoint_dir",
+            },
+            "weight_sync_transport",
+        ),
+        ({"weight_sync_transport": "ipc"}, "weight_sync_transport"),  # hf syncs in place
+        ({"weight_sync_inflight": True}, "weight_sync_inflight"),  # hf cannot pause a generate call
+        ({"vllm_max_concurrency": 0}, "vllm_max_concurrency"),
         ({"num_iterations": 0}, "num_iterations"),
         ({"prompt_truncation": "middle"}, "prompt_truncation"),
     ],

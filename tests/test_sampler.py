@@ -28,3 +28,15 @@ def test_bad_arguments_name_the_field(kw):
     args = {"mini_repeat_count": 2, "batch_size": 1, "repeat_count": 1, **kw}
     with pytest.raises(ValueError, match=next(iter(kw))):
         RepeatSampler(range(4), **args)
+
+
+def test_set_epoch_reproduces_the_uninterrupted_stream():
+    # a run resumed in epoch 2 builds a fresh sampler and calls set_epoch(2): it must see the third permutation
+    straight = RepeatSampler(range(7), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=5)
+    epochs = [list(straight) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    resumed = RepeatSampler(range(7), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=5)
+    resumed.set_epoch(2)
+    assert list(resumed) == epochs[2]
+    resumed.set_epoch(1)  # and back
+    assert list(resumed) == epochs[1]

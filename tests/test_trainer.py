@@ -110,6 +110,70 @@ def test_round_reuse_old_logps_and_reference(tiny_model_path, tmp_path):
     assert any("kl" in h for h in t.state.log_history)
 
 
+def test_consecutive_reuse_order(tiny_model_path, tmp_path):
+    # seed 000's order: each micro-batch μ = 2 times in a row, a a b b (the default epoch order is a b a b)
+    args = _args(tmp_path, num_iterations=2, max_steps=4, reuse_order="consecutive")
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    rows = [sorted(b["row_index"].tolist()) for b in t.seen[:4]]
+    assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
+    assert sorted(rows[0] + rows[2]) == list(range(16))
+
+
+def test_per_stage_micro_batches(tiny_model_path, tmp_path):
+    # round: 8 rows × 2 GA = 16 rows (1 process). rollout 6 rows (not a multiple of G = 4: prompts repeated, n = 1)
+    # → chunks 6, 6, 4 = 3 calls; ref 16 → 1 chunk; old 4 → 4 chunks; LCM(6, 16, 4) = 48 > 16 is refused, so
+    # rollout 8 (2 prompts × G per call) → 2 calls, LCM(8, 16, 4) = 16 = the round: one buffer flush per round.
+    with pytest.raises(
+        ValueError, match="GRPOConfig.rollout_micro_batch_size.*lcm.*= 48.*rollout: \\[1, 2, 4, 8, 16\\]"
+    ):
+        _args(tmp_path, rollout_micro_batch_size=6, ref_logps_micro_batch_size=16, old_logps_micro_batch_size=4)
+    args = _args(
+        tmp_path,
+        num_iterations=2,
+        beta=0.1,
+        max_steps=2,
+        rollout_micro_batch_size=8,
+        ref_logps_micro_batch_size=16,
+        old_logps_micro_batch_size=4,
+    )
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert logs[0]["chunks/rollout"] == 2 and logs[0]["chunks/ref_logps"] == 1 and logs[0]["chunks/old_logps"] == 4
+    for key in ("timing/ref_logps", "timing/old_logps"):
+        assert key in logs[0]
+    # chunking changes nothing: the frozen reference's logps of the trained rows, recomputed in one pass, agree
+    from grpo_async.algo.logprobs import completion_logps
+
+    for b in t.seen[:2]:
+        ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+        am = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
+        with torch.no_grad():
+            ref = completion_logps(t.ref_model, ids, am, b["completion_ids"].size(1), args.temperature)
+        mask = b["completion_mask"].bool()
+        torch.testing.assert_close(b["ref_logps"][mask], ref[mask], atol=1e-5, rtol=0)
+
+    # a rollout size that cuts groups still yields whole groups: 24-row rounds (12 × GA 2), rollout 6 rows with
+    # G = 4 → each prompt sent 4 times with n = 1, 24 / 6 = 4 calls; LCM(6, 2, 3) = 6 divides 24
+    args = _args(
+        tmp_path,
+        per_device_train_batch_size=12,
+        max_steps=1,
+        rollout_micro_batch_size=6,
+        ref_logps_micro_batch_size=2,
+        old_logps_micro_batch_size=3,
+    )
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert [h for h in t.state.log_history if "reward" in h][0]["chunks/rollout"] == 4
+    group_prompt = {}
+    for b in t.seen:
+        for row, ids, mask in zip(b["row_index"].tolist(), b["prompt_ids"], b["prompt_mask"], strict=True):
+            assert group_prompt.setdefault(row // 4, ids[mask.bool()].tolist()) == ids[mask.bool()].tolist()
+    assert len(group_prompt) == 6
+
+
 def test_conversational_and_peft(tiny_model_path, tmp_path):
     from peft import LoraConfig
 

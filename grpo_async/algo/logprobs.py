@@ -9,13 +9,14 @@ import torch
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(logits)[..., index]` without materialising the full `[B, T, V]` log-softmax.
+    """`log_softmax(logits)[..., index]` without materialising the `[B, T, V]` log-softmax as a result.
 
     logits: `[B, T, V]`, index: `[B, T]` → `[B, T]`.
     """
     if logits.dtype in (torch.float32, torch.float64):
         picked = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)  # [B, T]
-        norm = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # [B, T]
+        # one call over the chunk: its temporaries are the size of the logits the chunk already holds
+        norm = torch.logsumexp(logits, dim=-1)  # [B, T]
         return picked - norm
     # bf16/fp16: logsumexp is not accurate enough, go row by row in the logits' dtype
     out = []

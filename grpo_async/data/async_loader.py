@@ -44,6 +44,8 @@ class AsyncDataLoaderWrapper:
         self._exhausted = False
         self.consumed = 0  # batches returned by next() in the current epoch
         self.epoch = -1  # incremented by each iter()
+        self.skipped = 0  # batches the current epoch started past (resume)
+        self._skip_next = 0
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self):
@@ -54,6 +56,21 @@ class AsyncDataLoaderWrapper:
             self._exhausted = False
             self.consumed = 0
             self.epoch += 1
+            self.skipped, self._skip_next = self._skip_next, 0
+            for _ in range(self.skipped):  # resume: consumed without training, still readable by batch_at
+                if not self._fill(1):
+                    raise ValueError(f"cannot skip {self.skipped} batches: the epoch has only {self.consumed}")
+                self._history.append(self._buffer.popleft())
+                self.consumed += 1
+        return self
+
+    def skip_first_batches(self, num_batches: int) -> AsyncDataLoaderWrapper:
+        """Start the next epoch `num_batches` batches in (resuming mid-epoch); returns `self`, so peeking keeps
+        working. Replaces accelerate's `skip_first_batches`, which would build a new dataloader without look-ahead."""
+        if not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"skip_first_batches: num_batches must be an int >= 0, got {num_batches!r}")
+        with self._lock:
+            self._skip_next = num_batches
         return self
 
     def __next__(self):

@@ -57,12 +57,29 @@ class RepeatSampler(Sampler):
         self.num_samples = len(data_source)
         self.shuffle = shuffle
         self.seed = seed
+        self.epoch = 0  # permutations drawn so far (the epoch the next __iter__ yields)
         if shuffle:
             self.generator = torch.Generator()
             if seed is not None:
                 self.generator.manual_seed(seed)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next `__iter__` yield epoch `epoch`'s order: the one an uninterrupted run would yield then.
+
+        With a seed, the generator is re-seeded and advanced past `epoch` permutations, so a run resumed in epoch
+        `e` sees exactly the stream it would have seen (the Trainer calls this before each epoch). Without a seed
+        the order is not reproducible anyway and this only records the epoch.
+        """
+        if epoch == self.epoch:
+            return
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed)
+            for _ in range(epoch):
+                torch.randperm(self.num_samples, generator=self.generator)
+        self.epoch = epoch
+
     def __iter__(self):
+        self.epoch += 1
         if self.shuffle:
             indexes = torch.randperm(self.num_samples, generator=self.generator).tolist()
         else:
