@@ -261,7 +261,7 @@ class GRPOTrainer(Trainer):
         import tempfile
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        folder = tempfile.mkdtemp(prefix="grpo_async_sampler_")
+        folder = self._sampler_model_dir = tempfile.mkdtemp(prefix="grpo_async_sampler_")
         state = collect_state_dict(model)  # PEFT merged, HF names
         base.save_pretrained(folder, state_dict=state)
         self.processing_class.save_pretrained(folder)
@@ -382,7 +382,7 @@ class GRPOTrainer(Trainer):
         buffer = MicroBatchBuffer(self.args.service_target_bs)
         micro = chunk_slices(num_rows(rows), self.args.per_device_train_batch_size)
         pieces: dict[str, list[torch.Tensor]] = {name: [] for name in stages}
-        m = self._metrics["train"]
+        seconds, chunks = dict.fromkeys(stages, 0.0), dict.fromkeys(stages, 0)
         for i, sl in enumerate(micro):
             buffer.add(select_rows(rows, sl))
             taken = buffer.take(force=i == len(micro) - 1)
@@ -391,12 +391,15 @@ class GRPOTrainer(Trainer):
             merged, sizes = taken
             for name, (size, fn) in stages.items():
                 t0 = time.perf_counter()
-                logps, chunks = apply_in_chunks(lambda b, fn=fn: fn(b, T), merged, size)  # [B, T]
+                logps, n = apply_in_chunks(lambda b, fn=fn: fn(b, T), merged, size)  # [B, T]
                 pieces[name] += [p["logps"] for p in split_back({"logps": logps}, sizes)]
-                m[f"timing/{name}"].append(time.perf_counter() - t0)
-                m[f"chunks/{name}"].append(float(chunks))
+                seconds[name] += time.perf_counter() - t0
+                chunks[name] += n
+        m = self._metrics["train"]
         for name, parts in pieces.items():
             local[name] = torch.cat(parts)  # [L, T]
+            m[f"timing/{name}"].append(seconds[name])  # per round, this process
+            m[f"chunks/{name}"].append(float(chunks[name]))
         return local
 
     def _old_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
@@ -517,6 +520,11 @@ class GRPOTrainer(Trainer):
         if self.backend is not None:
             self.backend.close()
             self.backend = None
+        if getattr(self, "_sampler_model_dir", None):
+            import shutil
+
+            shutil.rmtree(self._sampler_model_dir, ignore_errors=True)
+            self._sampler_model_dir = None
 
     def _generate_round(self, request: BatchRequest) -> dict[str, Any]:
         """Runs in the generator thread: weights → generate → rewards → advantages → padded tensors."""
