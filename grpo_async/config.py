@@ -11,7 +11,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .algo.advantages import SCALE_REWARDS
-from .algo.loss import LOSS_TYPES
+from .algo.loss import IS_MODES, LOSS_TYPES
 from .rollout.aggregation import REUSE_ORDERS, STAGES, check_stage_sizes, service_target_bs, sizes_that_fit
 
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
@@ -184,6 +184,23 @@ class GRPOConfig(TrainingArguments):
     loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES}."})
     scale_rewards: str = field(default="group", metadata={"help": f"One of {SCALE_REWARDS}."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
+    importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight the loss by π_old / π_sampler (the sampler's own logprobs): corrects for sampling from a "
+            "stale policy (async rounds) or another engine's numerics (vLLM). Needs the old-policy logps pass."
+        },
+    )
+    importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={"help": f"One of {tuple(IS_MODES)} (TRL 1.16's vLLM IS modes)."},
+    )
+    importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the IS ratio (truncate: clip, mask: zero below); None: none."}
+    )
+    importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound of the IS ratio (truncate: clip, mask: zero above); None: none."}
+    )
 
     # ---- logging -----------------------------------------------------------------------------------------
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
@@ -264,6 +281,21 @@ class GRPOConfig(TrainingArguments):
             fits = sizes_that_fit(local_rows, *sizes)  # name the one stage that can fix it alone, if any
             culprit = next((n for n, k in zip(stages, STAGES) if fits[k]), stages[0])
             raise _err(culprit, f"per-stage micro-batches do not fit the per-process generation batch: {e}") from None
+        if self.importance_sampling_mode not in IS_MODES:
+            raise _err(
+                "importance_sampling_mode", f"must be one of {tuple(IS_MODES)}, got {self.importance_sampling_mode!r}"
+            )
+        lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if (
+            (lo is not None and lo < 0)
+            or (hi is not None and hi <= 0)
+            or (lo is not None and hi is not None and lo >= hi)
+        ):
+            raise _err(
+                "importance_sampling_clip_max",
+                f"need 0 <= importance_sampling_clip_min < importance_sampling_clip_max (None = unbounded), "
+                f"got min={lo!r}, max={hi!r}",
+            )
         if self.reuse_order not in REUSE_ORDERS:
             raise _err("reuse_order", f"must be one of {REUSE_ORDERS}, got {self.reuse_order!r}")
         if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from .algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
 from .algo.logprobs import completion_logps
-from .algo.loss import LossContext, grpo_loss
+from .algo.loss import LossContext, grpo_loss, importance_sampling_weights
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
@@ -159,7 +159,9 @@ class GRPOTrainer(Trainer):
         # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
         self._reuse_order = reuse_order(list(range(args.steps_per_generation)), args.num_iterations, args.reuse_order)
         self.compute_old_logps = (
-            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+            args.num_iterations > 1
+            or args.steps_per_generation > args.gradient_accumulation_steps
+            or args.importance_sampling_correction  # π_old of the IS ratio π_old / π_sampler
         )
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step = 0  # training_step calls
@@ -400,7 +402,38 @@ class GRPOTrainer(Trainer):
             local[name] = torch.cat(parts)  # [L, T]
             m[f"timing/{name}"].append(seconds[name])  # per round, this process
             m[f"chunks/{name}"].append(float(chunks[name]))
+        if self.args.importance_sampling_correction:
+            self._add_importance_weights(local)
         return local
+
+    def _add_importance_weights(self, local: dict) -> None:
+        """`is_weights` = π_old / π_sampler per token or per completion (`importance_sampling_mode`), and metrics of
+        the logp difference and the ratio over every process's tokens."""
+        a = self.args
+        mask = local["loss_mask"]  # [L, T]
+        weights, diff = importance_sampling_weights(
+            local["old_logps"],
+            local["sampler_logps"],
+            mask,
+            a.importance_sampling_mode,
+            a.importance_sampling_clip_min,
+            a.importance_sampling_clip_max,
+        )
+        local["is_weights"] = weights  # [L, T] or [L, 1]
+        on = mask.bool() if weights.size(1) > 1 else mask.any(1, keepdim=True)  # tokens / completions that count
+        d, w = diff[mask.bool()].abs().float(), weights[on].float()
+        empty = w.numel() == 0  # every token of this process's rows is masked
+        stats = torch.tensor([d.sum(), d.numel(), d.max() if d.numel() else 0.0])
+        ratios = torch.tensor([math.inf, 0.0, 0.0, -math.inf] if empty else [w.min(), w.sum(), w.numel(), w.max()])
+        device = self.accelerator.device
+        stats = self.accelerator.gather(stats.to(device)).view(-1, 3).cpu()  # [N, 3]
+        ratios = self.accelerator.gather(ratios.to(device)).view(-1, 4).cpu()  # [N, 4]
+        m = self._metrics["train"]
+        m["sampling/logp_diff/mean"].append((stats[:, 0].sum() / stats[:, 1].sum().clamp(min=1)).item())
+        m["sampling/logp_diff/max"].append(stats[:, 2].max().item())
+        m["sampling/importance_sampling_ratio/min"].append(ratios[:, 0].min().item())
+        m["sampling/importance_sampling_ratio/mean"].append((ratios[:, 1].sum() / ratios[:, 2].sum()).item())
+        m["sampling/importance_sampling_ratio/max"].append(ratios[:, 3].max().item())
 
     def _old_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
         device = self.accelerator.device
@@ -621,6 +654,7 @@ class GRPOTrainer(Trainer):
             beta=args.beta,
             epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high,
+            importance_weights=inputs.get("is_weights"),
             ctx=LossContext(
                 grad_accum_steps=self.current_gradient_accumulation_steps,
                 max_completion_length=args.max_completion_length,
@@ -683,11 +717,12 @@ class GRPOTrainer(Trainer):
         metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
-        for key in ("async/staleness_max", "async/pending"):
-            if self._metrics[mode].get(key):
-                metrics[key] = max(self._metrics[mode][key])
-        if self._metrics[mode].get("async/staleness_min"):
-            metrics["async/staleness_min"] = min(self._metrics[mode]["async/staleness_min"])
+        for key, values in self._metrics[mode].items():  # extremes over the logging window, not their mean
+            name = f"eval_{key}" if mode == "eval" else key
+            if values and (key.endswith(("/max", "_max")) or key == "async/pending"):
+                metrics[name] = max(values)
+            elif values and key.endswith(("/min", "_min")):
+                metrics[name] = min(values)
         logs = {**logs, **{k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}}
         super().log(logs, start_time)
         self._metrics[mode].clear()

@@ -10,7 +10,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 
 from grpo_async import compute_advantages
 from grpo_async.algo.advantages import combine_rewards
-from grpo_async.algo.loss import LossContext, grpo_loss, k3_kl
+from grpo_async.algo.loss import IS_MODES, LossContext, grpo_loss, importance_sampling_weights, k3_kl
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -89,7 +89,7 @@ def test_k3_kl_hand_worked():
 
 
 # ---------------------------------------------------------------------------------------------- TRL parity
-def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_len):
+def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_len, is_correction=False):
     """Run TRL 1.16's own GRPOTrainer._compute_loss; only its model forward and collectives are stood in for."""
     fake = SimpleNamespace(
         top_entropy_quantile=1.0,
@@ -99,8 +99,8 @@ def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_le
         beta=beta,
         importance_sampling_level="token",
         off_policy_mask_threshold=None,
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=is_correction,
+        vllm_importance_sampling_correction=is_correction,
         current_gradient_accumulation_steps=ga,
         max_completion_length=max_len,
         aux_loss_enabled=False,
@@ -212,3 +212,103 @@ def test_advantages_match_a_real_trl_trainer(tiny_model_path, tmp_path, scale):
     for vals, trl_adv in zip(given, captured, strict=True):
         r = torch.tensor([float("nan") if v is None else v for v in vals])
         torch.testing.assert_close(compute_advantages(r, 4, scale), trl_adv, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- importance sampling
+def _trl_is_block():
+    """TRL 1.16's own importance-sampling code, cut out of `GRPOTrainer._generate_and_score_completions`."""
+    import inspect
+    import textwrap
+
+    src = inspect.getsource(TRLGRPOTrainer._generate_and_score_completions)
+    start = src.index(
+        "            if self.use_vllm and self.vllm_importance_sampling_correction:\n                mask ="
+    )
+    end = src.index("            # Compute the per-token log probabilities for the reference model")
+    return compile(textwrap.dedent(src[start:end]), "<trl importance sampling>", "exec")
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip_min, clip_max", [(None, 3.0), (0.5, 2.0), (0.9, None)])
+def test_importance_sampling_matches_trl(mode, clip_min, clip_max):
+    g = torch.Generator().manual_seed(1)
+    B, T = 5, 7
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    sampler = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sampler[1, 2] = float("nan")  # a logprob the engine did not return
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[3, 2:] = 0
+    ns = {
+        "self": SimpleNamespace(
+            use_vllm=True,
+            vllm_importance_sampling_correction=True,
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=clip_min,
+            vllm_importance_sampling_clip_max=clip_max,
+        ),
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampler,
+        "completion_mask": mask,
+        "tool_mask": None,
+        "torch": torch,
+        "math": math,
+    }
+    exec(_trl_is_block(), ns)
+    ours, diff = importance_sampling_weights(old, sampler, mask, mode, clip_min, clip_max)
+    torch.testing.assert_close(ours, ns["vllm_importance_sampling_ratio"], atol=0, rtol=0)
+    torch.testing.assert_close(diff, ns["per_token_logps_diff"], atol=0, rtol=0)
+
+
+def test_importance_sampling_hand_worked():
+    # d = [[0.1, 0.2]], clip_max 1.2: exp(0.1) = 1.105, exp(0.2) = 1.221 > 1.2, exp(0.3) = 1.350 > 1.2
+    old, sampler, mask = torch.tensor([[0.1, 0.2]]), torch.zeros(1, 2), torch.ones(1, 2)
+    w = {m: importance_sampling_weights(old, sampler, mask, m, None, 1.2)[0] for m in IS_MODES}
+    torch.testing.assert_close(w["token_truncate"], torch.tensor([[math.exp(0.1), 1.2]]))
+    torch.testing.assert_close(w["token_mask"], torch.tensor([[math.exp(0.1), 0.0]]))
+    torch.testing.assert_close(w["sequence_truncate"], torch.tensor([[1.2]]))
+    torch.testing.assert_close(w["sequence_mask"], torch.tensor([[0.0]]))
+    with pytest.raises(ValueError, match="Unknown importance sampling mode 'seq'"):
+        importance_sampling_weights(old, sampler, mask, "seq")
+
+
+def test_loss_with_importance_weights_matches_trl():
+    g = torch.Generator().manual_seed(2)
+    B, T = 4, 6
+    logps = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sampler = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 3:] = 0
+    for mode in IS_MODES:
+        w, _ = importance_sampling_weights(old, sampler, mask, mode, 0.5, 1.5)
+        n_items = mask.sum().double()
+        inputs = {
+            "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+            "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+            "completion_ids": torch.zeros(B, T, dtype=torch.long),
+            "completion_mask": mask,
+            "advantages": adv,
+            "old_per_token_logps": old,
+            "ref_per_token_logps": ref,
+            "num_items_in_batch": n_items,
+            "importance_sampling_ratio": w,
+        }
+        ctx = LossContext(
+            grad_accum_steps=2, max_completion_length=8, num_items_in_batch=n_items, steps_per_generation=2
+        )
+        ours = grpo_loss(
+            logps,
+            adv,
+            mask,
+            loss_type="dapo",
+            old_per_token_logps=old,
+            ref_per_token_logps=ref,
+            beta=0.04,
+            importance_weights=w,
+            ctx=ctx,
+        )
+        theirs = _trl_loss("dapo", logps, inputs, 0.04, 0.2, 0.2, 2, 2, 8, is_correction=True)
+        torch.testing.assert_close(ours.loss, theirs, atol=1e-9, rtol=0)

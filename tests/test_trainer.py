@@ -110,6 +110,34 @@ def test_round_reuse_old_logps_and_reference(tiny_model_path, tmp_path):
     assert any("kl" in h for h in t.state.log_history)
 
 
+def test_importance_sampling_correction(tiny_model_path, tmp_path):
+    # round 0 is sampled and trained with the initial weights: π_old = π_sampler, ratio 1. Round 1 was sampled with
+    # the initial weights too but is trained after one optimizer step (num_batches_ahead = 1): ratio ≠ 1.
+    args = _args(tmp_path, num_batches_ahead=1, importance_sampling_mode="token_truncate", max_steps=2)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    by_round = {int(b["round_id"][0]): b for b in t.seen}
+    r0, r1 = by_round[0], by_round[1]
+    m0, m1 = r0["loss_mask"].bool(), r1["loss_mask"].bool()
+    assert r0["is_weights"].shape == r0["loss_mask"].shape  # token level
+    torch.testing.assert_close(r0["is_weights"][m0], torch.ones(int(m0.sum())), atol=1e-4, rtol=0)
+    assert (r1["is_weights"][m1] - 1).abs().max() > 1e-3
+    assert r1["is_weights"].max() <= 3.0  # clipped at importance_sampling_clip_max
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert logs[0]["sampling/logp_diff/max"] < 1e-4 < logs[1]["sampling/logp_diff/max"]
+    for key in ("mean", "min", "max"):
+        assert f"sampling/importance_sampling_ratio/{key}" in logs[1]
+    # sequence level: one weight per completion; off: no weights at all
+    args = _args(tmp_path, importance_sampling_mode="sequence_mask", max_steps=1)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert t.seen[0]["is_weights"].shape == (8, 1)
+    args = _args(tmp_path, importance_sampling_correction=False, max_steps=1)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert "is_weights" not in t.seen[0] and "old_logps" not in t.seen[0]
+
+
 def test_consecutive_reuse_order(tiny_model_path, tmp_path):
     # seed 000's order: each micro-batch μ = 2 times in a row, a a b b (the default epoch order is a b a b)
     args = _args(tmp_path, num_iterations=2, max_steps=4, reuse_order="consecutive")

@@ -13,6 +13,7 @@ loss   = REDUCTIONS[loss_type](loss_t, mask) / accumulation normaliser
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -140,3 +141,60 @@ def grpo_loss(
         is_low_clipped=(ratio < 1 - epsilon_low) & (advantages < 0),
         is_high_clipped=(ratio > 1 + epsilon_high) & (advantages > 0),
     )
+
+
+# ---------------------------------------------------------------------------------------------- importance sampling
+def _token_level(diff: torch.Tensor) -> torch.Tensor:
+    return diff  # [B, T]
+
+
+def _sequence_level(diff: torch.Tensor) -> torch.Tensor:
+    return diff.sum(dim=-1, keepdim=True)  # [B, T] → [B, 1]
+
+
+def _truncate(ratio: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    return torch.clamp(ratio, min=clip_min, max=clip_max)
+
+
+def _mask(ratio: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+#: mode → (level of the ratio, what happens outside [clip_min, clip_max]); TRL 1.16's vLLM IS correction modes
+IS_MODES: dict[str, tuple[Callable, Callable]] = {
+    "token_truncate": (_token_level, _truncate),
+    "token_mask": (_token_level, _mask),
+    "sequence_truncate": (_sequence_level, _truncate),
+    "sequence_mask": (_sequence_level, _mask),
+}
+
+
+def importance_sampling_weights(
+    old_per_token_logps: torch.Tensor,
+    sampler_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights π_old / π_sampler that correct for sampling with another policy (a stale or differently
+    computed one: async rounds, vLLM kernels), the same math as TRL 1.16's vLLM importance-sampling correction.
+
+    Per token `d = (log π_old − log π_sampler) · mask` (NaN sampler logprobs count as `d = 0`); token modes use
+    `exp(d)` per token `[B, T]`, sequence modes `exp(Σ_t d)` per completion `[B, 1]`. `*_truncate` clips the ratio
+    to `[clip_min, clip_max]`; `*_mask` sets ratios outside it to 0 (that token / sequence is not trained).
+
+    Example: d = [[0.1, 0.2]], clip_max = 1.2 → token_truncate [[1.105, 1.2]], token_mask [[1.105, 0]],
+    sequence_truncate [[1.2]], sequence_mask [[0]] (exp(0.3) = 1.35 > 1.2).
+
+    Returns:
+        `(weights, per_token_logps_diff)`: weights `[B, T]` or `[B, 1]`, and `d` `[B, T]` for metrics.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"Unknown importance sampling mode {mode!r}; choose one of {tuple(IS_MODES)}")
+    diff = (old_per_token_logps - sampler_per_token_logps) * mask  # [B, T]
+    diff = torch.nan_to_num(diff, nan=0.0)
+    level, bound = IS_MODES[mode]
+    return bound(torch.exp(level(diff)), clip_min, clip_max), diff
