@@ -172,6 +172,14 @@ class GRPOConfig(TrainingArguments):
     async_generation_timeout: float = field(
         default=600.0, metadata={"help": "Seconds any wait on the generator may last before raising."}
     )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Never train a sample generated more than this many rounds before the round it is trained in "
+            "(its loss mask is zeroed; counted in async/dropped_stale). Default: num_batches_ahead (nothing is "
+            "dropped in the normal pipeline). With weight_sync_transport='none' the sampler never updates: raise it."
+        },
+    )
     async_max_queue_size: int | None = field(
         default=None, metadata={"help": "Rounds queued or completed-unfetched at once. Default num_batches_ahead+2."}
     )
@@ -225,6 +233,8 @@ class GRPOConfig(TrainingArguments):
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.async_max_queue_size is None:
             self.async_max_queue_size = self.num_batches_ahead + 2
+        if self.max_staleness is None:
+            self.max_staleness = self.num_batches_ahead
         for name in ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size"):
             if getattr(self, name) is None:
                 setattr(self, name, self.per_device_train_batch_size)
@@ -300,6 +310,8 @@ class GRPOConfig(TrainingArguments):
             raise _err("reuse_order", f"must be one of {REUSE_ORDERS}, got {self.reuse_order!r}")
         if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:
             raise _err("num_batches_ahead", f"must be an int >= 0 (0 = synchronous), got {self.num_batches_ahead!r}")
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+            raise _err("max_staleness", f"must be an int >= 0 (rounds), got {self.max_staleness!r}")
         if not self.async_generation_timeout or self.async_generation_timeout <= 0:
             raise _err("async_generation_timeout", f"must be > 0 seconds, got {self.async_generation_timeout!r}")
         if self.async_max_queue_size < self.num_batches_ahead + 1:

@@ -357,9 +357,30 @@ class GRPOTrainer(Trainer):
             payload["rows"], process_slice(total, self.accelerator.num_processes, self.accelerator.process_index)
         )
         local["num_items_in_batch"] = payload["num_items_in_batch"]
+        self._drop_stale(local)
         local = self._add_logps(local)
         local = shuffle_rows(local)
         return [trim_padding(b) for b in split_rows(local, self.args.steps_per_generation)]
+
+    def _drop_stale(self, local: dict) -> None:
+        """Never train a sample staler than `max_staleness` rounds: its loss mask is zeroed (counted, logged as
+        `async/dropped_stale`). Staleness is measured in policy versions (optimizer steps) between the sample's
+        weights and the weights this round starts training with; `max_staleness` rounds = that many rounds' steps."""
+        steps_per_round = self.generate_every / self.args.gradient_accumulation_steps
+        limit = math.ceil(self.args.max_staleness * steps_per_round - 1e-9)
+        stale = (self.state.global_step - local["policy_version"]) > limit  # [L]
+        local["loss_mask"][stale] = 0
+        counts = torch.tensor([float(stale.sum()), float(local["loss_mask"].sum())], device=self.accelerator.device)
+        dropped, items = self.accelerator.reduce(counts, reduction="sum").tolist()
+        self._metrics["train"]["async/dropped_stale"].append(dropped)
+        if dropped:
+            local["num_items_in_batch"] = items  # the loss normaliser counts trained tokens only
+            logger.warning(
+                "round %d: %d samples older than max_staleness=%d rounds were not trained",
+                self._round - 1,
+                int(dropped),
+                self.args.max_staleness,
+            )
 
     @torch.no_grad()
     def _add_logps(self, local: dict) -> dict:

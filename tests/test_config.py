@@ -49,6 +49,7 @@ BASE = dict(
         ({"weight_sync_inflight": True}, "weight_sync_inflight"),  # hf cannot pause a generate call
         ({"vllm_max_concurrency": 0}, "vllm_max_concurrency"),
         ({"importance_sampling_mode": "tis"}, "importance_sampling_mode"),
+        ({"max_staleness": -1}, "max_staleness"),
         ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 1.0}, "importance_sampling_clip_max"),
         ({"num_iterations": 0}, "num_iterations"),
         ({"prompt_truncation": "middle"}, "prompt_truncation"),

@@ -138,6 +138,25 @@ def test_importance_sampling_correction(tiny_model_path, tmp_path):
     assert "is_weights" not in t.seen[0] and "old_logps" not in t.seen[0]
 
 
+def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_path, caplog):
+    # 2 rounds ahead but max_staleness = 1 (one optimizer step per round here): round r ≥ 2 was sampled with the
+    # weights of round r − 2 and is trained at version r → dropped (loss mask zeroed, counted); rounds 0, 1 are not
+    args = _args(tmp_path, num_batches_ahead=2, max_staleness=1, max_steps=4)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    for b in t.seen:
+        stale = int(b["round_id"][0]) - int(b["policy_version"][0]) > 1
+        assert (b["loss_mask"].sum() == 0) == stale, (int(b["round_id"][0]), int(b["policy_version"][0]))
+    dropped = [h["async/dropped_stale"] for h in t.state.log_history if "async/dropped_stale" in h]
+    assert dropped == [0, 0, 16, 16]  # every row of rounds 2 and 3
+    assert "older than max_staleness=1 rounds were not trained" in caplog.text
+    # the default bound (num_batches_ahead) never drops anything in the normal pipeline
+    args = _args(tmp_path, num_batches_ahead=2)
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert all(h.get("async/dropped_stale", 0) == 0 for h in t.state.log_history)
+
+
 def test_consecutive_reuse_order(tiny_model_path, tmp_path):
     # seed 000's order: each micro-batch μ = 2 times in a row, a a b b (the default epoch order is a b a b)
     args = _args(tmp_path, num_iterations=2, max_steps=4, reuse_order="consecutive")
