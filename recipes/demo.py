@@ -7,6 +7,7 @@ Prints progress, then where it wrote the metrics (JSONL) and the reward-curve PN
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -96,5 +97,8 @@ if __name__ == "__main__":
     try:
         main()
     finally:
+        # free the trainer (its DDP reducer holds the process group) before destroying the group: a reducer collected
+        # afterwards can hang in gloo's teardown
+        gc.collect()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -5,6 +5,7 @@ Environment (resume tests): GRPO_TEST_MAX_STEPS (default 4), GRPO_TEST_SAVE_STEP
 GRPO_TEST_STOP_AT (stop after that step), GRPO_TEST_RESUME (checkpoint folder to resume from).
 """
 
+import gc
 import json
 import os
 import sys
@@ -83,9 +84,15 @@ def main():
             },
             f,
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Free the trainer (its DDP reducer holds the process group) BEFORE destroying the group: a reducer collected
+    # after `destroy_process_group` joins gloo's worker threads in its destructor and can hang forever (seen here).
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter finalizers: whatever else still holds gloo state must not hang the test
