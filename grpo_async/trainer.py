@@ -262,7 +262,9 @@ class GRPOTrainer(Trainer):
         `model` was given as an object). The trainer pushes its weights before every round anyway."""
         import tempfile
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        from .generation import base_model
+
+        base = base_model(model)
         folder = self._sampler_model_dir = tempfile.mkdtemp(prefix="grpo_async_sampler_")
         state = collect_state_dict(model)  # PEFT merged, HF names
         base.save_pretrained(folder, state_dict=state)

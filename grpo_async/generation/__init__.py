@@ -8,12 +8,17 @@ from urllib.parse import urlparse
 from .base import Completion, GenerationBackend, SamplingConfig
 
 
+def base_model(model):
+    """The plain architecture under a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _make_hf(args, model, tokenizer, model_path: str):
     from transformers import AutoModelForCausalLM
 
     from .hf import HFBackend
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if hasattr(model, "peft_config"):  # generate from a plain copy of the architecture; merged weights arrive later
         base = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
     return HFBackend(base, tokenizer, batch_size=None)
@@ -48,7 +53,7 @@ def _server_transport(args, urls: list[str]) -> str:
 def _make_vllm_colocate(args, model, tokenizer, model_path: str):
     from .vllm_backends import VLLMColocateBackend
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return VLLMColocateBackend(
         model_path,
         dtype=_torch_dtype_name(base),
