@@ -33,6 +33,7 @@ def completion_logps(
     logits_to_keep: int,
     temperature: float = 1.0,
     batch_size: int | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler.
 
@@ -40,15 +41,23 @@ def completion_logps(
         input_ids (`[B, P+T]`), attention_mask (`[B, P+T]`): prompt (left-padded) then completion (right-padded).
         logits_to_keep (`int`): T, the completion length.
         batch_size (`int`, *optional*): rows per forward pass (all at once when `None`).
+        padding_free (`bool`): run each chunk's rows packed into one `[1, ΣL]` sequence without padding
+            (`algo.packing`); logits only at the completion tokens. Padded positions then hold exactly 0.
 
     Returns:
         `[B, T]` log-probabilities (values at padded positions are meaningless; mask them).
     """
+    from .packing import pack_rows, packed_completion_logps, unpack_completion
+
     batch_size = batch_size or input_ids.size(0)
     out = []
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start : start + batch_size]  # [b, P+T]
         am = attention_mask[start : start + batch_size]  # [b, P+T]
+        if padding_free:
+            packed = pack_rows(ids, am, logits_to_keep)
+            out.append(unpack_completion(packed_completion_logps(model, packed, temperature), packed))  # [b, T]
+            continue
         # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
         position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # [b, P+T]
         logits = model(
