@@ -210,6 +210,27 @@ class GRPOConfig(TrainingArguments):
         default=3.0, metadata={"help": "Upper bound of the IS ratio (truncate: clip, mask: zero above); None: none."}
     )
 
+    # ---- memory: packing, reference model ----------------------------------------------------------------
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the logps and training forward passes on each micro-batch's rows packed into one sequence "
+            "without padding (position ids reset per row; logits only at completion tokens). Same numbers as the "
+            "padded path; bench/memory.py measures the peak memory it saves on skewed lengths. Needs a model whose "
+            "attention honours restarting position ids (transformers 5 models do; checked at start)."
+        },
+    )
+    ref_server_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Base URL of a `grpo-async serve` server holding the frozen reference weights (never updated): "
+            "with beta > 0 the reference logps come from it and the trainer loads no reference model."
+        },
+    )
+    ref_server_api_key: str | None = field(
+        default=None, metadata={"help": "API key of the reference server. Default: vllm_api_key."}
+    )
+
     # ---- logging -----------------------------------------------------------------------------------------
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
     num_completions_to_print: int = field(default=4, metadata={"help": "Completions printed per log."})
@@ -341,6 +362,11 @@ class GRPOConfig(TrainingArguments):
             raise _err("scale_rewards", f"must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
         if self.beta < 0:
             raise _err("beta", f"must be >= 0, got {self.beta!r}")
+        if self.ref_server_url is not None:
+            if not str(self.ref_server_url).startswith(("http://", "https://")):
+                raise _err("ref_server_url", f"must be an http(s):// URL, got {self.ref_server_url!r}")
+            if self.beta == 0:
+                raise _err("ref_server_url", "is set but beta=0: no reference logps are computed; set beta > 0")
         if not self.epsilon > 0 or not self.epsilon_high > 0:
             raise _err("epsilon", f"epsilon and epsilon_high must be > 0, got {self.epsilon!r}, {self.epsilon_high!r}")
         if self.generation_backend not in GENERATION_BACKENDS:

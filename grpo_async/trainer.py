@@ -31,10 +31,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from .algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
 from .algo.logprobs import completion_logps
 from .algo.loss import LossContext, grpo_loss, importance_sampling_weights
+from .algo.packing import check_isolation
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
 from .generation.base import SamplingConfig
+from .generation.ref_client import RefLogpsClient
 from .logging_utils import MetricsJsonlCallback
 from .rewards import prepare_reward_funcs, score_completions
 from .rollout.aggregation import MicroBatchBuffer, apply_in_chunks, chunk_slices, reuse_order, split_back
@@ -117,7 +119,8 @@ class GRPOTrainer(Trainer):
 
         self.is_peft = peft_config is not None
         ref_model = None
-        if args.beta > 0 and not self.is_peft:
+        # the reference: a frozen server (ref_server_url), the PEFT base model, or a frozen copy of the policy
+        if args.beta > 0 and not self.is_peft and args.ref_server_url is None:
             ref_model = copy.deepcopy(model).eval()
             for p in ref_model.parameters():
                 p.requires_grad_(False)
@@ -129,6 +132,10 @@ class GRPOTrainer(Trainer):
             for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0
+        if args.padding_free:  # packed rows must not attend to each other: prove it on this model once
+            was_training = model.training
+            check_isolation(model.eval())
+            model.train(was_training)
 
         self.reward_funcs, self.reward_func_names = prepare_reward_funcs(reward_funcs)
         weights = args.reward_weights
@@ -152,6 +159,11 @@ class GRPOTrainer(Trainer):
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        self.ref_client = None
+        if args.beta > 0 and args.ref_server_url is not None:
+            self.ref_client = RefLogpsClient(
+                args.ref_server_url, args.ref_server_api_key or args.vllm_api_key, args.vllm_server_timeout
+            )
 
         G = args.num_generations
         self.num_generations = G
@@ -459,18 +471,20 @@ class GRPOTrainer(Trainer):
         m["sampling/importance_sampling_ratio/max"].append(ratios[:, 3].max().item())
 
     def _old_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
-        device = self.accelerator.device
-        return completion_logps(
-            self.model, batch["ids"].to(device), batch["mask"].to(device), T, self.args.temperature
-        ).cpu()  # [b, T]
+        device, a = self.accelerator.device, self.args
+        ids, mask = batch["ids"].to(device), batch["mask"].to(device)
+        return completion_logps(self.model, ids, mask, T, a.temperature, padding_free=a.padding_free).cpu()  # [b, T]
 
     def _ref_logps_fn(self, batch: dict, T: int) -> torch.Tensor:
+        a = self.args
+        if self.ref_client is not None:  # the frozen reference server
+            return self.ref_client.completion_logps(batch["ids"], batch["mask"], T, a.temperature)  # [b, T]
         device = self.accelerator.device
         ids, mask = batch["ids"].to(device), batch["mask"].to(device)
         if self.ref_model is not None:
-            return completion_logps(self.ref_model, ids, mask, T, self.args.temperature).cpu()  # [b, T]
+            return completion_logps(self.ref_model, ids, mask, T, a.temperature, padding_free=a.padding_free).cpu()
         with self.accelerator.unwrap_model(self.model).disable_adapter():  # PEFT: the base model is the reference
-            return completion_logps(self.model, ids, mask, T, self.args.temperature).cpu()  # [b, T]
+            return completion_logps(self.model, ids, mask, T, a.temperature, padding_free=a.padding_free).cpu()
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
@@ -665,7 +679,7 @@ class GRPOTrainer(Trainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [B, P+T]
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # [B, P+T]
         T = inputs["completion_ids"].size(1)
-        logps = completion_logps(model, ids, attention_mask, T, args.temperature)  # [B, T]
+        logps = completion_logps(model, ids, attention_mask, T, args.temperature, padding_free=args.padding_free)
         mask = inputs["loss_mask"]  # [B, T]
         out = grpo_loss(
             logps,

@@ -33,6 +33,16 @@ off and those paths answer 404 even if a plugin registers them. Weight updates o
  "version": int, "begin": true, "end": true, "load": true, "digests": false,
  "pause": "wait" | "keep"}
 ```
+Reference logprobs (a frozen server holding the reference weights, `GRPOConfig.ref_server_url`):
+
+`POST /ws/logprobs`, body `{"sequences": [{"prompt_ids": [int], "completion_ids": [int]}], "temperature": float}`,
+answers `{"logprobs": [[float, ...], ...]}` (one list per sequence, one value per completion token):
+
+`log_softmax(logits / temperature)` of each completion token given its prefix, from vLLM's prompt logprobs (which
+vLLM computes from the raw logits, whatever `--logprobs-mode`): at temperature 1 the target token's logprob is the
+answer; at another temperature the route asks for the whole vocabulary's and rescales (`lp_y/T − logsumexp(lp/T)`;
+start that server with `--max-logprobs -1`).
+
 A request with `begin` pauses generation and opens a reload session; one with `end` finalizes it, resets the prefix
 cache and resumes generation. `"pause": "wait"` (default): requests in flight finish on the old weights first.
 `"keep"` (in-flight updates): they are frozen where they are and continue on the new weights after the update
@@ -44,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import secrets
 import sys
@@ -201,6 +212,55 @@ def add_weight_routes(app) -> None:
         return out[0]
 
 
+def _rescaled(position: dict, token: int, temperature: float) -> float:
+    """log_softmax(z / T)[token] from one position's log_softmax(z) over the whole vocabulary (`{id: Logprob}`)."""
+    if temperature == 1.0:
+        return position[token].logprob
+    scaled = [lp.logprob / temperature for lp in position.values()]
+    top = max(scaled)
+    return position[token].logprob / temperature - (top + math.log(sum(math.exp(s - top) for s in scaled)))
+
+
+def add_logprob_route(app) -> None:
+    """Register `POST /ws/logprobs` (per-token logprobs of given completions; see the module docstring)."""
+    import uuid
+
+    from vllm import SamplingParams
+
+    @app.post("/ws/logprobs")
+    async def ws_logprobs(request: Request):
+        body = await _json_body(request)
+        seqs, temperature = body.get("sequences"), body.get("temperature", 1.0)
+        if set(body) - {"sequences", "temperature"} or not isinstance(seqs, list):
+            raise HTTPException(400, 'logprobs takes {"sequences": [{"prompt_ids", "completion_ids"}], "temperature"}')
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+            raise HTTPException(400, f"logprobs: temperature must be a number > 0, got {temperature!r}")
+        for s in seqs:
+            ok = isinstance(s, dict) and set(s) == {"prompt_ids", "completion_ids"}
+            ok = ok and all(isinstance(s[k], list) and all(type(t) is int for t in s[k]) for k in s)
+            if not ok or not s["prompt_ids"]:
+                raise HTTPException(400, "logprobs: each sequence is {prompt_ids: [int] (not empty), completion_ids}")
+        temperature = float(temperature)
+        # the target token's logprob suffices at T = 1; another temperature needs the whole vocabulary's
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0 if temperature == 1.0 else -1, detokenize=False)
+        eng = request.app.state.engine_client
+
+        async def one(s):
+            ids = s["prompt_ids"] + s["completion_ids"]
+            if not s["completion_ids"]:
+                return []
+            final = None
+            async for out in eng.generate({"prompt_token_ids": ids}, params, f"ws-logprobs-{uuid.uuid4().hex}"):
+                final = out
+            lps, P = final.prompt_logprobs, len(s["prompt_ids"])
+            return [_rescaled(lps[P + j], tok, temperature) for j, tok in enumerate(s["completion_ids"])]
+
+        try:
+            return {"logprobs": await asyncio.gather(*(one(s) for s in seqs))}
+        except ValueError as e:  # vLLM refuses the request (e.g. --max-logprobs too small, sequence too long)
+            raise HTTPException(400, f"logprobs: {e}") from e
+
+
 def make_parser():
     """vLLM's `serve` argument parser with grpo-async defaults (host, worker extension, logprobs mode)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -226,6 +286,7 @@ async def _serve(args) -> None:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
         add_weight_routes(app)
+        add_logprob_route(app)
         app.middleware_stack = None  # vLLM's bootstrap may have built it; ours must wrap everything
         app.add_middleware(GuardMiddleware, api_keys=[k for k in (args.api_key or []) if k])  # outermost
         await init_app_state(engine_client, app.state, args, supported_tasks)

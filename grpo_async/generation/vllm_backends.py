@@ -20,6 +20,7 @@ of rotation with a warning and the request is retried on another; only when none
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -103,32 +104,54 @@ def to_completions_body(model: str, prompt: list[int], s: SamplingConfig) -> dic
     return body
 
 
-def parse_completions_response(resp: dict, n: int, where: str) -> list[Completion]:
-    """The `n` choices of one `/v1/completions` answer, in choice-index order."""
-    choices = sorted(resp.get("choices") or [], key=lambda c: c.get("index", 0))
+def parse_completions_response(resp, n: int, where: str) -> list[Completion]:
+    """The `n` choices of one `/v1/completions` answer, in choice-index order.
+
+    Raises `ServerError` (status `None`, i.e. "the server is broken") naming `where` when the answer does not have the
+    documented shape: the router then takes that server out of rotation instead of training on garbage.
+    """
+
+    def bad(what: str):
+        return ServerError(f"{where} returned a malformed /v1/completions answer: {what}")
+
+    if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
+        raise bad(f"expected a JSON object with a 'choices' list, got {str(resp)[:200]!r}")
+    if not all(isinstance(c, dict) for c in resp["choices"]):
+        raise bad("'choices' holds something other than objects")
+    choices = sorted(resp["choices"], key=lambda c: c.get("index", 0) if isinstance(c.get("index"), int) else 0)
     if len(choices) != n:
-        raise RuntimeError(f"{where} returned {len(choices)} choices for n={n}")
+        raise bad(f"{len(choices)} choices for n={n}")
     out = []
     for c in choices:
         lp = c.get("logprobs") or {}
+        if not isinstance(lp, dict):
+            raise bad(f"'logprobs' is a {type(lp).__name__}, not an object")
         ids = c.get("token_ids")
         if ids is None:
             toks = lp.get("tokens") or []
             if not all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
-                raise RuntimeError(
-                    f"{where} returned no token ids (needs vLLM's return_token_ids or return_tokens_as_token_ids)"
-                )
+                raise bad("no token ids (needs vLLM's return_token_ids or return_tokens_as_token_ids)")
             ids = [int(t.split(":", 1)[1]) for t in toks]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad(f"token_ids is not a list of ints: {str(ids)[:100]!r}")
         logprobs = lp.get("token_logprobs")
         if logprobs is None:
-            raise RuntimeError(f"{where} returned no logprobs (request had logprobs=0)")
+            raise bad("no logprobs (the request had logprobs=0)")
+        if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+            raise bad(f"{len(ids)} token ids but logprobs {str(logprobs)[:100]!r}")
+        try:
+            logprobs = [float(x) for x in logprobs]
+        except (TypeError, ValueError) as e:
+            raise bad(f"logprobs are not numbers ({e})") from None
+        if not all(math.isfinite(x) and x <= 1e-3 for x in logprobs):  # NaN, ±inf, or a log-probability above 0
+            raise bad(f"logprobs must be finite and <= 0, got {logprobs[:8]}")
         finish = c.get("finish_reason") or "stop"
         out.append(
             Completion(
                 completion_ids=list(ids),
-                logprobs=[float(x) for x in logprobs],
+                logprobs=logprobs,
                 finish_reason="length" if finish == "length" else "stop",
-                text=c.get("text"),
+                text=c.get("text") if isinstance(c.get("text"), str) else None,
             )
         )
     return out
@@ -227,6 +250,7 @@ class _CompletionsRouter:
         self.live = list(clients)
         self.outstanding = {c.url: 0 for c in clients}
         self.served = {c.url: 0 for c in clients}
+        self.errors: dict[str, str] = {}  # url -> why it left the rotation
         self.lock = threading.Lock()
         self.name = name
         self.model = model
@@ -241,9 +265,10 @@ class _CompletionsRouter:
         """The live server with the fewest outstanding requests (ties: first listed); counts the request."""
         with self.lock:
             if not self.live:
+                why = "; ".join(f"{u}: {e}" for u, e in self.errors.items())
                 raise RuntimeError(
                     f"{self.name}: no vLLM server left in rotation (all of {[c.url for c in self.clients]} "
-                    "stopped answering)"
+                    f"stopped answering or answered garbage){': ' + why if why else ''}"
                 )
             client = min(self.live, key=lambda c: self.outstanding[c.url])
             self.outstanding[client.url] += 1
@@ -256,6 +281,7 @@ class _CompletionsRouter:
 
     def mark_dead(self, client: ServerClient, error: Exception) -> None:
         with self.lock:
+            self.errors[client.url] = str(error)
             if client in self.live:
                 self.live.remove(client)
                 logger.warning(
@@ -297,9 +323,11 @@ class _CompletionsRouter:
 
 
 def _model_name(client: ServerClient) -> str:
-    data = client.get("/v1/models").get("data") or []
-    if not data:
-        raise RuntimeError(f"{client.url}/v1/models lists no model")
+    resp = client.get("/v1/models")
+    data = resp.get("data") if isinstance(resp, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise ServerError(f"{client.url}/v1/models lists no model (answer: {str(resp)[:200]!r})")
     return data[0]["id"]
 
 
@@ -320,6 +348,8 @@ class VLLMServerBackend:
         inflight_updates (`bool`, *optional*, defaults to `False`): `update_weights` may run while `generate` is in
             progress; the servers freeze running requests, load, and continue them on the new weights (vLLM pause
             mode "keep"). Off: requests in flight finish on the old weights before the load starts.
+        group_timeout (`float`, *optional*, defaults to 60): broadcast only: seconds the process group waits for a
+            server's workers (to join, or to receive a bucket) before the push fails and that server leaves rotation.
     """
 
     def __init__(
@@ -334,6 +364,7 @@ class VLLMServerBackend:
         max_concurrency: int = 16,
         master_address: str = "127.0.0.1",
         inflight_updates: bool = False,
+        group_timeout: float = 60.0,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -359,6 +390,7 @@ class VLLMServerBackend:
         self.bucket_mb = bucket_mb
         self.master_address = master_address
         self.inflight_updates = inflight_updates
+        self.group_timeout = float(group_timeout)
         self.transports: dict[str, object] = {}
         self.version: int | None = None
 
@@ -374,7 +406,7 @@ class VLLMServerBackend:
         if tr is None:
             kwargs = {}
             if self.transport_name == "broadcast":
-                kwargs = {"master_address": self.master_address, "device": device}
+                kwargs = {"master_address": self.master_address, "device": device, "group_timeout": self.group_timeout}
             elif self.transport_name == "cuda_ipc":
                 kwargs = {"device": device}
             tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)

@@ -95,7 +95,14 @@ class ServerClient:
             raise ServerError(f"{method} {self.url}{path} failed: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} → HTTP {r.status_code}: {r.text[:500]}", r.status_code)
-        return r.json() if r.content else None
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError as e:  # a broken server or proxy: treated like a server that does not answer
+            raise ServerError(
+                f"{method} {self.url}{path} → HTTP {r.status_code}, body is not JSON ({e}): {r.text[:200]!r}"
+            ) from e
 
     def get(self, path: str, timeout: float | None = None) -> Any:
         return self.request("GET", path, timeout=timeout)
@@ -127,6 +134,16 @@ class _Call(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _server_said(call: _Call, wait: float = 5.0) -> str:
+    """The server's own answer to the request running in `call`, if it gives one within `wait` seconds."""
+    call.join(wait)
+    if call.is_alive():
+        return f"; the server gave no answer within {wait:.0f}s"
+    if call.error is not None:
+        return f"; the server said: {call.error}"
+    return f"; the server answered {str(call.value)[:200]}"
 
 
 class WeightTransport(ABC):
@@ -292,14 +309,22 @@ class BroadcastTransport(_ServerTransport):
         call = _Call(lambda: self.client.post("/ws/init_broadcast", body, timeout=self.timeout), "ws-init-broadcast")
         call.start()
         prefixed = PrefixStore(group_name, self.store)
-        if self.backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL
+        try:
+            if self.backend == "nccl":
+                from torch.distributed import ProcessGroupNCCL
 
-            self.pg = ProcessGroupNCCL(prefixed, 0, world, ProcessGroupNCCL.Options())
-        else:
-            from torch.distributed import ProcessGroupGloo
+                self.pg = ProcessGroupNCCL(prefixed, 0, world, ProcessGroupNCCL.Options())
+            else:
+                from torch.distributed import ProcessGroupGloo
 
-            self.pg = ProcessGroupGloo(prefixed, 0, world, timeout)
+                self.pg = ProcessGroupGloo(prefixed, 0, world, timeout)
+        except Exception as e:  # the server's workers never joined (dead, or stuck) within the group timeout
+            self.store = None
+            raise ServerError(
+                f"weight sync to {self.client.url}: its workers did not join the broadcast group {group_name} "
+                f"within group_timeout={self.group_timeout:.0f}s ({type(e).__name__}: {str(e)[:300]})"
+                f"{_server_said(call)}"
+            ) from e
         call.result(self.timeout)
         self.world_size = world
 
@@ -325,12 +350,13 @@ class BroadcastTransport(_ServerTransport):
             if inflight is not None:
                 for w in inflight[0]:
                     w.wait()
-        except BaseException:
-            try:
-                call.result(self.timeout)
-            except BaseException as server_error:  # noqa: BLE001 - the server's error explains ours
-                raise server_error
-            raise
+        except KeyboardInterrupt:
+            raise  # never wait for the server when the user interrupts
+        except Exception as e:  # the peer died or stopped receiving: bounded by the group timeout
+            raise ServerError(
+                f"weight sync to {self.client.url} failed mid-broadcast (the server died or stopped receiving; "
+                f"group_timeout={self.group_timeout:.0f}s): {type(e).__name__}: {str(e)[:300]}{_server_said(call)}"
+            ) from e
         return call.result(self.timeout)
 
     def close(self) -> None:
