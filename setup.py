@@ -31,6 +31,7 @@ setup(
         "requests",
         "matplotlib",
         "rich",
+        "math-verify>=0.7",  # grpo_async.rewards.math_reward
     ],
     extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "dev": TEST},
     entry_points={"console_scripts": ["grpo-async=grpo_async.cli:main"]},

@@ -192,6 +192,20 @@ class GRPOConfig(TrainingArguments):
     loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES}."})
     scale_rewards: str = field(default="group", metadata={"help": f"One of {SCALE_REWARDS}."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
+    reward_timeout: float | None = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds one reward-function call may take before the round fails with an error naming it "
+            "(sync functions run in a worker thread that is abandoned). None: no limit."
+        },
+    )
+    mask_env_responses: bool = field(
+        default=True,
+        metadata={
+            "help": "Multi-turn environments: tokens the environment or a tool wrote into the completion are in the "
+            "sequence (attended to) but not trained on. False trains on them too."
+        },
+    )
     importance_sampling_correction: bool = field(
         default=True,
         metadata={
@@ -360,6 +374,8 @@ class GRPOConfig(TrainingArguments):
             raise _err("loss_type", f"unknown loss type {self.loss_type!r}; choose one of {LOSS_TYPES}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise _err("scale_rewards", f"must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise _err("reward_timeout", f"must be > 0 seconds or None (no limit), got {self.reward_timeout!r}")
         if self.beta < 0:
             raise _err("beta", f"must be >= 0, got {self.beta!r}")
         if self.ref_server_url is not None:

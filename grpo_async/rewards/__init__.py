@@ -1,25 +1,58 @@
 """Reward functions: TRL's calling convention, checked and timed.
 
 A reward function is `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, one value per
-completion; dataset columns arrive as keyword lists aligned with the completions. `None` means "not applicable"
-(NaN): a completion every function returns None for is unscorable and gets advantage 0. `async def` functions run
-concurrently.
+completion; dataset columns arrive as keyword lists aligned with the completions (plus `trainer_state` when called
+by the trainer, as in TRL). `None` means "not applicable" (NaN): a completion every function returns None for is
+unscorable and gets advantage 0. `async def` functions run concurrently with each other.
+
+What TRL 1.16 leaves undefined is an error here, naming the function: raising, returning the wrong number of values,
+returning a non-number, returning `inf` or a bare `NaN` (say "not applicable" with `None`), and running longer than
+`GRPOConfig.reward_timeout` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
+from .builtin import format_reward, length_penalty, math_reward
+
+logger = logging.getLogger(__name__)
+
 RewardFunc = Callable[..., list]
+
+__all__ = [
+    "RewardFunc",
+    "RewardTimeoutError",
+    "format_reward",
+    "length_penalty",
+    "math_reward",
+    "prepare_reward_funcs",
+    "reward_func_name",
+    "score_completions",
+]
+
+
+class RewardTimeoutError(TimeoutError):
+    """A reward function did not return within `GRPOConfig.reward_timeout` seconds."""
 
 
 def reward_func_name(func: RewardFunc) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
+    name = getattr(func, "__name__", None)
+    if name is None and hasattr(func, "func"):  # functools.partial
+        name = getattr(func.func, "__name__", None)
+    return name or type(func).__name__
+
+
+def _is_async(func) -> bool:
+    call = type(func).__call__ if not inspect.isroutine(func) else None
+    return inspect.iscoroutinefunction(func) or (call is not None and inspect.iscoroutinefunction(call))
 
 
 def prepare_reward_funcs(reward_funcs) -> tuple[list[RewardFunc], list[str]]:
@@ -39,6 +72,80 @@ def prepare_reward_funcs(reward_funcs) -> tuple[list[RewardFunc], list[str]]:
     return funcs, names
 
 
+def _timeout_error(names: list[str], timeout: float) -> RewardTimeoutError:
+    which = ", ".join(repr(n) for n in names)
+    return RewardTimeoutError(
+        f"reward function {which} did not return within GRPOConfig.reward_timeout={timeout:g} s; "
+        "a hung synchronous function cannot be stopped, so its worker thread is abandoned. Make it faster, "
+        "give it its own timeout, or raise reward_timeout (None disables the limit)."
+    )
+
+
+def _in_worker(fn: Callable[[], object], timeout: float | None, thread_name: str):
+    """Run `fn()` in a daemon thread and wait at most `timeout` seconds. Returns `(finished, result, exception)`."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["err"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    finished = done.wait(timeout)
+    return finished, box.get("out"), box.get("err")
+
+
+def _call_sync(func, name: str, kwargs: dict, timeout: float | None):
+    if timeout is None:
+        try:
+            return func(**kwargs)
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+    finished, out, err = _in_worker(lambda: func(**kwargs), timeout, f"reward-{name}")
+    if not finished:
+        raise _timeout_error([name], timeout)
+    if err is not None:
+        raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+    return out
+
+
+def _call_async(funcs: dict[int, RewardFunc], names: Sequence[str], kwargs: dict, timeout: float | None) -> dict:
+    """Await every async function concurrently on a private event loop in a worker thread (so a caller that already
+    runs a loop works too). Each gets `timeout` seconds; one that blocks the loop is caught by the outer deadline."""
+    finished: set[int] = set()
+
+    async def one(i, f):
+        coro = f(**kwargs)
+        try:
+            out = await (asyncio.wait_for(coro, timeout) if timeout is not None else coro)
+        except asyncio.TimeoutError:
+            raise _timeout_error([names[i]], timeout) from None
+        finished.add(i)
+        return out
+
+    async def everything():
+        return await asyncio.gather(*(one(i, f) for i, f in funcs.items()), return_exceptions=True)
+
+    outer = None if timeout is None else timeout + 1.0
+    done, outs, err = _in_worker(lambda: asyncio.run(everything()), outer, "reward-async")
+    if not done:
+        raise _timeout_error([names[i] for i in funcs if i not in finished], timeout)
+    if err is not None:
+        raise err
+    results = {}
+    for i, out in zip(funcs, outs, strict=True):
+        if isinstance(out, RewardTimeoutError):
+            raise out
+        if isinstance(out, BaseException):
+            raise RuntimeError(f"reward function {names[i]!r} raised {type(out).__name__}: {out}") from out
+        results[i] = out
+    return results
+
+
 def score_completions(
     funcs: Sequence[RewardFunc],
     names: Sequence[str],
@@ -46,30 +153,26 @@ def score_completions(
     completions: list,
     completion_ids: list[list[int]],
     columns: dict[str, list],
+    timeout: float | None = None,
 ) -> torch.Tensor:
-    """Call every reward function once on the whole round. Returns `[B, F]` float32 with NaN for `None`."""
+    """Call every reward function once on the whole round. Returns `[B, F]` float32 with NaN for `None`.
+
+    Synchronous functions run one after the other (each in a worker thread when `timeout` is set), then the
+    `async def` ones all at once. `timeout` (seconds, per function call) raises `RewardTimeoutError` naming it.
+    """
     n = len(completions)
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     results: list = [None] * len(funcs)
-    coros = {}
+    async_funcs = {}
     for i, (f, name) in enumerate(zip(funcs, names, strict=True)):
-        if inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__):
-            coros[i] = f(**kwargs)
-            continue
-        try:
-            results[i] = f(**kwargs)
-        except Exception as e:
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    if coros:
-
-        async def _all():
-            return await asyncio.gather(*coros.values(), return_exceptions=True)
-
-        for i, out in zip(coros, asyncio.run(_all()), strict=True):
-            if isinstance(out, BaseException):
-                raise RuntimeError(f"reward function {names[i]!r} raised {type(out).__name__}: {out}") from out
+        if _is_async(f):
+            async_funcs[i] = f
+        else:
+            results[i] = _call_sync(f, name, kwargs, timeout)
+    if async_funcs:
+        for i, out in _call_async(async_funcs, names, kwargs, timeout).items():
             results[i] = out
-    table = torch.empty(n, len(funcs), dtype=torch.float32)
+    table = torch.empty(n, len(funcs), dtype=torch.float32)  # [B, F]
     for i, (out, name) in enumerate(zip(results, names, strict=True)):
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
@@ -79,9 +182,25 @@ def score_completions(
                 table[j, i] = math.nan
                 continue
             try:
-                table[j, i] = float(v)
+                x = float(v)
             except (TypeError, ValueError) as e:
                 raise ValueError(
                     f"reward function {name!r} returned {v!r} at index {j}; expected a number or None"
                 ) from e
+            if not math.isfinite(x):
+                raise ValueError(
+                    f"reward function {name!r} returned {x} at index {j}; rewards must be finite "
+                    "(return None for a completion the function does not apply to)"
+                )
+            table[j, i] = x
+    unscorable = torch.isnan(table).all(dim=1)  # [B]
+    if unscorable.any():
+        j = int(unscorable.nonzero()[0, 0])
+        logger.warning(
+            "every reward function returned None for %d completion(s) (first: index %d, completion %r); they get "
+            "advantage 0. Make sure at least one reward function applies to every completion.",
+            int(unscorable.sum()),
+            j,
+            completions[j],
+        )
     return table
