@@ -10,6 +10,7 @@ TEST = [
     "trl==1.16.*",
     "peft>=0.17",
     "ruff>=0.6",
+    "tensorboard",
 ]
 
 setup(
@@ -31,6 +32,7 @@ setup(
         "requests",
         "matplotlib",
         "rich",
+        "pyarrow",
         "math-verify>=0.7",  # grpo_async.rewards.math_reward
     ],
     extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "dev": TEST},

@@ -1,11 +1,15 @@
-"""Metrics on disk: a JSONL line per Trainer log, and PNG plots of the curves users look at first."""
+"""Metrics on disk: a JSONL line per Trainer log, PNG plots of the curves users look at first (at the end of training
+and by `grpo-async plot OUTPUT_DIR`), and the completions table (console and parquet)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -28,42 +32,95 @@ class MetricsJsonlCallback(TrainerCallback):
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
+    def on_train_end(self, args, state, control, **kwargs):
+        """Plots the run into `output_dir/metrics.png` (what `grpo-async plot OUTPUT_DIR` draws)."""
+        if not state.is_world_process_zero or self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            plot_metrics(self.path, os.path.join(args.output_dir, PLOT_FILE), title=os.path.basename(args.output_dir))
+        except Exception as e:  # a plot must not fail a finished run; say why it is missing
+            logger.warning("could not plot %s: %s: %s", self.path, type(e).__name__, e)
+
 
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-PLOTS = (
-    ("reward", "reward"),
-    ("kl", "KL to reference"),
-    ("completions/mean_length", "completion length (tokens)"),
-    ("timing/generation", "seconds per round: generation"),
-    ("timing/train_step", "seconds per optimizer step: training"),
-    ("timing/wait_generation", "seconds the trainer waited for a round"),
+#: the panels of `plot_metrics`: (title, y label, [(metric key, legend label)]); `rewards/<name>/mean` of each
+#: reward function is added to the reward panel
+PANELS = (
+    ("reward", "reward", [("reward", "reward (weighted sum)")]),
+    ("KL to the reference model", "KL", [("kl", "kl")]),
+    (
+        "completion length",
+        "tokens",
+        [
+            ("completions/mean_length", "mean"),
+            ("completions/min_length", "min"),
+            ("completions/max_length", "max"),
+        ],
+    ),
+    (
+        "time per step",
+        "seconds",
+        [
+            ("timing/generation", "generation (per round)"),
+            ("timing/train_step", "training (per optimizer step)"),
+            ("timing/wait_generation", "trainer waiting for a round"),
+        ],
+    ),
 )
+PLOT_FILE = "metrics.png"
+
+
+def metric_panels(rows: list[dict]) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """The panels `plot_metrics` draws for these log rows: only series present in at least one row."""
+    reward_funcs = sorted({k for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    panels = []
+    for title, ylabel, series in PANELS:
+        if title == "reward":
+            series = series + [(k, k[len("rewards/") : -len("/mean")]) for k in reward_funcs]
+        present = [(k, label) for k, label in series if any(k in r for r in rows)]
+        if present:
+            panels.append((title, ylabel, present))
+    return panels
 
 
 def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> str:
-    """One PNG with a panel per metric present in the JSONL (reward, KL, length, timings)."""
+    """One PNG with a panel each for reward (and each reward function), KL, completion length and the time per
+    step of generation and training, from the JSONL that `MetricsJsonlCallback` writes; x = optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in read_metrics(metrics_path) if "train_runtime" not in r]
-    panels = [(k, label) for k, label in PLOTS if any(k in r for r in rows)]
+    panels = metric_panels(rows)
     if not panels:
-        raise ValueError(f"{metrics_path} has none of the metrics {[k for k, _ in PLOTS]}")
-    cols = 2
+        raise ValueError(f"{metrics_path} has none of the metrics {[k for _, _, s in PANELS for k, _ in s]}")
+    cols = 2 if len(panels) > 1 else 1
     nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(11, 3.2 * nrows), squeeze=False)
-    for ax, (key, label) in zip(axes.flat, panels, strict=False):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1)
-        ax.set_title(label)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (panel_title, ylabel, series) in zip(axes.flat, panels, strict=False):
+        for i, (key, label) in enumerate(series):
+            secondary = i > 0 and panel_title in ("reward", "completion length")  # per-function rewards, min/max
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="." if len(pts) < 60 else None,
+                lw=1.0 if secondary else 1.4,
+                ls="--" if secondary else "-",
+                alpha=0.75 if secondary else 1.0,
+                label=label,
+            )
+        ax.set_title(panel_title)
         ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
@@ -72,3 +129,95 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# completions table: console (rich) and output_dir/completions/step_<N>.parquet
+# ----------------------------------------------------------------------------------------------------------------
+COMPLETIONS_DIR = "completions"
+
+
+def as_text(x) -> str:
+    """A prompt or completion as one string: chat messages as `role: content` lines."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and all(isinstance(m, dict) and "role" in m for m in x):
+        return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in x)
+    return str(x)
+
+
+def completion_columns(samples: dict, step: int) -> dict[str, list]:
+    """The table's columns: step, round, prompt, completion, one per reward function, reward, advantage,
+    policy_version. `samples` is the `"samples"` dict of a generated round."""
+    n = len(samples["prompt"])
+    cols: dict[str, list] = {
+        "step": [step] * n,
+        "round": [samples.get("round", -1)] * n,
+        "prompt": [as_text(p) for p in samples["prompt"]],
+        "completion": [as_text(c) for c in samples["completion"]],
+    }
+    fixed = {"step", "round", "prompt", "completion", "reward", "advantage", "policy_version"}
+    for name, values in samples.get("rewards", {}).items():
+        cols[f"reward_{name}" if name in fixed else name] = [float(v) for v in values]
+    cols["reward"] = [float(v) for v in samples["reward"]]
+    cols["advantage"] = [float(v) for v in samples["advantage"]]
+    cols["policy_version"] = [int(v) for v in samples.get("policy_version", [-1] * n)]
+    return cols
+
+
+def write_completions_parquet(samples: dict, output_dir: str, step: int) -> str:
+    """Writes every sample of the round to `output_dir/completions/step_<step>.parquet`; returns the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.path.join(output_dir, COMPLETIONS_DIR, f"step_{step:06d}.parquet")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.Table.from_pydict(completion_columns(samples, step)), path)
+    return path
+
+
+def read_completions(output_dir: str):
+    """All completion tables of a run as one pandas DataFrame, in step order."""
+    import pandas as pd
+
+    folder = os.path.join(output_dir, COMPLETIONS_DIR)
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".parquet"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .parquet completion tables (was log_completions on?)")
+    return pd.concat([pd.read_parquet(os.path.join(folder, f)) for f in files], ignore_index=True)
+
+
+def completions_table(samples: dict, step: int, n: int):
+    """A rich `Table` of the first `n` samples: prompt, completion, each reward function, reward, advantage,
+    policy version."""
+    from rich.table import Table
+
+    cols = completion_columns(samples, step)
+    reward_cols = [k for k in cols if k not in ("step", "round", "prompt", "completion", "policy_version")]
+    table = Table(title=f"completions @ step {step} (round {cols['round'][0]})", show_lines=True)
+    table.add_column("prompt", overflow="fold", min_width=24, max_width=48)
+    table.add_column("completion", overflow="fold", min_width=24, max_width=64)
+    for k in reward_cols:
+        table.add_column(k, justify="right", no_wrap=True)
+    table.add_column("policy_version", justify="right", no_wrap=True)
+    for i in range(min(n, len(cols["prompt"]))):
+        table.add_row(
+            cols["prompt"][i][-200:],
+            cols["completion"][i][:400],
+            *(f"{cols[k][i]:.3f}" for k in reward_cols),
+            str(cols["policy_version"][i]),
+        )
+    return table
+
+
+def log_completions(samples: dict, output_dir: str, step: int, n: int) -> str:
+    """Prints the first `n` samples as a table (at least 160 columns wide when stdout is not a terminal) and
+    writes all of them to `output_dir/completions/step_<step>.parquet`; returns the parquet path."""
+    import sys
+
+    from rich.console import Console
+
+    path = write_completions_parquet(samples, output_dir, step)
+    width = None if sys.stdout.isatty() else max(160, Console().width)
+    Console(width=width).print(completions_table(samples, step, n))
+    return path

@@ -37,7 +37,8 @@ from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
 from .generation.base import SamplingConfig
 from .generation.ref_client import RefLogpsClient
-from .logging_utils import MetricsJsonlCallback
+from .logging_utils import MetricsJsonlCallback, log_completions
+from .model_card import write_model_card
 from .rewards import prepare_reward_funcs, score_completions
 from .rollout.aggregation import MicroBatchBuffer, apply_in_chunks, chunk_slices, reuse_order, split_back
 from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest
@@ -664,8 +665,11 @@ class GRPOTrainer(Trainer):
             "samples": {
                 "prompt": [r["prompt"] for r in rows],
                 "completion": [c.text for c in completions],
+                "rewards": {name: rewards_per_func[:, i].tolist() for i, name in enumerate(self.reward_func_names)},
                 "reward": rewards.tolist(),
                 "advantage": advantages.tolist(),
+                "policy_version": [version] * R,
+                "round": request.batch_id,
             },
         }
 
@@ -765,27 +769,16 @@ class GRPOTrainer(Trainer):
         self._metrics[mode].clear()
         if self.args.log_completions and self.accelerator.is_main_process and getattr(self, "_last_samples", None):
             self._print_completions(self._last_samples)
+            self._last_samples = None  # each round's samples are logged once
 
     def _print_completions(self, samples: dict) -> None:
-        n = min(self.args.num_completions_to_print, len(samples["prompt"]))
-        try:
-            from rich.console import Console
-            from rich.table import Table
+        """The round's completions table: a rich table on the console, every sample to a parquet file."""
+        log_completions(samples, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print)
 
-            table = Table(title=f"completions @ step {self.state.global_step}", show_lines=True)
-            for col in ("prompt", "completion", "reward", "advantage"):
-                table.add_column(col)
-            for i in range(n):
-                table.add_row(
-                    str(samples["prompt"][i])[-80:],
-                    repr(samples["completion"][i])[:80],
-                    f"{samples['reward'][i]:.3f}",
-                    f"{samples['advantage'][i]:.3f}",
-                )
-            Console().print(table)
-        except ImportError:  # pragma: no cover
-            for i in range(n):
-                print(samples["prompt"][i], "→", samples["completion"][i], samples["reward"][i])
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs) -> None:
+        """Writes `README.md` into `output_dir` (main process): method, base model, reward functions and weights,
+        datasets, non-default config, framework versions; `push_to_hub` calls it before uploading."""
+        write_model_card(self, model_name=model_name, dataset_name=dataset_name or kwargs.get("dataset"), tags=tags)
 
     # ------------------------------------------------------------------------------------------------------
     # evaluation

@@ -1,7 +1,11 @@
 """`make demo`: train a tiny model from scratch with async GRPO on the bundled letter task (2 CPU cores, minutes).
 
 Prints progress, then where it wrote the metrics (JSONL) and the reward-curve PNG, and ends with
-`RESULT demo_reward_first10=<a> demo_reward_last10=<b>`.
+`RESULT demo_reward_first10=<a> demo_reward_last10=<b>`. The trained model (or LoRA adapter with `--use_peft`) and
+its model card (README.md) are saved to `--output_dir`.
+
+Launch on several processes with one of the accelerate configs, e.g.
+`accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/demo.py --backend hf`.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 from accelerate import PartialState
+from transformers import HfArgumentParser
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics
+from grpo_async.model_config import ModelConfig, get_peft_config
 from grpo_async.testing import TinyModelSpec, build_tiny_model
+
+DATASET_NAME = "letter task (grpo_async.demo_task)"
 
 
 def _default_backend() -> str:
@@ -31,7 +39,7 @@ def _default_backend() -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = HfArgumentParser((ModelConfig,), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output_dir", default="demo_output")
     p.add_argument("--max_steps", type=int, default=200)
     p.add_argument(
@@ -41,35 +49,50 @@ def main(argv=None):
     )
     p.add_argument("--num_batches_ahead", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=5e-4)
-    a = p.parse_args(argv)
+    p.add_argument("--per_device_train_batch_size", type=int, default=32)
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--max_completion_length", type=int, default=16)
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
+    p.add_argument("--report_to", nargs="*", default=[], help="e.g. tensorboard (default: none)")
+    p.add_argument("--log_completions", action="store_true", help="completions table: console and parquet")
+    p.add_argument("--push_to_hub", action="store_true", help="upload the model and its card at the end")
+    p.add_argument("--hub_model_id", default=None)
+    model_args, a = p.parse_args_into_dataclasses(argv)
 
-    with PartialState().main_process_first():  # one process writes the model folder, the others wait
-        model_dir = build_tiny_model(
-            os.path.join(a.output_dir, "tiny-model"),
-            TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4),
-        )
+    if model_args.model_name_or_path is not None:
+        model_dir = model_args.model_name_or_path
+    else:
+        with PartialState().main_process_first():  # one process writes the model folder, the others wait
+            model_dir = build_tiny_model(
+                os.path.join(a.output_dir, "tiny-model"),
+                TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4),
+            )
     metrics = os.path.join(a.output_dir, METRICS_FILE)
     if os.path.exists(metrics) and PartialState().is_main_process:
         os.remove(metrics)
     args = GRPOConfig(
         output_dir=a.output_dir,
         use_cpu=not torch.cuda.is_available(),
-        per_device_train_batch_size=32,
+        per_device_train_batch_size=a.per_device_train_batch_size,
         gradient_accumulation_steps=1,
-        num_generations=8,
+        num_generations=a.num_generations,
         max_prompt_length=32,
-        max_completion_length=16,
+        max_completion_length=a.max_completion_length,
         temperature=1.0,
         learning_rate=a.learning_rate,
         lr_scheduler_type="constant",
-        beta=0.0,
+        beta=a.beta,
         loss_type="dapo",
         num_batches_ahead=a.num_batches_ahead,
         generation_backend=a.backend,
         max_steps=a.max_steps,
         logging_steps=1,
         save_strategy="no",
-        report_to=[],
+        report_to=a.report_to,
+        log_completions=a.log_completions,
+        push_to_hub=a.push_to_hub,
+        hub_model_id=a.hub_model_id,
+        model_init_kwargs=model_args.model_init_kwargs() if model_args.model_name_or_path else None,
         seed=0,
         disable_tqdm=True,
     )
@@ -78,10 +101,16 @@ def main(argv=None):
         reward_funcs=[letter_reward, ends_cleanly],
         args=args,
         train_dataset=make_dataset(4096, seed=0),
+        peft_config=get_peft_config(model_args),
     )
     start = time.time()
     trainer.train()
     trainer.close()
+    trainer.save_model()  # every process: sharded (FSDP, ZeRO-3) weights are gathered
+    if a.push_to_hub:
+        trainer.push_to_hub(dataset_name=DATASET_NAME)  # writes the model card, then uploads
+    else:
+        trainer.create_model_card(dataset_name=DATASET_NAME)
     if not trainer.accelerator.is_main_process:
         return
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]

@@ -1,0 +1,195 @@
+"""Logging: the completions table (console + parquet), tensorboard event files, and the PNG plots written at the
+end of training and by `grpo-async plot OUTPUT_DIR` (mirrors grpo_async/logging_utils.py)."""
+
+import contextlib
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
+from grpo_async.logging_utils import (
+    COMPLETIONS_DIR,
+    METRICS_FILE,
+    PLOT_FILE,
+    completion_columns,
+    metric_panels,
+    plot_metrics,
+    read_completions,
+    read_metrics,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_path, tmp_path_factory):
+    """One 3-step run with a KL term, two reward functions, the completions table and tensorboard."""
+    out = str(tmp_path_factory.mktemp("logging") / "out")
+    args = GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        report_to=["tensorboard"],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=1,
+        max_completion_length=8,
+        max_steps=3,
+        beta=0.04,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        log_completions=True,
+        num_completions_to_print=2,
+        reward_weights=[1.0, 0.5],
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=[letter_reward, ends_cleanly],
+        args=args,
+        train_dataset=make_dataset(64),
+    )
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):  # rich prints the table to sys.stdout
+        trainer.train()
+    return trainer, out, console.getvalue()
+
+
+def test_completions_parquet_has_every_sample_with_rewards_and_policy_version(run):
+    trainer, out, _ = run
+    files = sorted(os.listdir(os.path.join(out, COMPLETIONS_DIR)))
+    assert files == ["step_000001.parquet", "step_000002.parquet", "step_000003.parquet"]  # one per log step
+    df = read_completions(out)
+    assert list(df.columns) == [
+        "step",
+        "round",
+        "prompt",
+        "completion",
+        "letter_reward",
+        "ends_cleanly",
+        "reward",
+        "advantage",
+        "policy_version",
+    ]
+    assert len(df) == 3 * 8  # every completion of each round (8 rows: 2 prompts × 4 generations)
+    assert sorted(set(df["step"])) == [1, 2, 3]
+    assert sorted(set(df["round"])) == [0, 1, 2]
+    # the reward is the weighted sum of the functions' rewards
+    expected = df["letter_reward"] * 1.0 + df["ends_cleanly"] * 0.5
+    assert (df["reward"] - expected).abs().max() < 1e-5
+    # advantages are centred within each prompt's group of 4
+    for _, group in df.groupby(["round", "prompt"]):
+        assert len(group) == 4 and abs(group["advantage"].mean()) < 1e-5
+    # num_batches_ahead=1: round 0 (and round 1) come from the initial weights, later rounds from newer ones
+    versions = df.groupby("round")["policy_version"].first().tolist()
+    assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 1
+    assert all(isinstance(p, str) and p for p in df["prompt"])
+
+
+def test_console_table_names_each_reward_and_the_policy_version(run):
+    from rich.console import Console
+
+    from grpo_async.logging_utils import completions_table
+
+    printed = run[2]
+    assert printed.count("completions @ step") == 3  # one table per log step
+    for col in ("letter_reward", "ends_cleanly", "advantage", "policy_version"):
+        assert col in printed, col
+    samples = {
+        "prompt": ["p1", "p2"],
+        "completion": ["c1", "c2"],
+        "rewards": {"letter_reward": [1.0, 0.0], "ends_cleanly": [1.0, 1.0]},
+        "reward": [1.5, 0.5],
+        "advantage": [0.7, -0.7],
+        "policy_version": [3, 3],
+        "round": 4,
+    }
+    console = Console(record=True, width=200)
+    console.print(completions_table(samples, step=7, n=2))
+    text = console.export_text()
+    for col in ("prompt", "completion", "letter_reward", "ends_cleanly", "reward", "advantage", "policy_version"):
+        assert col in text, col
+    assert "completions @ step 7" in text
+
+
+def test_chat_prompts_become_text_and_colliding_reward_names_are_prefixed():
+    samples = {
+        "prompt": [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]],
+        "completion": ["hello"],
+        "rewards": {"reward": [0.5]},
+        "reward": [0.5],
+        "advantage": [0.0],
+        "policy_version": [2],
+        "round": 1,
+    }
+    cols = completion_columns(samples, step=5)
+    assert cols["prompt"] == ["system: be brief\nuser: hi"]
+    assert cols["reward_reward"] == [0.5] and cols["reward"] == [0.5]
+
+
+def test_tensorboard_event_files_hold_our_metrics(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out, _ = run
+    events = glob.glob(os.path.join(out, "**", "events.out.tfevents.*"), recursive=True)
+    assert events, f"no tensorboard event file under {out}"
+    tags = set()
+    for path in events:
+        acc = EventAccumulator(path)
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    for name in ("reward", "kl", "completions/mean_length", "timing/generation", "rewards/letter_reward/mean"):
+        assert f"train/{name}" in tags, (name, sorted(tags))
+
+
+def _png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == PNG_MAGIC
+
+
+def test_plot_written_at_the_end_of_training(run):
+    _, out, _ = run
+    assert _png(os.path.join(out, PLOT_FILE))
+    rows = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train_runtime" not in r]
+    panels = {title: [k for k, _ in series] for title, _, series in metric_panels(rows)}
+    assert panels["reward"] == ["reward", "rewards/ends_cleanly/mean", "rewards/letter_reward/mean"]
+    assert panels["KL to the reference model"] == ["kl"]
+    assert panels["completion length"] == [
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+    ]
+    assert panels["time per step"] == ["timing/generation", "timing/train_step", "timing/wait_generation"]
+
+
+def test_grpo_async_plot_command(run, tmp_path):
+    _, out, _ = run
+    png = str(tmp_path / "curves.png")
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_async.cli", "plot", out, "--out", png], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == png and _png(png)
+    # without --out: OUTPUT_DIR/metrics.png
+    os.remove(os.path.join(out, PLOT_FILE))
+    proc = subprocess.run([sys.executable, "-m", "grpo_async.cli", "plot", out], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _png(os.path.join(out, PLOT_FILE))
+
+
+def test_plot_command_errors_name_the_problem(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_async.cli", "plot", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
+    with open(tmp_path / METRICS_FILE, "w") as f:
+        f.write(json.dumps({"step": 1, "loss": 0.1}) + "\n")
+    with pytest.raises(ValueError, match="has none of the metrics"):
+        plot_metrics(str(tmp_path / METRICS_FILE), str(tmp_path / "x.png"))
