@@ -75,6 +75,10 @@ class GRPOTrainer(Trainer):
         callbacks, optimizers: as for `Trainer`.
         peft_config (`peft.PeftConfig`, *optional*): train a PEFT adapter; the reference model is then the base
             model with the adapter disabled.
+        environment (`grpo_async.envs.Environment`, *optional*): multi-turn rollouts: the model and the environment
+            take turns (`grpo_async.envs`); prompts must be chat messages. Reward functions get the completion's
+            messages (assistant and environment turns).
+        tools (`list[callable]`, *optional*): TRL-style shortcut for `environment=ToolEnv(tools)`.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by gradient accumulation
@@ -91,6 +95,8 @@ class GRPOTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        environment=None,
+        tools=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -145,6 +151,7 @@ class GRPOTrainer(Trainer):
                 f"GRPOConfig.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward functions"
             )
         self.reward_weights = torch.tensor(weights or [1.0] * len(self.reward_funcs), dtype=torch.float32)
+        self.environment = self._make_environment(environment, tools, train_dataset, eval_dataset)
 
         super().__init__(
             model=model,
@@ -210,6 +217,25 @@ class GRPOTrainer(Trainer):
                 f"{name} has {len(dataset)} prompts but one generation round needs {need} "
                 f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations})"
             )
+
+    @staticmethod
+    def _make_environment(environment, tools, *datasets):
+        from .envs import ToolEnv, check_environment
+
+        if tools is not None:
+            if environment is not None:
+                raise ValueError("give either environment= or tools= (tools=[...] is environment=ToolEnv([...]))")
+            environment = ToolEnv(tools)
+        if environment is None:
+            return None
+        check_environment(environment)
+        for ds in datasets:
+            if ds is not None and len(ds) and not _is_conversational(ds[0]["prompt"]):
+                raise ValueError(
+                    "a multi-turn environment needs conversational prompts (lists of chat messages); the dataset's "
+                    f"first prompt is {ds[0]['prompt']!r:.100}"
+                )
+        return environment
 
     # ------------------------------------------------------------------------------------------------------
     # data
@@ -519,12 +545,21 @@ class GRPOTrainer(Trainer):
             c.text = t
         prompts = [r["prompt"] for r in rows]
         formatted = [
-            [{"role": "assistant", "content": t}] if _is_conversational(p) else t
-            for p, t in zip(prompts, texts, strict=True)
+            c.extra["messages"]  # multi-turn: the assistant's and the environment's messages
+            if "messages" in c.extra
+            else ([{"role": "assistant", "content": t}] if _is_conversational(p) else t)
+            for p, t, c in zip(prompts, texts, completions, strict=True)
         ]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns["trainer_state"] = self.state  # as TRL: for reward shaping by training progress
         return score_completions(
-            self.reward_funcs, self.reward_func_names, prompts, formatted, completion_ids, columns
+            self.reward_funcs,
+            self.reward_func_names,
+            prompts,
+            formatted,
+            completion_ids,
+            columns,
+            timeout=self.args.reward_timeout,
         )
 
     def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], int]:
@@ -560,6 +595,30 @@ class GRPOTrainer(Trainer):
                 sampling.n = n_chunk
                 completions += self.backend.generate(chunk, sampling)
             return completions, t_sync, len(calls)
+
+    def _generate_completions(self, prompts: list, rows: list[dict], prompt_ids, weights, n: int | None = None):
+        """`_generate_with`, or multi-turn rollouts with the environment (`grpo_async.envs.rollout`) when there is
+        one: `(completions, weight-sync seconds, generate calls)`; an env completion's `extra` holds its messages
+        and `env_mask`."""
+        if self.environment is None:
+            return self._generate_with(prompt_ids, weights, n)
+        from .envs import run_rollouts
+
+        G = self.num_generations if n is None else n
+        with self._backend_lock:
+            t_sync = self._load_into_backend(weights)
+            results = run_rollouts(
+                self.backend,
+                self.processing_class,
+                self.environment,
+                prompts,
+                prompt_ids,
+                rows,
+                self._sampling_config(),
+                G,
+                self.args.max_completion_length,
+            )
+        return [r.to_completion() for r in results], t_sync, max(r.turns for r in results)
 
     def _load_into_backend(self, weights: tuple[int, dict]) -> float:
         """Push `weights` unless the backend already holds that version; returns the seconds it took. Callers hold
@@ -607,7 +666,9 @@ class GRPOTrainer(Trainer):
                 raise RuntimeError(f"round {request.batch_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
         prompt_ids, truncated = self._tokenize_prompts(request.prompts)
         t0 = time.perf_counter()
-        completions, t_sync, rollout_chunks = self._generate_with(prompt_ids, (version, state))
+        completions, t_sync, rollout_chunks = self._generate_completions(
+            request.prompts, rows, prompt_ids, (version, state)
+        )
         if args.weight_sync_transport == "none":
             version = 0  # the sampler keeps the initial weights
         t_gen = time.perf_counter() - t0 - t_sync
@@ -625,6 +686,8 @@ class GRPOTrainer(Trainer):
         completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
         truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
         loss_mask = completion_mask.clone()  # [R, T] tokens trained on
+        if self.environment is not None and args.mask_env_responses:  # environment/tool tokens are not trained
+            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]
         if args.mask_truncated_completions:
             loss_mask[truncated_rows] = 0
         lengths = completion_mask.sum(1).float()
@@ -814,8 +877,9 @@ class GRPOTrainer(Trainer):
             for lo in range(0, len(dataset), chunk):
                 rows = [dataset[i] for i in range(lo, min(lo + chunk, len(dataset)))]
                 prompt_ids, _ = self._tokenize_prompts([r["prompt"] for r in rows])
-                completions, _, _ = self._generate_with(prompt_ids, weights, n=G)
                 rows_rep = [r for r in rows for _ in range(G)]
+                prompts = [r["prompt"] for r in rows]
+                completions, _, _ = self._generate_completions(prompts, rows_rep, prompt_ids, weights, G)
                 per_func = self._score(rows_rep, completions)  # [n·G, F]
                 per_func_all.append(per_func)
                 rewards_all.append(combine_rewards(per_func, self.reward_weights))
