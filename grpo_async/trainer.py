@@ -49,10 +49,24 @@ logger = logging.getLogger(__name__)
 
 #: written into every checkpoint folder: the pipeline's position (micro-steps, rounds, rounds in flight, geometry)
 PIPELINE_STATE_FILE = "grpo_async_state.json"
+#: checkpoints are written under `output_dir/SAVING_DIR/checkpoint-N`, then renamed into place (atomic save)
+SAVING_DIR = ".grpo_async_saving"
 
 
 def _identity(rows):
     return rows
+
+
+_PEER_FAILURE_SIGNS = ("connection closed by peer", "connection reset by peer", "gloo", "nccl")
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """A collective failed because another process died or stalled (gloo/NCCL errors, store timeouts); not an error
+    of our own pipeline (generation, rewards) that merely mentions one."""
+    if str(e).startswith("Async generation"):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or any(s in str(e).lower() for s in _PEER_FAILURE_SIGNS)
 
 
 def _is_conversational(prompt) -> bool:
@@ -82,6 +96,7 @@ class GRPOTrainer(Trainer):
     """
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by gradient accumulation
+    _saving_into_staging = False  # True while Trainer._save_checkpoint writes into SAVING_DIR
     _tag_names = ["trl", "grpo", "grpo_async"]
 
     def __init__(
@@ -643,10 +658,16 @@ class GRPOTrainer(Trainer):
             with self._backend_lock:
                 self._load_into_backend(self._staged)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Stop the generator thread and shut the generation backend down (an in-process vLLM engine frees its
-        memory). The trainer can still `train()` again: a new backend is built then."""
-        self.close_generator()
+        memory). The trainer can still `train()` again: a new backend is built then. A generator thread still stuck
+        after `timeout` seconds (e.g. in a weight push to a dead server) is a daemon: the backend is then left to
+        the process's exit rather than closed under its feet."""
+        generator = self.generator
+        self.close_generator(timeout)
+        if generator is not None and generator.is_running():
+            logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
+            self.backend = None
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -773,7 +794,18 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
         self._wait_in_step = 0.0
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except RuntimeError as e:
+            if self.accelerator.num_processes > 1 and _is_peer_failure(e):
+                raise RuntimeError(
+                    f"process {self.accelerator.process_index} of {self.accelerator.num_processes}: a collective with "
+                    f"the other training processes failed at micro-step {self._step} (global step "
+                    f"{self.state.global_step}): a peer process died, or did not answer within "
+                    f"ddp_timeout={self.args.ddp_timeout}s; see the other processes' logs for the first error "
+                    f"({type(e).__name__}: {str(e)[:300]})"
+                ) from e
+            raise
         self._step += 1
         self._train_step_time += time.perf_counter() - start - self._wait_in_step  # compute only, waits excluded
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -918,6 +950,11 @@ class GRPOTrainer(Trainer):
             resume_from_checkpoint = path
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
+        except KeyboardInterrupt:
+            # Ctrl-C: stop the generator thread without waiting out a round, shut the backend down, re-raise
+            logger.warning("interrupted: stopping the generator thread and the generation backend")
+            self.close(timeout=2.0)
+            raise
         finally:
             self.close_generator()
 
@@ -942,18 +979,68 @@ class GRPOTrainer(Trainer):
             },
         }
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, SAVING_DIR) if self._saving_into_staging else run_dir
 
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
+    def _save_checkpoint(self, model, trial):
+        """Atomic: every process writes into `output_dir/.grpo_async_saving/checkpoint-N`, then the main process
+        renames the finished folder to `output_dir/checkpoint-N` and only then rotates old checkpoints. A process
+        killed mid-save leaves the previous checkpoints untouched, and `get_last_checkpoint` never sees a partial
+        one (it only lists `checkpoint-<n>` folders)."""
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staged, final = os.path.join(run_dir, SAVING_DIR, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.exists(staged):  # left by a save that was killed
+            shutil.rmtree(staged)
+        self.accelerator.wait_for_everyone()
+        self._saving_into_staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_into_staging = False
+        staging_root = os.path.join(run_dir, SAVING_DIR)
+        best = self.state.best_model_checkpoint
+        if best and os.path.dirname(os.path.abspath(best)) == os.path.abspath(staging_root):
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))  # where it will be
+            if self.args.should_save:
+                from transformers.trainer import TRAINER_STATE_NAME
+
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if self.args.should_save:
+            tmp = os.path.join(staged, PIPELINE_STATE_FILE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(self._pipeline_state(), f, indent=1)
-            os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
+            os.replace(tmp, os.path.join(staged, PIPELINE_STATE_FILE))
+        self.accelerator.wait_for_everyone()  # every process's files (rng states, shards) are in `staged`
+        if self.args.should_save:
+            if os.path.exists(final):  # the same step saved again (after a resume): swap, then drop the old one
+                old = os.path.join(run_dir, SAVING_DIR, name + ".old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(staged, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(staged, final)
+            from transformers.trainer_utils import rotate_checkpoints
+
+            # old checkpoints are deleted only now that the new one is complete (Trainer's own rotation ran in the
+            # staging folder, where there is nothing else to delete)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+            try:
+                os.rmdir(staging_root)  # only when empty
+            except OSError:
+                pass
+        self.accelerator.wait_for_everyone()
 
     def _load_pipeline_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, PIPELINE_STATE_FILE)
@@ -998,10 +1085,11 @@ class GRPOTrainer(Trainer):
         finally:
             hf_trainer.skip_first_batches = original
 
-    def close_generator(self) -> None:
-        """Stop the generator thread (rounds still queued are abandoned); the backend stays for a later train()."""
+    def close_generator(self, timeout: float = 10.0) -> None:
+        """Stop the generator thread (rounds still queued are abandoned; the round in progress gets `timeout`
+        seconds to finish); the backend stays for a later train()."""
         if self.generator is not None:
-            self.generator.stop()
+            self.generator.stop(timeout)
             self.generator = None
         self._submitted.clear()
         self._buffered_inputs = None

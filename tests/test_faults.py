@@ -1,0 +1,166 @@
+"""Faults in a training process: SIGINT during generation and during a weight sync, SIGKILL during a checkpoint save.
+
+Each test runs `faults_worker.py` (a real GRPOTrainer on the tiny model) in a subprocess, waits for the marker line
+of the moment to hit, injects the fault, and checks what the user is left with: a prompt exit, no process or thread
+left behind, and checkpoints that resume.
+"""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from grpo_async.weight_sync.transports import free_port
+
+HERE = os.path.dirname(__file__)
+
+
+class Proc:
+    """A subprocess whose output lines are read by a thread (so waiting for a marker never blocks forever)."""
+
+    def __init__(self, args, env=None):
+        self.lines: list[str] = []
+        self.q: queue.Queue[str] = queue.Queue()
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.p = subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+            self.q.put(line)
+
+    def wait_for(self, marker: str, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if self.p.poll() is not None and self.q.empty():
+                    break
+                continue
+            if marker in line:
+                return line
+        raise AssertionError(f"no {marker!r} line; output:\n{self.output[-4000:]}")
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(30)
+
+
+def _worker(mode, model, out, *extra):
+    return Proc([os.path.join(HERE, "faults_worker.py"), mode, str(model), str(out), *extra])
+
+
+def _interrupt_and_check(proc: Proc) -> str:
+    """SIGINT; the process must exit within 10 s with 130 and leave no child process behind."""
+    children = psutil.Process(proc.p.pid).children(recursive=True)
+    start = time.monotonic()
+    proc.p.send_signal(signal.SIGINT)
+    try:
+        rc = proc.p.wait(30)
+    finally:
+        proc.kill()
+    elapsed = time.monotonic() - start
+    time.sleep(0.5)  # let the reader thread drain the last lines
+    assert rc == 130, (rc, proc.output[-4000:])
+    assert elapsed <= 10, f"exit took {elapsed:.1f}s after SIGINT"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], children
+    (line,) = [x for x in proc.lines if x.startswith("INTERRUPTED")]
+    return line
+
+
+def test_sigint_during_generation_exits_promptly_and_stops_the_generator_thread(tiny_model_path, tmp_path):
+    proc = _worker("sigint", tiny_model_path, tmp_path / "out")
+    try:
+        proc.wait_for("GENERATING")
+    except BaseException:
+        proc.kill()
+        raise
+    line = _interrupt_and_check(proc)
+    assert "grpo-async-generator" not in line, line  # the thread was stopped, not left running
+    assert "interrupted: stopping the generator thread" in proc.output
+
+
+def test_sigint_during_a_weight_sync_exits_promptly(tiny_model_path, tmp_path):
+    port = free_port()
+    peer = Proc([os.path.join(HERE, "faults_helpers.py"), "peer", str(port), "stuck_on_update"])
+    proc = None
+    try:
+        peer.wait_for("PEER ready", 60)
+        proc = _worker("sigint", tiny_model_path, tmp_path / "out", f"http://127.0.0.1:{port}")
+        peer.wait_for("PEER got /ws/update")  # the trainer is broadcasting weights to a server that never receives
+        time.sleep(0.5)
+        _interrupt_and_check(proc)
+    finally:
+        if proc is not None:
+            proc.kill()
+        peer.kill()
+
+
+def test_kill_during_checkpoint_save_keeps_the_previous_checkpoint_resumable(tiny_model_path, tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = tmp_path / "out"
+    proc = _worker("checkpoint", tiny_model_path, out)
+    try:
+        proc.wait_for("SAVING 2")
+    finally:
+        proc.kill()  # SIGKILL half-way through writing checkpoint-2
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-1")  # the partial checkpoint-2 is invisible
+    assert os.path.exists(out / "checkpoint-1" / "grpo_async_state.json")
+
+    resumed = _worker("resume", tiny_model_path, out)
+    try:
+        assert resumed.wait_for("RESUMED FROM").strip().endswith("checkpoint-1")
+        assert resumed.wait_for("DONE").split() == ["DONE", "4"]
+        assert resumed.p.wait(60) == 0, resumed.output[-3000:]
+    finally:
+        resumed.kill()
+    # save_total_limit=1: old checkpoints went only after the new one was complete; no staging folder is left
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "metrics.jsonl"] or "checkpoint-4" in os.listdir(out)
+    assert not os.path.exists(out / ".grpo_async_saving")
+    assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-4"]
+
+
+@pytest.mark.parametrize("mode", ["left", "error"])
+def test_prompts_longer_than_max_prompt_length(tiny_model_path, tmp_path, mode):
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_prompt_length=5,  # every chat-formatted prompt is longer
+        prompt_truncation=mode,
+    )
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(16))
+    if mode == "error":
+        with pytest.raises(RuntimeError, match=r"tokens > max_prompt_length=5"):
+            t.train()
+        return
+    t.train()
+    (log,) = [h for h in t.state.log_history if "prompts/truncated" in h]
+    assert log["prompts/truncated"] == 2  # 8 rows / G=4 = 2 prompts per round, both cut to their last 5 tokens
