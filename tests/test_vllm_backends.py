@@ -3,6 +3,7 @@
 Order matters at the end of this module: the last two tests kill the servers (one mid-run, then the other).
 """
 
+import json
 import logging
 import math
 import pickle
@@ -11,7 +12,15 @@ import time
 
 import pytest
 import requests
-from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, perturbed_state_dict, running_servers
+from vllm_utils import (
+    API_KEY,
+    PROMPTS,
+    assert_matches_hf,
+    hf_greedy,
+    hf_logprobs,
+    perturbed_state_dict,
+    running_servers,
+)
 
 from grpo_async.generation.base import GenerationBackend, SamplingConfig
 from grpo_async.generation.vllm_backends import (
@@ -19,6 +28,7 @@ from grpo_async.generation.vllm_backends import (
     VLLMColocateBackend,
     VLLMServerBackend,
     _CompletionsRouter,
+    to_completions_body,
     validate_sampling,
 )
 from grpo_async.weight_sync.transports import ServerClient
@@ -220,37 +230,77 @@ def test_two_servers_share_load_and_both_receive_weights(servers, tiny_model_pat
         backend.close()
 
 
-def test_inflight_update_lands_while_requests_are_running(servers, tiny_model_path):
-    """With in-flight updates the push does not wait for the running requests (vLLM pause mode "keep"); they finish
-    afterwards, and new requests are served by the new weights. Without it, the push waits for them (mode "wait")."""
-    url = servers[0].url
-    hf_model, sd = perturbed_state_dict(tiny_model_path, 60)
-    for inflight, version in ((True, 60), (False, 61)):
-        backend = VLLMServerBackend([url], api_key=API_KEY, timeout=120, max_concurrency=16, inflight_updates=inflight)
-        result = {}
+def _stream_completion(url: str, body: dict, progress: list, i: int) -> tuple[list[int], list[float]]:
+    """One streamed `/v1/completions` request: token ids and logprobs as they arrive; `progress[i]` counts tokens."""
+    ids, logprobs = [], []
+    with requests.post(
+        f"{url}/v1/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        stream=True,
+        timeout=120,
+    ) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                lp = choice.get("logprobs") or {}
+                ids += [int(t.split(":", 1)[1]) for t in lp.get("tokens") or []]
+                logprobs += lp.get("token_logprobs") or []
+                progress[i] = len(ids)
+    return ids, logprobs
 
-        def run():
-            result["out"] = backend.generate(PROMPTS * 5, SamplingConfig(n=2, max_tokens=200))  # noqa: B023
-            result["done"] = time.monotonic()  # noqa: B023
+
+def test_inflight_update_lands_while_requests_are_running(servers, tiny_model_path):
+    """With in-flight updates the push does not wait for the running requests (vLLM pause mode "keep"): they go on
+    decoding on the new weights. Without it (mode "wait") they finish on the old weights before the load.
+
+    No clock is compared. The requests are streamed, so "running" is seen from their tokens arriving, and every
+    returned token's logprob is checked against the old weights with HF: requests that finished on the old weights
+    match them token for token; requests continued on the new weights stop matching."""
+    url = servers[0].url
+    client = ServerClient(url, api_key=API_KEY, timeout=120)
+    model = client.get("/v1/models")["data"][0]["id"]
+    old_model, old_sd = perturbed_state_dict(tiny_model_path, 59)
+    k, max_tokens = 16, 240  # k = the server's --max-num-seqs: all decode together
+    for inflight, seed in ((True, 60), (False, 61)):
+        new_model, new_sd = perturbed_state_dict(tiny_model_path, seed)
+        backend = VLLMServerBackend([url], api_key=API_KEY, timeout=120, inflight_updates=inflight)
+        results: list = [None] * k
+        progress = [0] * k
+
+        def ask(i):
+            body = to_completions_body(model, PROMPTS[i % 3], SamplingConfig(max_tokens=max_tokens, seed=i))
+            body["ignore_eos"] = True  # every request decodes all its tokens
+            results[i] = _stream_completion(url, body, progress, i)  # noqa: B023
 
         try:
-            t = threading.Thread(target=run)
-            t.start()
-            deadline = time.monotonic() + 60
-            while backend.router.outstanding[url] < 15 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.5)  # every request has reached the server and is running
-            backend.update_weights(sd, version=version)
-            pushed = time.monotonic()
-            t.join(timeout=120)
-            assert len(result["out"]) == 30
-            if inflight:  # the push landed while the requests were still running
-                assert pushed < result["done"]
-            else:  # the push waited for them
-                assert pushed >= result["done"]
-            assert ServerClient(url, api_key=API_KEY).get("/ws/info")["version"] == version
+            backend.update_weights(old_sd, version=2 * seed)  # known weights, pushed while the server is idle
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(k)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 120
+            while min(progress) < 2:  # every request is decoding
+                assert time.monotonic() < deadline, f"the requests did not all start decoding: {progress}"
+                time.sleep(0.005)
+            backend.update_weights(new_sd, version=2 * seed + 1)
+            for t in threads:
+                t.join(timeout=120)
+            assert all(r is not None and len(r[0]) == max_tokens for r in results), progress
+            departed = []  # per request: does some token's logprob leave the old weights' value?
+            for i, (ids, logprobs) in enumerate(results):
+                ref = hf_logprobs(old_model, PROMPTS[i % 3], ids)
+                diffs = [abs(a - b) for a, b in zip(ref, logprobs)]
+                assert max(diffs[:2]) < 1e-3, "the first tokens were decoded before the push, on the old weights"
+                departed.append(max(diffs) > 1e-2)
+            if inflight:  # the new weights took over while the requests were still decoding
+                assert any(departed), "in-flight mode: no running request continued on the new weights"
+            else:  # the push waited: every token of every request came from the old weights
+                assert not any(departed), f"wait mode: running requests saw the new weights: {departed}"
+            assert client.get("/ws/info")["version"] == 2 * seed + 1
             (c,) = backend.generate(PROMPTS[:1], SamplingConfig(max_tokens=6, top_k=1))
-            assert c.completion_ids == hf_greedy(hf_model, PROMPTS[0], 6)
+            assert c.completion_ids == hf_greedy(new_model, PROMPTS[0], 6)
         finally:
             backend.close()
 
