@@ -1,0 +1,115 @@
+"""Reference logprobs from a frozen `grpo-async serve` server (`GRPOConfig.ref_server_url`): the route, the client
+against the in-process reference model, and a training run that loads no reference copy."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from vllm_utils import API_KEY, running_servers
+
+from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.algo.logprobs import completion_logps
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.generation.ref_client import RefLogpsClient
+from grpo_async.weight_sync.transports import ServerClient, ServerError
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    # --max-logprobs -1: temperatures other than 1 need every token's prompt logprob
+    with running_servers(tiny_model_path, 1, extra_args=["--max-logprobs", "-1"]) as (s,):
+        yield s
+
+
+def _rows(B=6, P=6, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(7, 60, (B, P + T), generator=g)
+    mask = torch.zeros(B, P + T, dtype=torch.long)
+    for i in range(B):
+        mask[i, P - 1 - i % P : P + 1 + (i * 3) % T] = 1  # skewed prompt and completion lengths
+    return ids.masked_fill(mask == 0, 0), mask, T
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_server_ref_logps_equal_in_process_reference(server, tiny_model_path, temperature):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids, mask, T = _rows()
+    with torch.no_grad():
+        local = completion_logps(model, ids, mask, T, temperature)  # [B, T]
+    remote = RefLogpsClient(server.url, API_KEY).completion_logps(ids, mask, T, temperature)  # [B, T]
+    cm = mask[:, -T:].bool()
+    assert remote.shape == local.shape
+    assert (remote[cm] - local[cm]).abs().max().item() < 1e-4
+    assert (remote[~cm] == 0).all()
+    # and the temperature was applied: the T=1 answer would be far off at 0.7
+    if temperature != 1.0:
+        raw = RefLogpsClient(server.url, API_KEY).completion_logps(ids, mask, T, 1.0)
+        assert (raw[cm] - local[cm]).abs().max().item() > 1e-2
+
+
+def test_logprobs_route_refuses_bad_requests(server):
+    good = {"sequences": [{"prompt_ids": [7, 8], "completion_ids": [9]}], "temperature": 1.0}
+    with pytest.raises(ServerError, match="401"):
+        ServerClient(server.url, api_key="wrong").post("/ws/logprobs", good)
+    client = ServerClient(server.url, API_KEY)
+    assert len(client.post("/ws/logprobs", good)["logprobs"][0]) == 1
+    for bad in (
+        {"sequences": [{"prompt_ids": [], "completion_ids": [9]}]},  # nothing to condition on
+        {"sequences": [{"prompt_ids": [7], "completion_ids": ["x"]}]},
+        {"sequences": good["sequences"], "temperature": 0},
+        {"sequences": good["sequences"], "extra": 1},
+    ):
+        with pytest.raises(ServerError, match="400"):
+            client.post("/ws/logprobs", bad)
+
+
+def test_ref_server_url_needs_beta(tmp_path):
+    with pytest.raises(ValueError, match="GRPOConfig.ref_server_url"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, ref_server_url="http://127.0.0.1:1", beta=0.0)
+    with pytest.raises(ValueError, match="GRPOConfig.ref_server_url"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, ref_server_url="127.0.0.1:1", beta=0.1)
+
+
+class Recorder(GRPOTrainer):
+    def compute_loss(self, model, inputs, *a, **k):
+        self.seen = getattr(self, "seen", [])
+        self.seen.append({n: v.detach().cpu().clone() for n, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return super().compute_loss(model, inputs, *a, **k)
+
+
+def test_training_with_ref_server_logs_kl_and_holds_no_reference(server, tiny_model_path, tmp_path):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        temperature=0.9,
+        beta=0.1,
+        ref_server_url=server.url,
+        vllm_api_key=API_KEY,
+        seed=0,
+    )
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(32))
+    assert t.ref_model is None and t.ref_client is not None
+    t.train()
+    kls = [h["kl"] for h in t.state.log_history if "kl" in h]
+    assert len(kls) == 3 and all(k >= 0 for k in kls) and kls[-1] > 0  # the policy moved away from the reference
+    # the ref logps the trainer used are the initial weights' (the server is frozen), at the trainer's temperature
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    for batch in t.seen:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        T = batch["completion_ids"].size(1)
+        with torch.no_grad():
+            local = completion_logps(ref, ids, mask, T, 0.9)
+        cm = batch["completion_mask"].bool()
+        assert (batch["ref_logps"][cm] - local[cm]).abs().max().item() < 1e-4
