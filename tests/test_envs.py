@@ -206,7 +206,7 @@ def _args(tmp_path, **kw):
         per_device_train_batch_size=8,
         num_generations=4,
         gradient_accumulation_steps=1,
-        max_completion_length=24,
+        max_completion_length=40,
         max_steps=2,
         learning_rate=1e-2,
         logging_steps=1,
@@ -229,13 +229,16 @@ class Recorder(GRPOTrainer):
 def _train_multi_turn(tiny_model_path, args, **kw):
     seen_completions = []
 
-    def saw_messages(prompts, completions, completion_ids, letter, **kw):
+    def first_char(prompts, completions, completion_ids, letter, **kw):
+        """Varies over random completions (so every group has a non-zero advantage): the code of the first
+        character of the first assistant turn; records what it was given."""
         seen_completions.extend(completions)
-        return [0.0] * len(completions)
+        assert all(c[0]["role"] == "assistant" for c in completions)
+        return [ord(c[0]["content"][:1] or " ") / 128 for c in completions]
 
     t = Recorder(
         model=tiny_model_path,
-        reward_funcs=[letter_reward, saw_messages],
+        reward_funcs=[letter_reward, first_char],
         args=args,
         train_dataset=make_dataset(64),
         environment=Echo(),
@@ -338,6 +341,7 @@ def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # one server start (~30-60 s), shared by the vllm_server and openai backends
 def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tmp_path):
     from vllm_utils import API_KEY, running_servers
 
