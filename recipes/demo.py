@@ -27,6 +27,7 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics
 from grpo_async.model_config import ModelConfig, get_peft_config
+from grpo_async.recipe_parser import apply_yaml_defaults
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 
 DATASET_NAME = "letter task (grpo_async.demo_task)"
@@ -57,6 +58,7 @@ def main(argv=None):
     p.add_argument("--log_completions", action="store_true", help="completions table: console and parquet")
     p.add_argument("--push_to_hub", action="store_true", help="upload the model and its card at the end")
     p.add_argument("--hub_model_id", default=None)
+    apply_yaml_defaults(p, argv)  # --config recipes/configs/demo.yaml: defaults for the flags above
     model_args, a = p.parse_args_into_dataclasses(argv)
 
     if model_args.model_name_or_path is not None:

@@ -331,6 +331,7 @@ def test_tool_env_training_runs(tiny_model_path, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ vLLM
 @pytest.mark.vllm
+@pytest.mark.slow  # ~35 s: the in-process engine starts
 def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path):
     t = _train_multi_turn(tiny_model_path, _args(tmp_path, generation_backend="vllm", num_batches_ahead=1))
     try:
