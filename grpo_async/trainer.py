@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
 from .algo.logprobs import completion_logps
@@ -154,7 +155,10 @@ class GRPOTrainer(Trainer):
             for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
                 if isinstance(m, torch.nn.Dropout):
                     m.p = 0.0
-        if args.padding_free:  # packed rows must not attend to each other: prove it on this model once
+        # packed rows must not attend to each other: prove it on this model once (not under ZeRO-3, whose parameters
+        # are partitioned from `from_pretrained` on: a forward needs the DeepSpeed engine, and gathering them whole
+        # on every rank would defeat ZeRO-3)
+        if args.padding_free and not is_deepspeed_zero3_enabled():
             was_training = model.training
             check_isolation(model.eval())
             model.train(was_training)
@@ -179,6 +183,7 @@ class GRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.add_callback(MetricsJsonlCallback())
+        self._bound_collectives()
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
@@ -215,6 +220,18 @@ class GRPOTrainer(Trainer):
         self.backend = None
         self._backend_lock = threading.Lock()  # one generate/update sequence at a time (generator, evaluate)
         self._push_lock = threading.Lock()  # one weight push at a time
+
+    def _bound_collectives(self) -> None:
+        """Every collective (DDP all-reduce, the pipeline's gather/broadcast of rounds) waits at most `ddp_timeout`
+        seconds for the other processes. transformers passes `ddp_timeout` to the process group on GPU only; on CPU
+        (gloo) the group would keep torch's 30-minute default, so a stalled peer would hang the others that long."""
+        dist = torch.distributed
+        if self.accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            from datetime import timedelta
+
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(timedelta(seconds=self.args.ddp_timeout))
 
     # ------------------------------------------------------------------------------------------------------
     # construction-time checks

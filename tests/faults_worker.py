@@ -7,8 +7,9 @@ argv: MODE MODEL OUT_DIR [SERVER_URL]
 - `checkpoint`: saves every step; the save of step 2 blocks half-way (model written, RNG state not yet) after
   printing `SAVING 2`, for the test to SIGKILL. `resume`: resumes with `resume_from_checkpoint=True`, prints
   `RESUMED FROM <path>` and `DONE <global_step>`.
-- `rank_dies`: one of 2 processes (env RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, gloo, no launcher agent that would
-  kill the survivor); rank 1 calls `os._exit(3)` at its 3rd micro-step; rank 0 must fail with a clear error.
+- `rank_dies` / `rank_hangs`: one of 2 processes (env RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, gloo, no launcher
+  agent that would kill the survivor; ddp_timeout=15); at its 3rd micro-step rank 1 calls `os._exit(3)` / sleeps
+  forever; rank 0 must fail with a clear error (at once / within ddp_timeout).
 """
 
 import os
@@ -36,9 +37,11 @@ class Observed(GRPOTrainer):
         return super()._save_rng_state(output_dir)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.mode == "rank_dies" and self.accelerator.process_index == 1 and self._step == 2:
-            print("RANK 1 DIES", flush=True)
-            os._exit(3)
+        if self.mode in ("rank_dies", "rank_hangs") and self.accelerator.process_index == 1 and self._step == 2:
+            print("RANK 1 DIES" if self.mode == "rank_dies" else "RANK 1 HANGS", flush=True)
+            if self.mode == "rank_dies":
+                os._exit(3)
+            time.sleep(3600)  # stalled (deadlock, stuck I/O): alive, its sockets open, never joins a collective
         return super().training_step(model, inputs, num_items_in_batch)
 
 
@@ -66,8 +69,8 @@ def main():
             kw.update(generation_backend="vllm_server", vllm_server_urls=[server], weight_sync_transport="broadcast")
     elif mode in ("checkpoint", "resume"):
         kw.update(save_strategy="steps", save_steps=1, save_total_limit=1)
-    elif mode == "rank_dies":
-        kw.update(ddp_timeout=20, max_steps=20)
+    elif mode in ("rank_dies", "rank_hangs"):
+        kw.update(ddp_timeout=15, max_steps=20)
     trainer = Observed(model=model, reward_funcs=letter_reward, args=GRPOConfig(**kw), train_dataset=make_dataset(256))
     trainer.mode = mode
     try:
