@@ -163,3 +163,55 @@ def test_prompts_longer_than_max_prompt_length(tiny_model_path, tmp_path, mode):
     t.train()
     (log,) = [h for h in t.state.log_history if "prompts/truncated" in h]
     assert log["prompts/truncated"] == 2  # 8 rows / G=4 = 2 prompts per round, both cut to their last 5 tokens
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+# More refused configurations; tests/test_config.py has the others (batch/G divisibility, staleness < 0, ...).
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"rollout_micro_batch_size": 3}, "per-stage micro-batches do not fit"),  # LCM(3, 4, 4) = 12 > 4 rows
+        ({"ref_logps_micro_batch_size": 0}, "GRPOConfig.ref_logps_micro_batch_size"),
+        ({"steps_per_generation": 0}, "GRPOConfig.steps_per_generation"),
+        ({"use_vllm": True, "vllm_mode": "remote"}, "GRPOConfig.vllm_mode"),
+        ({"min_p": 1.0}, "GRPOConfig.min_p"),
+        ({"temperature": -1.0}, "GRPOConfig.temperature"),
+        ({"max_prompt_length": 0}, "GRPOConfig.max_prompt_length"),
+        ({"weight_sync_bucket_mb": 0}, "GRPOConfig.weight_sync_bucket_mb"),
+        ({"reuse_order": "random"}, "GRPOConfig.reuse_order"),
+        ({"generation_backend": "openai"}, "GRPOConfig.openai_base_url"),
+        ({"importance_sampling_clip_min": -1.0}, "GRPOConfig.importance_sampling_clip_max"),
+    ],
+)
+def test_more_invalid_configs_are_refused_naming_the_field(overrides, message):
+    from grpo_async import GRPOConfig
+
+    base = dict(output_dir="/tmp/grpo-async-faults", use_cpu=True, report_to=[], per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**{**base, "num_generations": 4, **overrides})
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("hidden,heads", [(64, 4), (96, 2)])  # head_dim 16 and 48: not served by vLLM on CPU
+def test_model_whose_head_size_vllm_cannot_serve_is_refused_at_construction(tiny_model_path, tmp_path, hidden, heads):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+
+    if torch.cuda.is_available():
+        pytest.skip("the head-size list checked here is vLLM's CPU attention's")
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = hidden, heads, heads
+    config.head_dim = hidden // heads
+    model = AutoModelForCausalLM.from_config(config)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4, num_generations=4,
+        use_vllm=True,
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    with pytest.raises(ValueError, match=rf"head size is {hidden // heads}.*supports head sizes \[32, 64"):
+        GRPOTrainer(model, letter_reward, args=args, train_dataset=make_dataset(8), processing_class=tok)
+    # the tiny model's head size (64) is accepted: construction does not start an engine
+    GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(8))

@@ -54,6 +54,32 @@ def validate_sampling(s: SamplingConfig) -> SamplingConfig:
     return s
 
 
+def model_head_dim(config) -> int | None:
+    """Attention head size of a HF config: `head_dim`, else `hidden_size // num_attention_heads`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d = getattr(text, "head_dim", None)
+    if d is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        d = text.hidden_size // text.num_attention_heads
+    return d
+
+
+def check_vllm_can_serve(config, where: str = "VLLMColocateBackend") -> None:
+    """Refuse, before an engine is built, a model whose head size vLLM's CPU attention cannot serve (on GPU the
+    attention backend is picked per model by vLLM itself, which then reports it)."""
+    if torch.cuda.is_available():
+        return
+    d = model_head_dim(config)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if d is not None and d not in sizes:
+        raise ValueError(
+            f"{where}: the model's attention head size is {d} (head_dim, or hidden_size / num_attention_heads), "
+            f"which vLLM's CPU attention cannot serve; it supports head sizes {sizes}. Use generation_backend='hf' "
+            "or a model with a supported head size."
+        )
+
+
 def _check_prompts(prompt_ids) -> None:
     if not isinstance(prompt_ids, list) or not all(
         isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt_ids
