@@ -267,6 +267,21 @@ def _train_multi_turn(tiny_model_path, args, **kw):
 
 def test_multi_turn_training_on_hf(tiny_model_path, tmp_path):
     t = _train_multi_turn(tiny_model_path, _args(tmp_path))
+    logged = t.state.log_history[0]
+    assert 1 < logged["env/turns/mean"] <= logged["env/turns/max"] == Echo.max_turns
+    assert 0 < logged["env/env_tokens_frac"] < 1 and 0 < logged["env/max_turns_ratio"] <= 1
+    # evaluation runs the same multi-turn rollouts
+    seen = []
+
+    def eval_reward(prompts, completions, **kw):
+        seen.extend(completions)
+        return [1.0] * len(completions)
+
+    t.reward_funcs, t.reward_func_names = [eval_reward], ["eval_reward"]
+    t.reward_weights = torch.ones(1)
+    metrics = t.evaluate(make_dataset(4))
+    assert metrics["eval_reward"] == 1.0 and len(seen) == 4 * t.num_generations
+    assert any(m["role"] == "user" and m["content"] == "ok 1" for c in seen for m in c)
     # first round, on-policy: the sampler's logprobs of the model's own tokens equal the trainer's
     b = t.seen[0]
     init = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
