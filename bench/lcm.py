@@ -52,6 +52,7 @@ def make_trainer(model_dir: str, out: str, micro: int, rows: int, k: int) -> GRP
         num_generations=4,
         num_iterations=2,  # old logps are needed
         beta=0.04,  # reference logps are needed
+        importance_sampling_correction=False,  # the round has no sampler logps; the IS weights are not timed here
         ref_logps_micro_batch_size=k * micro,
         old_logps_micro_batch_size=k * micro,
         rollout_micro_batch_size=rows,

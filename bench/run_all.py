@@ -45,7 +45,7 @@ def machine() -> str:
 # ---------------------------------------------------------------------------------------------- rows per bench
 def _rows_weight_sync(data: dict) -> list[dict]:
     rows = []
-    for t in ("broadcast", "shm"):
+    for t in ("broadcast", "shm", "cuda_ipc"):
         if t in data:
             r = data[t]
             rows.append(

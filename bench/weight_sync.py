@@ -22,6 +22,9 @@ How to read the ratios:
   buckets cost nothing noticeable. `bucketed / flat_wire`: how far a real sync is from just moving the bytes;
   the gap is `phases["load"]` (vLLM's reload), not the protocol.
 
+GPU variant (`--device cuda`, on a CUDA machine with a CUDA vLLM): the state dict lives on the GPU, the server is a
+CUDA vLLM, the transports are NCCL broadcast and CUDA IPC handles; the device name goes into the JSON (`device`).
+
 Run: `python bench/weight_sync.py` (starts and stops its own server; ~2 min on 2 cores). Writes
 `bench/out/weight_sync.json` and ends with `RESULT weight_sync_speedup=<x>` (bucketed vs per-tensor, broadcast).
 """
@@ -43,7 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_async.generation.server_process import launch_server  # noqa: E402
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
 from grpo_async.weight_sync.buckets import group_by_module, iter_buckets  # noqa: E402
-from grpo_async.weight_sync.transports import BroadcastTransport, ServerClient, ShmTransport  # noqa: E402
+from grpo_async.weight_sync.transports import (  # noqa: E402
+    BroadcastTransport,
+    CudaIpcTransport,
+    ServerClient,
+    ShmTransport,
+)
 
 SPEC = TinyModelSpec(
     hidden_size=128, intermediate_size=384, num_hidden_layers=34, num_attention_heads=4, num_key_value_heads=4, seed=0
@@ -66,6 +74,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: the trainer's tensors on the GPU, a CUDA vLLM server, NCCL broadcast and CUDA IPC transports",
+    )
+    ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "weight_sync.json")
     )
     args = ap.parse_args(argv)
@@ -76,6 +90,8 @@ def main(argv=None) -> dict:
     sd = load_file(os.path.join(path, "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
     sd = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in sd.items()}  # new weights to push
+    if args.device == "cuda":
+        sd = {k: v.cuda() for k, v in sd.items()}
     groups = group_by_module(sd)
     n_tensors, n_bytes = len(sd), sum(v.numel() * v.element_size() for v in sd.values())
     assert n_tensors >= 300 and n_bytes >= 25e6, (n_tensors, n_bytes)
@@ -85,11 +101,22 @@ def main(argv=None) -> dict:
         flush=True,
     )
 
-    server = launch_server(path, extra_args=["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"])
+    extra = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
+    if args.device == "cuda":
+        extra += ["--gpu-memory-utilization", "0.3"]
+    server = launch_server(path, extra_args=extra)
     results: dict = {"tensors": n_tensors, "bytes": n_bytes, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
+    results["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU x{os.cpu_count()}"
+    if args.device == "cuda":  # NCCL broadcast from the trainer's GPU, and CUDA IPC handles instead of shared memory
+        transports = (
+            ("broadcast", lambda c, mb: BroadcastTransport(c, mb, device="cuda")),
+            ("cuda_ipc", lambda c, mb: CudaIpcTransport(c, mb, device="cuda")),
+        )
+    else:
+        transports = (("broadcast", BroadcastTransport), ("shm", ShmTransport))
     try:
         client = ServerClient(server.url, timeout=300)
-        for name, cls in (("broadcast", BroadcastTransport), ("shm", ShmTransport)):
+        for name, cls in transports:
             per_tensor, bucketed, flat = cls(client, None), cls(client, args.bucket_mb), cls(client, 1e9)
             try:
                 r = {
