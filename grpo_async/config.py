@@ -383,6 +383,12 @@ class GRPOConfig(TrainingArguments):
                 raise _err("ref_server_url", f"must be an http(s):// URL, got {self.ref_server_url!r}")
             if self.beta == 0:
                 raise _err("ref_server_url", "is set but beta=0: no reference logps are computed; set beta > 0")
+            if self.ref_server_url.rstrip("/") in [u.rstrip("/") for u in self.vllm_server_urls or []]:
+                raise _err(
+                    "ref_server_url",
+                    f"{self.ref_server_url} is also a generation server (vllm_server_urls): it receives the policy's "
+                    "weight updates, so it cannot hold the frozen reference; start a separate server for it",
+                )
         if not self.epsilon > 0 or not self.epsilon_high > 0:
             raise _err("epsilon", f"epsilon and epsilon_high must be > 0, got {self.epsilon!r}, {self.epsilon_high!r}")
         if self.generation_backend not in GENERATION_BACKENDS:

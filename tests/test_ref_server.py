@@ -113,3 +113,9 @@ def test_training_with_ref_server_logs_kl_and_holds_no_reference(server, tiny_mo
             local = completion_logps(ref, ids, mask, T, 0.9)
         cm = batch["completion_mask"].bool()
         assert (batch["ref_logps"][cm] - local[cm]).abs().max().item() < 1e-4
+
+
+def test_ref_server_cannot_be_a_generation_server(tmp_path):
+    url = "http://127.0.0.1:8000"
+    with pytest.raises(ValueError, match="GRPOConfig.ref_server_url.*frozen reference"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.1, ref_server_url=url + "/", vllm_server_urls=[url])
