@@ -68,6 +68,22 @@ def test_env_turn_ids_add_the_end_of_turn_the_model_did_not_sample(tok):
     assert tok.decode(ids) == "<|end|><|user|>ok<|end|><|assistant|>"
 
 
+def test_a_newline_the_template_puts_after_eos_is_added(tiny_model_path):
+    """Qwen-style templates end a turn with EOS and a newline; the model stops at EOS, so the newline (a template
+    token it never sampled) is added with the environment's tokens, and the held sequence is the full rendering."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    conversation = USER + [{"role": "assistant", "content": "ab"}]
+    sampled = _ids(tok, "ab<|end|>")
+    ids = env_turn_ids(tok, conversation, [{"role": "user", "content": "ok"}], sampled, turn=1)
+    assert tok.decode(ids) == "\n<|user|>ok<|end|>\n<|assistant|>"
+    held = template_ids(tok, USER, True) + sampled + ids
+    assert held == template_ids(tok, conversation + [{"role": "user", "content": "ok"}], True)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_a_clear_error(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     # like templates that drop the reasoning of past assistant turns: an assistant message renders differently once
