@@ -213,5 +213,5 @@ def test_model_whose_head_size_vllm_cannot_serve_is_refused_at_construction(tiny
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     with pytest.raises(ValueError, match=rf"head size is {hidden // heads}.*supports head sizes \[32, 64"):
         GRPOTrainer(model, letter_reward, args=args, train_dataset=make_dataset(8), processing_class=tok)
-    # the tiny model's head size (64) is accepted: construction does not start an engine
+    # the tiny model's head size (32) is accepted: construction does not start an engine
     GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(8))
