@@ -238,3 +238,35 @@ def test_builtins_through_the_scorer_with_weights():
     table = score_completions(funcs, names, PROMPTS, completions, IDS, {"answer": ["2", "2", "2"]}, timeout=30)
     assert table.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
     assert combine_rewards(table, torch.tensor([1.0, 0.5])).tolist() == [1.5, 0.0, 1.0]
+
+
+def test_a_hung_reward_function_stops_training_with_its_name(tiny_model_path, tmp_path):
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import make_dataset
+
+    release = threading.Event()
+
+    def hung_reward(prompts, completions, **kw):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        reward_timeout=0.5,
+    )
+    trainer = GRPOTrainer(tiny_model_path, hung_reward, args=args, train_dataset=make_dataset(16))
+    try:
+        with pytest.raises(
+            Exception, match=r"reward function 'hung_reward' did not return within .*reward_timeout=0.5"
+        ):
+            trainer.train()
+    finally:
+        release.set()
