@@ -754,13 +754,6 @@ class GRPOTrainer(Trainer):
             metrics["env/turns/max"] = turns.max().item()
             metrics["env/env_tokens_frac"] = env_tokens / max(1.0, completion_mask.sum().item())
             metrics["env/max_turns_ratio"] = sum(c.finish_reason == "max_turns" for c in completions) / R
-        if self.environment is not None:  # multi-turn: assistant turns, environment tokens, rollouts cut by max_turns
-            turns = torch.tensor([float(c.extra["turns"]) for c in completions])  # [R]
-            env_tokens = sum(len(c.extra["env_mask"]) - sum(c.extra["env_mask"]) for c in completions)
-            metrics["env/turns/mean"] = turns.mean().item()
-            metrics["env/turns/max"] = turns.max().item()
-            metrics["env/env_tokens_frac"] = env_tokens / max(1.0, completion_mask.sum().item())
-            metrics["env/max_turns_ratio"] = sum(c.finish_reason == "max_turns" for c in completions) / R
         for i, name in enumerate(self.reward_func_names):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
             metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
