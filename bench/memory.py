@@ -1,0 +1,235 @@
+"""Trainer-process peak memory: padding-free packing vs padded rows, and reference logps from a frozen
+`grpo-async serve` server vs an in-process reference copy.
+
+What it measures: each variant runs in a fresh Python process (so one variant's freed-but-kept heap never hides
+another's peak) and reports its peak resident set (`VmHWM`, i.e. `ru_maxrss`), the only number that counts torch's
+CPU tensors (plain malloc) together with everything else.
+
+1. packing (`GRPOConfig.padding_free`): one training micro-batch of `--rows` rows with skewed lengths (one row of
+   `--long` tokens, the others `--short`; seed 004's case: a few long completions pad a whole batch to their length).
+   The trainer's own code runs on it: the old-logps pass (`_old_logps_fn`) then `compute_loss` + backward. The
+   number is the peak *during the step* (`VmHWM` reset just before it through `/proc/self/clear_refs`) minus the
+   resident set just before it (model, trainer), i.e. the activations, logits and attention temporaries it needs.
+2. reference (`GRPOConfig.ref_server_url`): the peak of the whole trainer process (construction with beta > 0 and
+   one ref-logps pass over the same rows), with the reference copy in-process vs asked from a server.
+
+The limit it compares to: padded rows cost `rows × longest` token positions (and `rows × longest²` attention
+scores), packed rows `Σ lengths` (and one `(Σ lengths)²` block-diagonal mask), so on this batch the activation part
+can shrink by up to `rows × longest / Σ lengths`; the fixed part (weights, gradients, allocator slack) does not
+shrink. The in-process reference costs one more copy of the weights plus its forward's temporaries.
+
+How to read the ratios: `packing_memory_ratio = padded / packed` step peak (> 1: packing needs that many times less;
+target ≥ 1.5 on the default batch); `ref_memory_ratio = in-process / server` trainer peak (> 1: the server saves
+that much of the trainer's memory). Times of the packed/padded steps are printed too (2 cores: rough).
+
+Run: `python bench/memory.py` (~2 min on 2 cores: four fresh processes and one server). Writes
+`bench/out/memory.json`; ends with `RESULT packing_memory_ratio=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: the policy of the packing variants: small weights, so activations dominate the step
+SPEC = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)
+#: the model of the reference variants: weights large enough that a second copy shows
+REF_SPEC = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12
+)
+
+
+def peak_mb() -> float:
+    """Peak resident set of this process since it started or since `reset_peak()` (Linux VmHWM), in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # pragma: no cover (not Linux)
+
+
+def reset_peak() -> float:
+    """Hand freed heap back to the OS, reset the peak to the current resident set (Linux `clear_refs` 5) and
+    return it: what a step adds is then `peak_mb() - reset_peak()`."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak_mb()
+
+
+def make_rows(rows: int, long: int, short: int, vocab: int) -> dict:
+    """One long row, the others short; prompts a quarter of each row. Left-padded prompts, right-padded completions."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [long] + [short] * (rows - 1)
+    p_len = torch.tensor([max(1, n // 4) for n in lengths])
+    c_len = torch.tensor(lengths) - p_len
+    P, T = int(p_len.max()), int(c_len.max())
+    prompt_mask = (torch.arange(P) >= P - p_len[:, None]).long()  # [B, P]
+    completion_mask = (torch.arange(T) < c_len[:, None]).long()  # [B, T]
+    return {
+        "prompt_ids": torch.randint(7, vocab, (rows, P), generator=g) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(7, vocab, (rows, T), generator=g) * completion_mask,
+        "completion_mask": completion_mask,
+        "loss_mask": completion_mask.clone(),
+        "advantages": torch.randn(rows, generator=g),
+        "weights_round": torch.zeros(rows, dtype=torch.long),
+        "policy_version": torch.zeros(rows, dtype=torch.long),
+        "num_items_in_batch": float(completion_mask.sum()),
+    }
+
+
+def child(a) -> dict:
+    """One variant in this (fresh) process; returns its measurements."""
+    import torch
+
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+
+    torch.manual_seed(0)
+    packed = a.variant == "packed"
+    ref = a.variant.startswith("ref_")
+    start = peak_mb()
+    args = GRPOConfig(
+        output_dir=os.path.join(a.tmp, a.variant),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=a.rows,
+        num_generations=2,
+        max_completion_length=a.long,
+        max_prompt_length=a.long,
+        padding_free=packed or ref,
+        beta=0.04 if ref else 0.0,
+        ref_server_url=a.server if a.variant == "ref_server" else None,
+        vllm_api_key="bench",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    t = GRPOTrainer(model=a.model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(a.rows))
+    rows = make_rows(a.rows, a.long, a.short, t.model.config.vocab_size)
+    n_params = sum(p.numel() for p in t.model.parameters()) / 1e6
+    T = rows["completion_ids"].size(1)
+    batch = {
+        "ids": torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1),
+        "mask": torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1),
+    }
+    if ref:
+        with torch.no_grad():
+            t._ref_logps_fn(batch, T)
+        return {"peak_mb": peak_mb(), "start_mb": start, "params_m": n_params}
+    t.current_gradient_accumulation_steps = 1  # what the training loop sets before its micro-steps
+    t.model.train()
+    before = reset_peak()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        rows["old_logps"] = t._old_logps_fn(batch, T)
+    loss = t.compute_loss(t.model, rows)
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    return {
+        "step_peak_mb": peak_mb() - before,
+        "peak_mb": peak_mb(),
+        "seconds": seconds,
+        "loss": loss.item(),
+        "params_m": n_params,
+    }
+
+
+def run_child(a, variant: str, model: str, server: str | None = None) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model, "--tmp", a.tmp]
+    cmd += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
+    if server:
+        cmd += ["--server", server]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"variant {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> float:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=16, help="rows of the micro-batch")
+    p.add_argument("--long", type=int, default=512, help="tokens of the one long row (prompt + completion)")
+    p.add_argument("--short", type=int, default=48, help="tokens of every other row")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--server", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        a.variant = a.child
+        print(json.dumps(child(a)), flush=True)
+        return 0.0
+
+    from grpo_async.generation.server_process import launch_server
+    from grpo_async.testing import TinyModelSpec, build_tiny_model
+
+    a.tmp = tempfile.mkdtemp(prefix="grpo_bench_memory_")
+    pos = {"max_position_embeddings": 2 * a.long, "seed": 0}
+    model = build_tiny_model(os.path.join(a.tmp, "model"), TinyModelSpec(**SPEC, **pos))
+    ref_model = build_tiny_model(os.path.join(a.tmp, "ref_model"), TinyModelSpec(**REF_SPEC, **pos))
+    res = {v: run_child(a, v, model) for v in ("padded", "packed")}
+    server = launch_server(
+        ref_model,
+        api_key="bench",
+        extra_args=["--dtype", "float32", "--max-model-len", str(2 * a.long), "--enforce-eager"],
+        ready_timeout=300,
+    )
+    try:
+        res["ref_inprocess"] = run_child(a, "ref_inprocess", ref_model)
+        res["ref_server"] = run_child(a, "ref_server", ref_model, server.url)
+    finally:
+        server.stop()
+
+    tokens_padded = a.rows * (max(1, a.long // 4) + a.long - max(1, a.long // 4))
+    tokens_packed = a.long + (a.rows - 1) * a.short
+    pad, pk = res["padded"], res["packed"]
+    ratio = pad["step_peak_mb"] / pk["step_peak_mb"]
+    ref_ratio = res["ref_inprocess"]["peak_mb"] / res["ref_server"]["peak_mb"]
+    print(
+        f"batch: {a.rows} rows, one of {a.long} tokens, {a.rows - 1} of {a.short}: "
+        f"padded {tokens_padded} token positions, packed {tokens_packed} ({tokens_padded / tokens_packed:.1f}x fewer)"
+    )
+    print(f"policy: tiny Llama, {pad['params_m']:.1f} M params, float32, sdpa attention")
+    for name in ("padded", "packed"):
+        r = res[name]
+        print(
+            f"{name:>7}: step peak +{r['step_peak_mb']:8.1f} MB (process peak {r['peak_mb']:.1f} MB), "
+            f"old logps + loss + backward {r['seconds']:.2f} s, loss {r['loss']:.6f}"
+        )
+    print(
+        f"packing: padded / packed step peak = {ratio:.2f}x (target >= 1.5x); "
+        f"padded / packed time {pad['seconds'] / pk['seconds']:.2f}x"
+    )
+    for name in ("ref_inprocess", "ref_server"):
+        print(f"{name:>13}: trainer process peak {res[name]['peak_mb']:.1f} MB")
+    print(
+        f"reference model: {res['ref_server']['params_m']:.1f} M params "
+        f"(a float32 copy: {res['ref_server']['params_m'] * 4:.0f} MB)"
+    )
+    print(f"reference: in-process / server trainer peak = {ref_ratio:.2f}x")
+    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
+    with open(os.path.join(os.path.dirname(__file__), "out", "memory.json"), "w") as f:
+        json.dump({"results": res, "packing_memory_ratio": ratio, "ref_memory_ratio": ref_ratio, "args": vars(a)}, f)
+    print(f"RESULT ref_memory_ratio={ref_ratio:.2f}")
+    print(f"RESULT packing_memory_ratio={ratio:.2f}")
+    return ratio
+
+
+if __name__ == "__main__":
+    main()
