@@ -588,6 +588,8 @@ class GRPOTrainer(Trainer):
         ]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         columns["trainer_state"] = self.state  # as TRL: for reward shaping by training progress
+        if completions and "state" in completions[0].extra:  # multi-turn: each rollout's final environment state
+            columns["env_state"] = [c.extra["state"] for c in completions]
         return score_completions(
             self.reward_funcs,
             self.reward_func_names,

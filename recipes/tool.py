@@ -59,13 +59,10 @@ def make_problems(n: int, max_operand: int, seed: int) -> list[dict]:
     return rows
 
 
-def tool_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
-    """0.2 when the rollout called a tool and got a result back (not an error), else 0."""
-    out = []
-    for messages in completions:
-        results = [m["content"] for m in messages if m.get("role") == "tool"]
-        out.append(0.2 if results and not any(r.startswith("error:") for r in results) else 0.0)
-    return out
+def tool_reward(prompts, completions, completion_ids, env_state, **kwargs) -> list[float]:
+    """0.2 when the rollout called a tool and every call got a result back (not an error), else 0. `env_state` is
+    each rollout's final `ToolEnv` state, which the trainer passes to reward functions of multi-turn runs."""
+    return [0.2 if s["tool_calls"] and not s["tool_errors"] else 0.0 for s in env_state]
 
 
 def build_dataset(a: ToolArguments, env: ToolEnv, seed: int):

@@ -250,6 +250,9 @@ def _train_multi_turn(tiny_model_path, args, **kw):
         character of the first assistant turn; records what it was given."""
         seen_completions.extend(completions)
         assert all(c[0]["role"] == "assistant" for c in completions)
+        # each rollout's final environment state, from its own row
+        assert [s["letter"] for s in kw["env_state"]] == letter
+        assert all(s["replies"] == sum(m["role"] == "user" for m in c) for s, c in zip(kw["env_state"], completions))
         return [ord(c[0]["content"][:1] or " ") / 128 for c in completions]
 
     t = Recorder(
