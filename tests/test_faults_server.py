@@ -185,8 +185,11 @@ def test_broadcast_peer_that_dies_or_hangs_mid_push_fails_the_push_naming_it(sta
             backend.update_weights(state_dict, 7)
         text = str(err.value)
         assert "while pushing weights version 7" in text and url in text, text
+        assert f"weight sync to {url} failed mid-broadcast" in text, text
         if mode == "die_on_update":
             assert peer.wait(30) == 17  # the peer really crashed mid-push
+        else:  # alive but never receiving: the gloo group gave up after its timeout
+            assert "Timed out" in text and "group_timeout=4s" in text, text
         assert time.monotonic() - start < 60
         assert backend.live_urls == []
     finally:
