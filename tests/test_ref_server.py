@@ -17,8 +17,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    # --max-logprobs -1: temperatures other than 1 need every token's prompt logprob
-    with running_servers(tiny_model_path, 1, extra_args=["--max-logprobs", "-1"]) as (s,):
+    # --max-logprobs -1: temperatures other than 1 need every token's prompt logprob; --frozen: no weight updates
+    with running_servers(tiny_model_path, 1, extra_args=["--max-logprobs", "-1", "--frozen"]) as (s,):
         yield s
 
 
@@ -62,6 +62,10 @@ def test_logprobs_route_refuses_bad_requests(server):
     ):
         with pytest.raises(ServerError, match="400"):
             client.post("/ws/logprobs", bad)
+    # a frozen server refuses weight updates
+    for path in ("/ws/update", "/ws/init_broadcast"):
+        with pytest.raises(ServerError, match="403.*frozen"):
+            client.post(path, {})
 
 
 def test_ref_server_url_needs_beta(tmp_path):

@@ -41,7 +41,8 @@ answers `{"logprobs": [[float, ...], ...]}` (one list per sequence, one value pe
 `log_softmax(logits / temperature)` of each completion token given its prefix, from vLLM's prompt logprobs (which
 vLLM computes from the raw logits, whatever `--logprobs-mode`): at temperature 1 the target token's logprob is the
 answer; at another temperature the route asks for the whole vocabulary's and rescales (`lp_y/T − logsumexp(lp/T)`;
-start that server with `--max-logprobs -1`).
+start that server with `--max-logprobs -1`). `--frozen` makes a server refuse every weight update (403), so a
+reference server cannot be moved by mistake.
 
 A request with `begin` pauses generation and opens a reload session; one with `end` finalizes it, resets the prefix
 cache and resumes generation. `"pause": "wait"` (default): requests in flight finish on the old weights first.
@@ -221,6 +222,16 @@ def _rescaled(position: dict, token: int, temperature: float) -> float:
     return position[token].logprob / temperature - (top + math.log(sum(math.exp(s - top) for s in scaled)))
 
 
+def add_frozen_routes(app) -> None:
+    """A frozen server (`--frozen`, e.g. the reference): the weight-update routes answer 403."""
+
+    async def refuse(request: Request):
+        raise HTTPException(403, "this grpo-async serve is --frozen (a reference server): weight updates are refused")
+
+    for path in ("/ws/init_broadcast", "/ws/close_broadcast", "/ws/update"):
+        app.post(path)(refuse)
+
+
 def add_logprob_route(app) -> None:
     """Register `POST /ws/logprobs` (per-token logprobs of given completions; see the module docstring)."""
     import uuid
@@ -270,6 +281,9 @@ def make_parser():
         FlexibleArgumentParser(prog="grpo-async serve", description="vLLM OpenAI server + grpo-async weight sync")
     )
     parser.set_defaults(host="127.0.0.1", worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs")
+    parser.add_argument(
+        "--frozen", action="store_true", help="grpo-async: refuse weight updates (403), e.g. for a reference server"
+    )
     return parser
 
 
@@ -285,7 +299,10 @@ async def _serve(args) -> None:
     async with build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
-        add_weight_routes(app)
+        if args.frozen:
+            add_frozen_routes(app)
+        else:
+            add_weight_routes(app)
         add_logprob_route(app)
         app.middleware_stack = None  # vLLM's bootstrap may have built it; ours must wrap everything
         app.add_middleware(GuardMiddleware, api_keys=[k for k in (args.api_key or []) if k])  # outermost
