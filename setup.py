@@ -11,6 +11,7 @@ TEST = [
     "peft>=0.17",
     "ruff>=0.6",
     "tensorboard",
+    "deepspeed",  # the ZeRO-2/3 launch-config tests (DeepSpeed's CPU accelerator runs them on gloo)
 ]
 
 setup(

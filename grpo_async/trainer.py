@@ -327,10 +327,22 @@ class GRPOTrainer(Trainer):
         from .generation import make_backend
 
         model = self.accelerator.unwrap_model(self.model)
+        zero3_hf = self.args.generation_backend == "hf" and is_deepspeed_zero3_enabled()
+        if zero3_hf:
+            # ZeRO-3 partitions the policy (a forward needs every rank): generate on an unpartitioned twin of the
+            # architecture instead; it receives whole weights (collected by every rank) before its first round
+            from .generation import base_model
+
+            base = base_model(model)
+            model = type(base)(copy.deepcopy(base.config))
+            model.generation_config = copy.deepcopy(base.generation_config)
         path = self._model_source
         if path is None and self.args.generation_backend == "vllm":
             path = self._save_sampler_model(model)
-        return make_backend(self.args, model, self.processing_class, path)
+        backend = make_backend(self.args, model, self.processing_class, path)
+        if zero3_hf:
+            backend.version = -1  # the twin's weights are random: the first round must load the staged ones
+        return backend
 
     def _save_sampler_model(self, model) -> str:
         """Write the architecture, current weights and tokenizer for an in-process engine that loads a folder (the

@@ -61,16 +61,18 @@ def main(argv=None):
     apply_yaml_defaults(p, argv)  # --config recipes/configs/demo.yaml: defaults for the flags above
     model_args, a = p.parse_args_into_dataclasses(argv)
 
+    # cpu=True on a machine without CUDA: gloo process group, so that main_process_first really waits
+    state = PartialState(cpu=not torch.cuda.is_available())
     if model_args.model_name_or_path is not None:
         model_dir = model_args.model_name_or_path
     else:
-        with PartialState().main_process_first():  # one process writes the model folder, the others wait
+        with state.main_process_first():  # one process writes the model folder, the others wait
             model_dir = build_tiny_model(
                 os.path.join(a.output_dir, "tiny-model"),
                 TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4),
             )
     metrics = os.path.join(a.output_dir, METRICS_FILE)
-    if os.path.exists(metrics) and PartialState().is_main_process:
+    if os.path.exists(metrics) and state.is_main_process:
         os.remove(metrics)
     args = GRPOConfig(
         output_dir=a.output_dir,
@@ -117,8 +119,12 @@ def main(argv=None):
         return
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
     png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="grpo_async demo: letter task")
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"trained {len(rewards)} steps in {time.time() - start:.0f}s on backend={a.backend}")
+    first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
+    acc = trainer.accelerator
+    print(
+        f"trained {len(rewards)} steps in {time.time() - start:.0f}s on backend={a.backend}, "
+        f"{acc.num_processes} process(es), distributed_type={acc.distributed_type.value}"
+    )
     print(f"metrics: {os.path.abspath(metrics)}")
     print(f"plot:    {os.path.abspath(png)}")
     print(f"RESULT demo_reward_first10={first:.4f} demo_reward_last10={last:.4f}")

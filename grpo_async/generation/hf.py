@@ -80,6 +80,7 @@ class HFBackend:
             return_dict_in_generate=True,
             pad_token_id=pad,
             eos_token_id=sorted(self.eos_ids),
+            synced_gpus=False,  # one process generates on its private copy (the default syncs ranks under ZeRO-3)
         )
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)

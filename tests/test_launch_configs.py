@@ -1,0 +1,133 @@
+"""recipes/accelerate_configs: every config loads and names its launch command; the CPU variants really launch
+`recipes/demo.py` on 2 processes (gloo) for 2 steps: DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "recipes", "accelerate_configs")
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+GPU_CONFIGS = {
+    "single_device": ("NO", 1),
+    "multi_gpu": ("MULTI_GPU", 8),
+    "deepspeed_zero2": ("DEEPSPEED", 8),
+    "deepspeed_zero3": ("DEEPSPEED", 8),
+    "fsdp2": ("FSDP", 8),
+}
+CPU_CONFIGS = {
+    "multi_cpu": "MULTI_GPU",
+    "fsdp2_cpu": "FSDP",
+    "deepspeed_zero2_cpu": "DEEPSPEED",
+    "deepspeed_zero3_cpu": "DEEPSPEED",
+}
+
+
+def _load(name):
+    path = os.path.join(CONFIGS, f"{name}.yaml")
+    with open(path) as f:
+        header = [line for line in f.read().splitlines() if line.startswith("#")]
+    return load_config_from_file(path), header
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs_load_and_name_their_launch_command(name):
+    cfg, header = _load(name)
+    distributed_type, processes = GPU_CONFIGS[name]
+    assert cfg.distributed_type.value == distributed_type and cfg.num_processes == processes
+    assert cfg.mixed_precision == "bf16" and not cfg.use_cpu
+    assert any(f"accelerate launch --config_file recipes/accelerate_configs/{name}.yaml" in h for h in header), header
+    if name.startswith("deepspeed"):
+        assert cfg.deepspeed_config["zero_stage"] == int(name[-1])
+    if name == "deepspeed_zero3":
+        assert cfg.deepspeed_config["zero3_save_16bit_model"]  # save_model writes whole weights
+    if name == "fsdp2":
+        assert cfg.fsdp_config["fsdp_version"] == 2 and cfg.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
+def test_cpu_configs_mirror_their_gpu_config(name):
+    cfg, header = _load(name)
+    assert cfg.use_cpu and cfg.num_processes == 2 and cfg.mixed_precision == "no"
+    assert cfg.distributed_type.value == CPU_CONFIGS[name]
+    assert any(f"--config_file recipes/accelerate_configs/{name}.yaml" in h for h in header), header
+    gpu_name = {"multi_cpu": "multi_gpu"}.get(name, name.removesuffix("_cpu"))
+    gpu, _ = _load(gpu_name)
+    assert cfg.distributed_type == gpu.distributed_type
+    assert (cfg.deepspeed_config or {}).get("zero_stage") == (gpu.deepspeed_config or {}).get("zero_stage")
+
+
+def launch_demo(config: str, out: str, *extra: str, timeout: int = 420) -> str:
+    """`accelerate launch --config_file <config> recipes/demo.py` for 2 steps on the HF backend; returns stdout."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(CONFIGS, f"{config}.yaml"),
+        os.path.join(ROOT, "recipes", "demo.py"),
+        "--backend",
+        "hf",
+        "--output_dir",
+        out,
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def check_run(out: str, stdout: str, distributed_type: str) -> None:
+    assert f"2 process(es), distributed_type={distributed_type}" in stdout, stdout[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # round 0 was generated from the initial weights, which the trainer also holds at step 1: the sampler's
+    # logprobs equal the trainer's, so the generation engine really received the (possibly sharded) weights whole
+    assert steps[0]["sampling/logp_diff/max"] < 1e-3, steps[0]
+    # save_model gathered whole weights (FSDP2 / ZeRO-3 shards included) and wrote the card
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    initial = load_file(os.path.join(out, "tiny-model", "model.safetensors"))
+    assert set(initial) <= set(saved) | {"lm_head.weight"}
+    assert all(saved[k].shape == initial[k].shape for k in saved)
+    assert any(not saved[k].equal(initial[k]) for k in saved)  # trained
+    assert "GRPO" in open(os.path.join(out, "README.md")).read()
+
+
+@pytest.mark.multiprocess
+def test_ddp_cpu_config_trains_two_steps(tmp_path):
+    out = str(tmp_path / "out")
+    check_run(out, launch_demo("multi_cpu", out), "MULTI_GPU")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fsdp2_cpu_config_trains_two_steps(tmp_path):
+    out = str(tmp_path / "out")
+    check_run(out, launch_demo("fsdp2_cpu", out), "FSDP")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install deepspeed)")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_cpu_config_trains_two_steps(tmp_path, stage):
+    out = str(tmp_path / "out")
+    check_run(out, launch_demo(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
