@@ -114,7 +114,7 @@ def check_run(out: str, stdout: str, distributed_type: str) -> None:
 @pytest.mark.multiprocess
 def test_ddp_cpu_config_trains_two_steps(tmp_path):
     out = str(tmp_path / "out")
-    check_run(out, launch_demo("multi_cpu", out), "MULTI_GPU")
+    check_run(out, launch_demo("multi_cpu", out), "MULTI_CPU")  # MULTI_GPU + use_cpu runs as DDP over gloo
 
 
 @pytest.mark.multiprocess
