@@ -112,3 +112,12 @@ def test_check_isolation_refuses_a_model_that_mixes_packed_rows(tiny_model_path)
         leaky = unpack_completion(packed_completion_logps(_DropsPositions(model), packed), packed)
         truth = _alone(model, ids, mask, 9, temperature=1.0)
     assert (leaky.double() - truth).abs().max().item() > 1e-3
+
+
+def test_empty_completions_give_zeros_and_a_working_backward(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = torch.tensor([[0, 5, 6, 0, 0], [7, 8, 9, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]])  # no completion token in either row
+    out = completion_logps(model, ids, mask, 2, padding_free=True)
+    assert out.shape == (2, 2) and (out == 0).all()
+    out.sum().backward()  # the loss of a micro-batch with nothing to train still backpropagates (zero gradients)
