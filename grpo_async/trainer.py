@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 #: written into every checkpoint folder: the pipeline's position (micro-steps, rounds, rounds in flight, geometry)
 PIPELINE_STATE_FILE = "grpo_async_state.json"
 #: checkpoints are written under `output_dir/SAVING_DIR/checkpoint-N`, then renamed into place (atomic save)
-SAVING_DIR = ".grpo_async_saving"
+SAVING_DIR = "_grpo_async_saving"  # "_*" is left out of the Trainer's hub uploads of output_dir
 
 
 def _identity(rows):
@@ -1026,16 +1026,24 @@ class GRPOTrainer(Trainer):
         return os.path.join(run_dir, SAVING_DIR) if self._saving_into_staging else run_dir
 
     def _save_checkpoint(self, model, trial):
-        """Atomic: every process writes into `output_dir/.grpo_async_saving/checkpoint-N`, then the main process
+        """Atomic: every process writes into `output_dir/_grpo_async_saving/checkpoint-N`, then the main process
         renames the finished folder to `output_dir/checkpoint-N` and only then rotates old checkpoints. A process
         killed mid-save leaves the previous checkpoints untouched, and `get_last_checkpoint` never sees a partial
-        one (it only lists `checkpoint-<n>` folders)."""
+        one (it only lists `checkpoint-<n>` folders). Not with `push_to_hub` and `hub_strategy` "checkpoint" /
+        "all_checkpoints": the Trainer uploads the checkpoint folder in the background by its path, so it is written
+        in place (the pipeline state last) as the Trainer does."""
         import shutil
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        strategy = getattr(self.args.hub_strategy, "value", self.args.hub_strategy)
+        if self.args.push_to_hub and strategy in ("checkpoint", "all_checkpoints"):
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                self._write_pipeline_state(os.path.join(run_dir, name))
+            return
         staged, final = os.path.join(run_dir, SAVING_DIR, name), os.path.join(run_dir, name)
         if self.args.should_save and os.path.exists(staged):  # left by a save that was killed
             shutil.rmtree(staged)
@@ -1054,10 +1062,7 @@ class GRPOTrainer(Trainer):
 
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
         if self.args.should_save:
-            tmp = os.path.join(staged, PIPELINE_STATE_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(self._pipeline_state(), f, indent=1)
-            os.replace(tmp, os.path.join(staged, PIPELINE_STATE_FILE))
+            self._write_pipeline_state(staged)
         self.accelerator.wait_for_everyone()  # every process's files (rng states, shards) are in `staged`
         if self.args.should_save:
             if os.path.exists(final):  # the same step saved again (after a resume): swap, then drop the old one
@@ -1083,6 +1088,12 @@ class GRPOTrainer(Trainer):
             except OSError:
                 pass
         self.accelerator.wait_for_everyone()
+
+    def _write_pipeline_state(self, folder: str) -> None:
+        tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self._pipeline_state(), f, indent=1)
+        os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
 
     def _load_pipeline_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, PIPELINE_STATE_FILE)

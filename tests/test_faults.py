@@ -132,7 +132,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_checkpoint_resumable(tin
     finally:
         resumed.kill()
     # save_total_limit=1: old checkpoints went only after the new one was complete; no staging folder is left
-    assert not os.path.exists(out / ".grpo_async_saving")
+    assert not os.path.exists(out / "_grpo_async_saving")
     assert [p for p in os.listdir(out) if p.startswith("checkpoint-")] == ["checkpoint-4"]
 
 
