@@ -306,7 +306,10 @@ class BroadcastTransport(_ServerTransport):
             "group_name": group_name,
             "timeout_s": self.group_timeout,
         }
-        call = _Call(lambda: self.client.post("/ws/init_broadcast", body, timeout=self.timeout), "ws-init-broadcast")
+        call = _Call(
+            lambda: self.client.post("/ws/init_broadcast", body, timeout=self.timeout),
+            f"ws-init-broadcast {self.client.url}",
+        )
         call.start()
         prefixed = PrefixStore(group_name, self.store)
         try:
@@ -337,7 +340,10 @@ class BroadcastTransport(_ServerTransport):
 
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
         body = {"transport": "broadcast", "buckets": [p.layout for p in plans], "group": self.group_name, **extra}
-        call = _Call(lambda: self.client.post("/ws/update", body, timeout=self.timeout), "ws-update-broadcast")
+        call = _Call(
+            lambda: self.client.post("/ws/update", body, timeout=self.timeout),
+            f"ws-update-broadcast {self.client.url}",
+        )
         call.start()
         inflight = None
         try:
