@@ -9,7 +9,8 @@ list their own `rows`), else from the `RESULT` lines. A benchmark that fails is 
 exits non-zero); its partial output stays in `bench/out/<name>.log`.
 
 `python bench/run_all.py overlap.py vs_trl.py` reruns only those; the table keeps the other benches' last results
-(stored in `bench/out/<name>.result.json`, with their own date).
+(stored in `bench/out/<name>.result.json`, with their own date). `--write-only` rebuilds `RESULTS.md` from them.
+`bench/NOTES.md` (hand-written: conditions, analysis) is appended to `RESULTS.md`.
 """
 
 from __future__ import annotations
@@ -82,8 +83,28 @@ def _rows_lcm(data: dict) -> list[dict]:
     ]
 
 
+def _rows_memory(data: dict) -> list[dict]:
+    r = data["results"]
+    return [
+        {
+            "metric": "trainer step peak memory, packed (padding-free) vs padded (MB)",
+            "ours": r["packed"]["step_peak_mb"],
+            "peer": r["padded"]["step_peak_mb"],
+            "peer_name": "padded",
+            "ratio": data["packing_memory_ratio"],
+        },
+        {
+            "metric": "trainer process peak, reference on a server vs in-process (MB)",
+            "ours": r["ref_server"]["peak_mb"],
+            "peer": r["ref_inprocess"]["peak_mb"],
+            "peer_name": "in-process ref",
+            "ratio": data["ref_memory_ratio"],
+        },
+    ]
+
+
 #: how to read `bench/out/<name>.json` into table rows, for benches whose JSON has no `rows` list of its own
-ROWS = {"weight_sync.py": _rows_weight_sync, "lcm.py": _rows_lcm}
+ROWS = {"weight_sync.py": _rows_weight_sync, "lcm.py": _rows_lcm, "memory.py": _rows_memory}
 
 
 def rows_of(name: str, results: list[tuple[str, float]]) -> tuple[list[dict], dict]:
@@ -256,7 +277,11 @@ def write_results(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = argv if argv else [b for b in BENCHES if os.path.exists(os.path.join(HERE, b))]
+    argv = list(argv or [])
+    if argv == ["--write-only"]:  # rebuild RESULTS.md from the stored results (e.g. after editing NOTES.md)
+        argv, names = [], []
+    else:
+        names = argv if argv else [b for b in BENCHES if os.path.exists(os.path.join(HERE, b))]
     unknown = [n for n in names if not os.path.exists(os.path.join(HERE, n))]
     if unknown:
         raise SystemExit(f"no such bench: {unknown}; known: {BENCHES}")
@@ -274,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         p = os.path.join(OUT, name.replace(".py", ".result.json"))
         if os.path.exists(p):
             with open(p) as f:
-                records.append(json.load(f))
+                rec = json.load(f)
+            if rec.get("ok"):  # rows and details from the bench's JSON, read by this version of the readers
+                rec["rows"], data = rows_of(name, [tuple(r) for r in rec["results"]])
+                if name in DETAILS and data:
+                    rec["details"] = DETAILS[name](data)
+            records.append(rec)
     print(f"wrote {write_results(records)}")
     return 1 if failed else 0
 

@@ -126,6 +126,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (× G completions)")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--T", type=int, default=64, help="completion tokens (forced: EOS ignored)")
+    ap.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="ours with GRPOConfig.padding_free=True (off here: every completion has T tokens, nothing to unpad)",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
@@ -146,6 +151,7 @@ def main(argv=None) -> dict:
     )
     model = build_tiny_model(a.model_dir, spec_m)
     common = {"model": model, "steps": a.steps, "prompts": a.prompts, "G": a.G, "T": a.T, "device": "cpu"}
+    common["padding_free"] = a.padding_free
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out.replace(".json", ".runs.log"), "w") as log:
