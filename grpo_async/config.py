@@ -228,11 +228,10 @@ class GRPOConfig(TrainingArguments):
     padding_free: bool = field(
         default=True,
         metadata={
-            "help": "Run the logps and training forward passes on each micro-batch's rows packed into one sequence "
-            "without padding (position ids reset per row; logits only at completion tokens). Same numbers as the "
-            "padded path. On by default because RL completion lengths are skewed: bench/memory.py measured 5.5x "
-            "less step memory and 3.8x less time on one long row among short ones; with equal lengths it costs "
-            "~10-20% more memory (the mask spans the packed sequence), so turn it off for fixed-length data. Needs "
+            "help": "Run the logps and training forward passes without padding: each micro-batch's rows packed, "
+            "longest first, into bins no longer than its longest row (position ids reset per row; logits only at "
+            "completion tokens). Same numbers as the padded path, never more attention work; much less memory and "
+            "time when lengths are skewed (one long completion among short ones), as in RL. Needs "
             "a model whose attention honours restarting position ids (transformers 5 models do; checked at start)."
         },
     )

@@ -6,20 +6,64 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_async.algo.logprobs import completion_logps
-from grpo_async.algo.packing import check_isolation, pack_rows, packed_completion_logps, unpack_completion
+from grpo_async.algo.packing import (
+    check_isolation,
+    first_fit_decreasing,
+    pack_rows,
+    packed_completion_logps,
+    unpack_completion,
+)
 
 
 def test_pack_rows_hand_worked():
     ids = torch.tensor([[0, 5, 6, 7], [8, 9, 3, 0]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
-    p = pack_rows(ids, mask, logits_to_keep=2)
+    p = pack_rows(ids, mask, logits_to_keep=2, capacity=6)  # both rows in one bin
     assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 3]]
     assert p.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
-    assert p.logits_index.tolist() == [0, 1, 4]
+    assert p.keep.tolist() == [0, 1, 4]  # the positions before 6, 7 (row 0) and 3 (row 1)
+    assert (p.logits_bin.tolist(), p.logits_pos.tolist()) == ([0, 0, 0], [0, 1, 2])
     assert p.target_ids.tolist() == [6, 7, 3]
     assert (p.rows.tolist(), p.cols.tolist()) == ([0, 0, 1], [0, 1, 0])
     back = unpack_completion(torch.tensor([1.0, 2.0, 3.0]), p, fill=-1.0)
     assert back.tolist() == [[1.0, 2.0], [3.0, -1.0]]
+    # default capacity = the longest row (3 tokens): one row per bin
+    p = pack_rows(ids, mask, logits_to_keep=2)
+    assert p.input_ids.tolist() == [[5, 6, 7], [8, 9, 3]]
+    assert p.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert p.keep.tolist() == [0, 1]
+    assert (p.logits_bin.tolist(), p.logits_pos.tolist()) == ([0, 0, 1], [0, 1, 1])
+
+
+def test_first_fit_decreasing_hand_worked():
+    assert first_fit_decreasing([3, 5, 2, 4], 5) == ([2, 0, 2, 1], [0, 0, 3, 0], [5, 4, 5])
+    assert first_fit_decreasing([2, 2, 2], 6) == ([0, 0, 0], [0, 2, 4], [6])
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing([7], 6)
+
+
+def test_bins_hold_short_rows_beside_a_long_one_with_filler_segments():
+    """Lengths 6, 2, 3, 1 (prompt 1 + completion): capacity 6 → [6] and [3 | 2 | 1]; a bin with room left is filled
+    with token 0 at positions 0, 1, ... (a segment of its own)."""
+    T = 5
+    lengths = [6, 2, 3, 1]
+    ids = torch.zeros(4, 1 + T, dtype=torch.long)
+    mask = torch.zeros(4, 1 + T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+        ids[i, :n] = torch.arange(10 * (i + 1), 10 * (i + 1) + n)
+    p = pack_rows(ids, mask, T)
+    assert p.input_ids.tolist() == [[10, 11, 12, 13, 14, 15], [30, 31, 32, 20, 21, 40]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 0]]
+    p = pack_rows(ids[1:], mask[1:], T)  # lengths 2, 3, 1, capacity 3 (the longest): [3], [2 | 1]
+    assert p.input_ids.tolist() == [[30, 31, 32], [20, 21, 40]]
+    p = pack_rows(ids[1:3], mask[1:3], T, capacity=6)  # [3 | 2]: as wide as the fullest bin, no filler
+    assert p.input_ids.tolist() == [[30, 31, 32, 20, 21]]
+    p = pack_rows(ids[[0, 3]], mask[[0, 3]], T, capacity=8)  # [6 | 1] + nothing: fill is exactly 7
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0]]
+    p = pack_rows(ids[[1, 3]], mask[[1, 3]], T, capacity=2)  # [2], [1 + filler 0]
+    assert p.input_ids.tolist() == [[20, 21], [40, 0]]
+    assert p.position_ids.tolist() == [[0, 1], [0, 0]]
 
 
 def test_pack_rows_rejects_bad_input():
@@ -68,8 +112,12 @@ def test_packed_logps_equal_each_row_alone(tiny_model_path, attn):
         packed = completion_logps(model, ids, mask, T, temperature=0.7, padding_free=True)
         packed_chunks = completion_logps(model, ids, mask, T, temperature=0.7, batch_size=2, padding_free=True)
         padded = completion_logps(model, ids, mask, T, temperature=0.7)
+        shared = pack_rows(ids, mask, T, capacity=64)  # every row in one bin: isolation by position ids alone
+        one_bin = unpack_completion(packed_completion_logps(model, shared, temperature=0.7), shared)
+    assert shared.input_ids.size(0) == 1
     cm = mask[:, -T:].bool()
     assert (packed - truth).abs().max().item() <= 1e-6
+    assert (one_bin - truth).abs().max().item() <= 1e-6
     assert (packed_chunks - truth).abs().max().item() <= 1e-6
     if attn == "sdpa":  # (transformers' eager attention gives NaN for left-padded rows in float64; packing has none)
         assert (padded[cm] - truth[cm]).abs().max().item() <= 1e-6  # the padded path agrees on real tokens
@@ -82,12 +130,17 @@ def test_packed_gradients_equal_padded(tiny_model_path):
     T = 9
     cm = mask[:, -T:].to(torch.float64)
     grads = []
-    for padding_free in (False, True):
+    for padding_free in (False, True, "one bin"):
         model.zero_grad()
-        logps = completion_logps(model, ids, mask, T, padding_free=padding_free)
+        if padding_free == "one bin":
+            packed = pack_rows(ids, mask, T, capacity=64)
+            logps = unpack_completion(packed_completion_logps(model, packed), packed)
+        else:
+            logps = completion_logps(model, ids, mask, T, padding_free=padding_free)
         ((logps * cm).sum() / cm.sum()).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert (grads[0] - grads[1]).abs().max().item() <= 1e-10
+    assert (grads[0] - grads[2]).abs().max().item() <= 1e-10
 
 
 class _DropsPositions(torch.nn.Module):
@@ -108,7 +161,7 @@ def test_check_isolation_refuses_a_model_that_mixes_packed_rows(tiny_model_path)
     # and the leak is real: packed logps then differ from the rows alone
     ids, mask = _rows()
     with torch.no_grad():
-        packed = pack_rows(ids, mask, 9)
+        packed = pack_rows(ids, mask, 9, capacity=64)  # all rows in one bin
         leaky = unpack_completion(packed_completion_logps(_DropsPositions(model), packed), packed)
         truth = _alone(model, ids, mask, 9, temperature=1.0)
     assert (leaky.double() - truth).abs().max().item() > 1e-3

@@ -41,7 +41,7 @@ def completion_logps(
         input_ids (`[B, P+T]`), attention_mask (`[B, P+T]`): prompt (left-padded) then completion (right-padded).
         logits_to_keep (`int`): T, the completion length.
         batch_size (`int`, *optional*): rows per forward pass (all at once when `None`).
-        padding_free (`bool`): run each chunk's rows packed into one `[1, ΣL]` sequence without padding
+        padding_free (`bool`): run each chunk's rows packed into bins without padding
             (`algo.packing`); logits only at the completion tokens. Padded positions then hold exactly 0.
 
     Returns:

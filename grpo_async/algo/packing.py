@@ -1,19 +1,25 @@
-"""Padding-free packing (seed 004): the real tokens of B padded rows as one `[1, S]` sequence, `S = Σ_i L_i`.
+"""Padding-free packing (seed 004): the real tokens of B padded rows, packed into K bins of at most `C` tokens.
 
 Shapes: `B` rows, `P` prompt columns (left-padded), `T` completion columns (right-padded), `L_i` real tokens of row i,
-`S = Σ L_i` packed tokens, `N` completion tokens that exist (`Σ_i` completion-mask ones), `V` vocabulary.
+`K` bins, `W` tokens in the fullest bin (`≤ C`, the capacity, by default `max_i L_i`), `M` distinct bin positions
+whose logits are needed, `N` completion tokens that exist (`Σ_i` completion-mask ones), `V` vocabulary.
 
 ```
-padded  [B, P+T]:  . . p p c c c .        packed [1, S]:  p p c c c | p p p c c | ...
-                   p p p p c c . .        position_ids:   0 1 2 3 4 | 0 1 2 3 4 | ...   (reset per row)
+padded  [B, P+T]:  . . p p c c c .        packed [K, W]:  p p c c c | p p p c c     (rows first-fit, longest first)
+                   p p p p c c . .        position_ids:   0 1 2 3 4 | 0 1 2 3 4     (reset per row)
+                   . . . p c . . .                        p c . . . . . . . .       (filler: its own segment)
 ```
+
+Why bins of at most the longest row: attention costs `Σ_bins W²`. One `[1, ΣL]` sequence costs `(ΣL)²`, which for
+64 equal rows is 64× the padded path's `B·L²` (measured 4.8× slower per step); bins of capacity `max L` cost at most
+`ΣL · max L ≤ B · max L²`, never more than padding, and far less when lengths are skewed (one long row, many short).
 
 Sequences stay isolated because transformers (5.x, `masking_utils.create_causal_mask`) reads position ids that
 restart at 0 as sequence starts and builds a block-diagonal causal mask, for the sdpa, eager and flash
 implementations alike, when it gets `attention_mask=None` and no KV cache (`use_cache=False`; with a cache the
 detection is skipped and rows leak into each other). `check_isolation` proves it for a given model.
-The logits are computed only at the `N` positions that predict a completion token (`logits_to_keep` as an index
-tensor), so the `[B, T, V]` logits of the padded path become `[1, N, V]`.
+The logits are computed only at the `M` bin positions that predict a completion token (`logits_to_keep` as an index
+tensor), so the `[B, T, V]` logits of the padded path become `[K, M, V]`.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import torch
 
 @dataclass
 class PackedRows:
-    """Rows packed into one sequence, and where each completion token goes back to.
+    """Rows packed into bins, and where each completion token goes back to.
 
     Attributes:
-        input_ids (`[1, S]`), position_ids (`[1, S]`): the packed sequence, positions restarting at 0 per row.
-        logits_index (`[N]`): packed positions whose logits predict a completion token (the position before it).
+        input_ids (`[K, W]`), position_ids (`[K, W]`): the bins, positions restarting at 0 per row (and per filler).
+        keep (`[M]`): bin positions whose logits are computed (those predicting a completion token in some bin).
+        logits_bin (`[N]`), logits_pos (`[N]`): for each completion token, its bin and the index into `keep` of the
+            position before it (whose logits score it).
         target_ids (`[N]`): the completion tokens those logits score.
         rows (`[N]`), cols (`[N]`): where each completion token sits in the `[B, T]` completion block.
         shape (`(B, T)`): the completion block's shape.
@@ -37,23 +45,51 @@ class PackedRows:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    logits_index: torch.Tensor
+    keep: torch.Tensor
+    logits_bin: torch.Tensor
+    logits_pos: torch.Tensor
     target_ids: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
     shape: tuple[int, int]
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> PackedRows:
-    """Drop the padding of `[B, P+T]` rows (prompt then completion; `attention_mask` marks real tokens) and
-    concatenate them into one `[1, S]` sequence with position ids reset per row.
+def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
+    """Place items of `lengths` into bins of `capacity`, longest first, each into the first bin it fits.
+
+    Returns `(bin_of, offset, fill)`: each item's bin and start offset in it, and each bin's filled length.
+
+    Example: lengths [3, 5, 2, 4], capacity 5: 5 → bin 0; 4 → bin 1; 3 → bin 2; 2 → bin 2 (3 + 2 = 5), so
+    bin_of [2, 0, 2, 1], offset [0, 0, 3, 0], fill [5, 4, 5].
+    """
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"an item of {max(lengths)} tokens does not fit a bin of capacity {capacity}")
+    bin_of, offset, fill = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):  # stable: ties keep row order
+        for k, f in enumerate(fill):
+            if f + lengths[i] <= capacity:
+                bin_of[i], offset[i], fill[k] = k, f, f + lengths[i]
+                break
+        else:
+            bin_of[i], offset[i] = len(fill), 0
+            fill.append(lengths[i])
+    return bin_of, offset, fill
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, capacity: int | None = None
+) -> PackedRows:
+    """Drop the padding of `[B, P+T]` rows (prompt then completion; `attention_mask` marks real tokens) and pack
+    them into bins of at most `capacity` tokens (default: the longest row) with position ids reset per row.
 
     Positions equal the padded path's `cumsum(mask) - 1`, so each token sees the same prefix at the same positions
-    as when the row is run alone. A completion token must follow at least one real token of its row.
+    as when the row is run alone. A completion token must follow at least one real token of its row. The space left
+    in a bin holds token 0 at positions 0, 1, ...: a segment of its own, attended by nothing else.
 
-    Example: ids [[0, 5, 6, 7], [8, 9, 3, 0]], mask [[0, 1, 1, 1], [1, 1, 1, 0]], T = 2 →
-    input_ids [[5, 6, 7, 8, 9, 3]], position_ids [[0, 1, 2, 0, 1, 2]], logits_index [0, 1, 4], target_ids [6, 7, 3],
-    rows [0, 0, 1], cols [0, 1, 0].
+    Example: ids [[0, 5, 6, 7], [8, 9, 3, 0]], mask [[0, 1, 1, 1], [1, 1, 1, 0]], T = 2, capacity 6 →
+    input_ids [[5, 6, 7, 8, 9, 3]], position_ids [[0, 1, 2, 0, 1, 2]], keep [0, 1, 4], logits_bin [0, 0, 0],
+    logits_pos [0, 1, 2], target_ids [6, 7, 3], rows [0, 0, 1], cols [0, 1, 0]. With the default capacity (3) each
+    row gets its own bin: input_ids [[5, 6, 7], [8, 9, 3]], keep [0, 1], logits_bin [0, 0, 1], logits_pos [0, 1, 1].
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask must be the same [B, L] shape")
@@ -64,18 +100,32 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     real = attention_mask.bool()  # [B, P+T]
     position = real.long().cumsum(-1) - 1  # [B, P+T] position of each real token in its row
     lengths = real.sum(-1)  # [B]
-    starts = torch.cumsum(lengths, 0) - lengths  # [B] where each row starts in the packed sequence
-    packed_at = starts.unsqueeze(1) + position  # [B, P+T] packed index of each real token
     completion = real[:, -T:]  # [B, T] completion tokens that exist
-    rows, cols = completion.nonzero(as_tuple=True)  # [N], [N] (row-major: the packed order)
-    target_index = packed_at[:, -T:][rows, cols]  # [N]
+    rows, cols = completion.nonzero(as_tuple=True)  # [N], [N] (row-major)
     if (position[:, -T:][rows, cols] < 1).any():
         raise ValueError("a completion token has no real token before it (a row with an empty prompt)")
+    longest = int(lengths.max())
+    bin_of, offset, fill = first_fit_decreasing(lengths.tolist(), longest if capacity is None else capacity)
+    K, W = len(fill), max(fill)
+    device = input_ids.device
+    bin_of_t, offset_t = torch.tensor(bin_of, device=device), torch.tensor(offset, device=device)  # [B], [B]
+    tok_rows, tok_cols = real.nonzero(as_tuple=True)  # [S], [S] every real token
+    tok_bin = bin_of_t[tok_rows]  # [S]
+    tok_at = offset_t[tok_rows] + position[tok_rows, tok_cols]  # [S] column in its bin
+    packed_ids = input_ids.new_zeros(K, W)  # [K, W]
+    packed_ids[tok_bin, tok_at] = input_ids[tok_rows, tok_cols]
+    free = torch.arange(W, device=device).unsqueeze(0) - torch.tensor(fill, device=device).unsqueeze(1)  # [K, W]
+    position_ids = free.clamp(min=0)  # [K, W] past a bin's fill: filler positions 0, 1, ...
+    position_ids[tok_bin, tok_at] = position[tok_rows, tok_cols]
+    before = offset_t[rows] + position[:, -T:][rows, cols] - 1  # [N] bin column whose logits score the token
+    keep, logits_pos = torch.unique(before, sorted=True, return_inverse=True)  # [M], [N]
     return PackedRows(
-        input_ids=input_ids[real].unsqueeze(0),  # [1, S] (boolean indexing keeps row-major order)
-        position_ids=position[real].unsqueeze(0),  # [1, S]
-        logits_index=target_index - 1,  # [N]
-        target_ids=input_ids[:, -T:][rows, cols],  # [N]
+        input_ids=packed_ids,
+        position_ids=position_ids,
+        keep=keep,
+        logits_bin=bin_of_t[rows],
+        logits_pos=logits_pos,
+        target_ids=input_ids[:, -T:][rows, cols],
         rows=rows,
         cols=cols,
         shape=(B, T),
@@ -93,15 +143,16 @@ def packed_completion_logps(model, packed: PackedRows, temperature: float = 1.0)
     """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch. Returns `[N]`."""
     from .logprobs import selective_log_softmax
 
+    device = packed.input_ids.device
     logits = model(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
         attention_mask=None,  # None + restarting position ids: transformers builds the block-diagonal mask
         use_cache=False,  # with a cache, the packed-sequence detection is skipped
-        logits_to_keep=packed.logits_index,
-    ).logits  # [1, N, V]
-    logits = logits / temperature
-    return selective_log_softmax(logits, packed.target_ids.unsqueeze(0)).squeeze(0)  # [N]
+        logits_to_keep=packed.keep.to(device),
+    ).logits  # [K, M, V]
+    logits = logits[packed.logits_bin.to(device), packed.logits_pos.to(device)] / temperature  # [N, V]
+    return selective_log_softmax(logits.unsqueeze(0), packed.target_ids.to(device).unsqueeze(0)).squeeze(0)  # [N]
 
 
 @torch.no_grad()
