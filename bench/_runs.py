@@ -209,8 +209,8 @@ def run_trl(spec: dict) -> dict:
     G, P = spec["G"], spec["prompts"]
     cpu = spec["device"] == "cpu"
     if spec.get("vllm_dtype"):
-        # TRL builds its `vllm.LLM` without a dtype, and vLLM's "auto" downcasts a float32 model to bfloat16, which
-        # this CPU (no native bf16) runs several times slower; "float32" gives TRL the same engine numerics as ours.
+        # TRL builds its `vllm.LLM` without a dtype, and vLLM's "auto" downcasts a float32 model to bfloat16;
+        # "float32" gives TRL the same engine numerics as ours.
         import functools
 
         import trl.generation.vllm_generation as trl_vllm

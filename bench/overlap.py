@@ -66,7 +66,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     s, a = result["sync"], result["async"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.2))
     labels = ["sync (num_batches_ahead=0)", "async (num_batches_ahead=1)", "limit: max(T_gen, T_train)"]
     ax.barh(labels[0], s["T_gen"], color="tab:orange", label="T_gen (wait for generation)")
     ax.barh(labels[0], s["T_train"], left=s["T_gen"], color="tab:blue", label="T_train")
@@ -85,7 +85,7 @@ def plot(result: dict, path: str) -> None:
         f" ({result['device']})",
         fontsize=9,
     )
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=90)

