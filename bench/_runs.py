@@ -137,6 +137,7 @@ def run_ours(spec: dict) -> dict:
             # every completion has exactly T tokens here (EOS ignored): the padded path wastes nothing, while packing
             # 64 rows into one sequence makes CPU sdpa attend over the whole (64·L)² block mask (~7× slower step)
             padding_free=spec.get("padding_free", False),
+            vllm_enforce_eager=False,  # let vLLM compile the in-process engine, as TRL's does (0.79 → 0.65 s/round)
             learning_rate=1e-6,
             lr_scheduler_type="constant",
             beta=0.0,

@@ -62,6 +62,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str):
         seed=args.seed,
         bucket_mb=args.weight_sync_bucket_mb,
         trust_remote_code=args.trust_remote_code,  # off unless the user asked for it
+        enforce_eager=args.vllm_enforce_eager,
     )
 
 
