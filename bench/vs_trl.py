@@ -129,9 +129,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--T", type=int, default=64, help="completion tokens (forced: EOS ignored)")
     ap.add_argument(
-        "--padding-free",
-        action="store_true",
-        help="ours with GRPOConfig.padding_free=True (off here: every completion has T tokens, nothing to unpad)",
+        "--no-padding-free",
+        dest="padding_free",
+        action="store_false",
+        help="ours with GRPOConfig.padding_free=False (default: the product default, True; packed in bins no longer "
+        "than the longest row, equal-length rows cost what padding costs)",
     )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
