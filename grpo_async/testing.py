@@ -126,3 +126,27 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
     with open(marker, "w") as f:
         json.dump(wanted, f)
     return path
+
+
+def tiny_config(output_dir, **overrides):
+    """A `GRPOConfig` for a few quick CPU steps on the tiny model: 8 rows × G=4 per device, GA 2, 8 completion tokens,
+    3 steps at lr 1e-2, logging every step, no saves, no reporting, seed 0. `overrides` replace any field."""
+    from .config import GRPOConfig
+
+    fields = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    fields.update(overrides)
+    return GRPOConfig(**fields)

@@ -17,8 +17,9 @@ import sys
 import threading
 import time
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.testing import tiny_config
 
 
 class Observed(GRPOTrainer):
@@ -48,21 +49,7 @@ class Observed(GRPOTrainer):
 def main():
     mode, model, out = sys.argv[1], sys.argv[2], sys.argv[3]
     server = sys.argv[4] if len(sys.argv) > 4 else None
-    kw = dict(
-        output_dir=out,
-        use_cpu=True,
-        report_to=[],
-        per_device_train_batch_size=4,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=8,
-        max_steps=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
+    kw = dict(output_dir=out, per_device_train_batch_size=4, max_steps=4)
     if mode == "sigint":
         kw.update(max_steps=1000, max_completion_length=64)
         if server:
@@ -71,7 +58,8 @@ def main():
         kw.update(save_strategy="steps", save_steps=1, save_total_limit=1)
     elif mode in ("rank_dies", "rank_hangs"):
         kw.update(ddp_timeout=15, max_steps=20)
-    trainer = Observed(model=model, reward_funcs=letter_reward, args=GRPOConfig(**kw), train_dataset=make_dataset(256))
+    args = tiny_config(**kw)
+    trainer = Observed(model=model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(256))
     trainer.mode = mode
     try:
         if mode == "resume":

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.envs import (
@@ -23,6 +23,7 @@ from grpo_async.envs import (
 from grpo_async.envs.tools import ToolCallError
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.hf import HFBackend
+from grpo_async.testing import tiny_config
 
 USER = [{"role": "user", "content": "Say a"}]
 
@@ -215,24 +216,8 @@ def test_rollouts_stop_at_max_completion_length(tiny_model_path, tok):
 
 # --------------------------------------------------------------------------------------------------- training
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=1,
-        max_completion_length=40,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        num_batches_ahead=0,
-        seed=0,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
+    overrides = {"gradient_accumulation_steps": 1, "max_completion_length": 40, "max_steps": 2, "num_batches_ahead": 0}
+    return tiny_config(tmp_path / "out", **{**overrides, **kw})
 
 
 class Recorder(GRPOTrainer):

@@ -10,6 +10,7 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.ref_client import RefLogpsClient
+from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.transports import ServerClient, ServerError
 
 pytestmark = pytest.mark.vllm
@@ -83,25 +84,7 @@ class Recorder(GRPOTrainer):
 
 
 def test_training_with_ref_server_logs_kl_and_holds_no_reference(server, tiny_model_path, tmp_path):
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        temperature=0.9,
-        beta=0.1,
-        ref_server_url=server.url,
-        vllm_api_key=API_KEY,
-        seed=0,
-    )
+    args = tiny_config(tmp_path / "out", temperature=0.9, beta=0.1, ref_server_url=server.url, vllm_api_key=API_KEY)
     t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(32))
     assert t.ref_model is None and t.ref_client is not None
     t.train()

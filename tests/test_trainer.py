@@ -8,28 +8,13 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.testing import tiny_config
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
+    return tiny_config(tmp_path / "out", **kw)
 
 
 class Recorder(GRPOTrainer):

@@ -13,10 +13,11 @@ from mp_utils import check_disjoint_slices, launch
 from transformers import AutoModelForCausalLM, TrainerCallback
 from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, running_servers
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.base import SamplingConfig
+from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.transports import ServerClient
 
 pytestmark = pytest.mark.vllm
@@ -29,24 +30,7 @@ def servers(tiny_model_path):
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=8,
-        max_steps=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        num_batches_ahead=1,
-        seed=0,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
+    return tiny_config(tmp_path / "out", **{"max_steps": 4, "num_batches_ahead": 1, **kw})
 
 
 def _server_args(tmp_path, urls, **kw):
