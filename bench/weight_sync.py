@@ -148,6 +148,7 @@ def main(argv=None) -> dict:
                 f"{r['worker_phases_s']}",
                 flush=True,
             )
+        results["staging"] = staging_ratio(path, server.url, n_bytes)
     finally:
         server.stop()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -155,7 +156,63 @@ def main(argv=None) -> dict:
         json.dump(results, f, indent=2)
     print(f"wrote {args.out}")
     print(f"RESULT weight_sync_speedup={results['broadcast']['speedup']:.2f}")
+    print(f"RESULT weight_sync_staging_ratio={results['staging']['ratio']:.3f}")
     return results
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def staging_ratio(path: str, url: str, model_bytes: int) -> dict:
+    """Peak extra memory of the trainer process during one publish through the trainer's own path (PolicyPublisher
+    streaming the live model's groups into VLLMServerBackend, broadcast), ÷ the model's bytes. RSS is sampled every
+    ~0.5 ms in a thread; the baseline is taken right before the publish. Buckets: ~1/10 of the model, so ≥ 8."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_async.generation.shared import SharedBackend
+    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.pipeline.publisher import PolicyPublisher
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bucket_mb = model_bytes / 10 / (1 << 20)
+    shared = SharedBackend(lambda: VLLMServerBackend([url], transport="broadcast", bucket_mb=bucket_mb, timeout=300))
+    publisher = PolicyPublisher(shared)
+    publisher.publish(model, 1)  # connects the process group; the measured publish is the second one
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.0005)
+
+    base = _rss()
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    publisher.publish(model, 2)
+    seconds = time.perf_counter() - t0
+    stop.set()
+    thread.join()
+    extra = max(0, peak[0] - base)
+    shared.close()
+    out = {
+        "bucket_mb": round(bucket_mb, 2),
+        "buckets": len(list(iter_buckets(group_by_module(dict(model.state_dict())), bucket_mb))),
+        "peak_extra_mb": round(extra / 1e6, 2),
+        "model_mb": round(model_bytes / 1e6, 2),
+        "ratio": extra / model_bytes,
+        "publish_s": round(seconds, 3),
+    }
+    print(
+        f"staging  publish from the live model ({out['buckets']} buckets of {out['bucket_mb']} MiB): peak extra "
+        f"{out['peak_extra_mb']} MB of {out['model_mb']} MB model = {out['ratio']:.3f} in {seconds:.2f} s",
+        flush=True,
+    )
+    return out
 
 
 if __name__ == "__main__":

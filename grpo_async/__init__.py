@@ -6,7 +6,7 @@ from .algo.advantages import compute_advantages
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
-from .rollout.batch_generator import AsyncBatchGenerator, BatchRequest, BatchResult
+from .pipeline.job_queue import AsyncBatchGenerator, BatchRequest, BatchResult
 from .trainer import GRPOTrainer
 
 __all__ = [

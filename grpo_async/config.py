@@ -1,10 +1,24 @@
 """`GRPOConfig`: every knob of the trainer, grouped by concern, validated at construction.
 
-Names follow TRL's `GRPOConfig` wherever TRL has the same knob, so a TRL config ports by changing the import.
+Names and defaults follow TRL 1.16's `GRPOConfig` wherever TRL has the same knob, so a TRL config ports by changing
+the import: every field of `trl.GRPOConfig` is accepted. Deliberate default differences are listed in
+`DEFAULT_DIFFERENCES`; TRL fields this trainer does not implement (they raise `NotImplementedError` when set to
+anything but TRL's default) in `UNSUPPORTED_TRL_FIELDS`; TRL names of knobs this trainer calls otherwise in
+`TRL_ALIASES`.
+
+A config is a value: `__post_init__` never overwrites what the user gave with a value derived from other fields. A
+derived value (e.g. `generation_batch_size` when only `per_device_train_batch_size` was set) is stored marked as
+derived, so `dataclasses.replace(cfg, per_device_train_batch_size=8)` derives it again instead of keeping the stale
+number.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +26,7 @@ from transformers import TrainingArguments
 
 from .algo.advantages import SCALE_REWARDS
 from .algo.loss import IS_MODES, LOSS_TYPES
-from .rollout.aggregation import REUSE_ORDERS, STAGES, check_stage_sizes, service_target_bs, sizes_that_fit
+from .pipeline.aggregation import REUSE_ORDERS, service_target_bs
 
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
 VLLM_MODES = ("colocate", "server")
@@ -29,13 +43,156 @@ SYNC_WHY = {
     "vllm": "the engine lives in this process and loads the weights in place",
     "vllm_server": "a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
     "it does not watch a checkpoint folder",
-    "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory "
-    "(seed 002); it can only reload a shared checkpoint folder",
+    "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
+    "it can only reload a shared checkpoint folder",
 }
+#: loss types TRL 1.16 has; those missing from `LOSS_TYPES` raise `NotImplementedError` (not a typo's `ValueError`)
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+#: TRL 1.16 field name → the field of this config that holds the same knob (same values, same meaning). Accepted as
+#: keyword arguments and readable (and settable) as attributes; not separate dataclass fields, so a copy never
+#: carries two values of one knob.
+TRL_ALIASES = {
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_mode": "importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
+}
+#: deprecated TRL names, accepted as keyword arguments with a `FutureWarning` (TRL 1.16 warns the same way)
+TRL_DEPRECATED = {"vllm_importance_sampling_cap": "importance_sampling_clip_max"}
+
+#: fields whose default differs from TRL 1.16's `GRPOConfig`, and why. TRL's value is accepted for each.
+DEFAULT_DIFFERENCES = {
+    "disable_dropout": "True here (TRL: False). The old-policy logps, the training pass and the sampler must score "
+    "the same function; with dropout on, the ratio π/π_old is noise even on-policy and the importance-sampling "
+    "correction against the sampler (which never uses dropout) is biased.",
+    "gradient_checkpointing": "False here (TRL: True). The training passes are packed without padding "
+    "(`padding_free`), which already keeps activation memory low; checkpointing costs about 20% of the step. Set "
+    "it to True for large models.",
+    "bf16": "False here (TRL: None, which means True unless fp16). Training runs in float32 by default so the "
+    "trainer's logps match the sampler's; bf16=None is accepted with TRL's meaning.",
+    "min_p": "0.0 here (TRL: None); both mean off. None is accepted and read back as 0.0.",
+    "num_completions_to_print": "4 here (TRL: None = every completion of the round). None prints them all.",
+    "use_bias_correction_kl": "False here (TRL: True). The KL term is not multiplied by the ratio π/π_old; with "
+    "beta=0 (the default, no KL term) the setting changes nothing and True is accepted, with beta > 0 True is "
+    "refused (NotImplementedError).",
+}
+
+#: TRL 1.16 fields this trainer accepts only at TRL's default: field → what to do instead (see `_unsupported`)
+_UNSUPPORTED = {
+    "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to the GRPO loss; leave it None",
+    "cast_lm_head_to_fp32": "the language-model head is not cast; load the model in float32 "
+    "(model_init_kwargs={'dtype': 'float32'}) for float32 logits",
+    "num_generations_eval": "evaluation samples num_generations completions per prompt; leave it None",
+    "ds3_gather_for_generation": "the policy weights are always gathered for generation under DeepSpeed ZeRO-3; "
+    "leave it True",
+    "pad_to_multiple_of": "rows are packed without padding (padding_free); leave it 'auto' or None",
+    "generation_kwargs": "pass the sampling knobs this config has (temperature, top_p, top_k, min_p, stop, "
+    "max_completion_length) instead",
+    "chat_template_kwargs": "the tokenizer's chat template is applied without extra arguments; pre-render the "
+    "prompts as text to control it",
+    "repetition_penalty": "no sampler applies a repetition penalty here; leave it 1.0",
+    "cache_implementation": "the hf backend uses the model's default cache; leave it None",
+    "vllm_model_impl": "the vllm backend uses vLLM's own model implementation; leave it 'vllm'",
+    "vllm_enable_sleep_mode": "the in-process engine stays resident; lower vllm_gpu_memory_utilization or generate "
+    "on a server (generation_backend='vllm_server') to free trainer memory",
+    "vllm_structured_outputs_regex": "structured outputs are not passed to the sampler; leave it None",
+    "vllm_group_port": "the broadcast weight sync picks a free port itself; leave it 51216",
+    "vllm_tensor_parallel_size": "the in-process engine runs on one device; for tensor parallelism start "
+    "`grpo-async serve` with it and use generation_backend='vllm_server'",
+    "delta": "two-sided clipping (INTELLECT-2) is not implemented; leave it None",
+    "sapo_temperature_neg": "needs loss_type='sapo', which this trainer does not implement",
+    "sapo_temperature_pos": "needs loss_type='sapo', which this trainer does not implement",
+    "vespo_k_pos": "needs loss_type='vespo', which this trainer does not implement",
+    "vespo_lambda_pos": "needs loss_type='vespo', which this trainer does not implement",
+    "vespo_k_neg": "needs loss_type='vespo', which this trainer does not implement",
+    "vespo_lambda_neg": "needs loss_type='vespo', which this trainer does not implement",
+    "importance_sampling_level": "the π/π_old ratio is per token (GRPO); sequence-level ratios (GSPO) are not "
+    "implemented; leave it 'token'",
+    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default); "
+    "leave it 'sum_then_normalize'",
+    "sync_ref_model": "the reference model stays frozen (TR-DPO updates are not implemented); leave it False",
+    "ref_model_mixup_alpha": "only used by sync_ref_model, which is not implemented; leave it 0.6",
+    "ref_model_sync_steps": "only used by sync_ref_model, which is not implemented; leave it 512",
+    "top_entropy_quantile": "every completion token is trained on (no entropy masking); leave it 1.0",
+    "entropy_coef": "no entropy bonus is added to the loss; leave it 0.0",
+    "use_adaptive_entropy": "no entropy bonus is added to the loss; leave it False",
+    "entropy_coef_min": "only used by the entropy bonus, which is not implemented; leave it 0.0",
+    "entropy_coef_max": "only used by the entropy bonus, which is not implemented; leave it 1.0",
+    "entropy_coef_delta": "only used by the entropy bonus, which is not implemented; leave it 0.005",
+    "entropy_target": "only used by the entropy bonus, which is not implemented; leave it 0.2",
+    "max_tool_calling_iterations": "tool-calling agents run as multi-turn environments here; bound them with the "
+    "environment's max_turns",
+    "off_policy_mask_threshold": "off-policy sequence masking (DeepSeek-V3.2) is not implemented; bound stale "
+    "samples with max_staleness and the importance_sampling_* knobs",
+    "log_unique_prompts": "completions are logged one row per completion; leave it False",
+    "log_completions_hub_repo": "completions are written to output_dir/completions/ as parquet; upload that folder",
+    "use_transformers_continuous_batching": "use generation_backend='vllm' (or use_vllm=True) for batched generation",
+    "transformers_continuous_batching_config": "use generation_backend='vllm' (or use_vllm=True) for batched "
+    "generation",
+    "use_transformers_paged": "use generation_backend='vllm' (or use_vllm=True) for batched generation",
+    "use_liger_kernel": "TRL's GRPOTrainer uses it for Liger's fused GRPO loss, which this trainer does not have; "
+    "to patch the model's layers with fused kernels load it with model_init_kwargs={'use_kernels': True}",
+}
+#: TRL 1.16 fields accepted only at TRL's default (`NotImplementedError` otherwise): the README's table
+UNSUPPORTED_TRL_FIELDS = tuple(_UNSUPPORTED)
+#: loss types whose knobs are only usable once the loss type is implemented (`LOSS_TYPES`)
+_KNOBS_OF_LOSS = {
+    "sapo": ("sapo_temperature_neg", "sapo_temperature_pos"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
+_STAGES = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
+
+
+# ---- derived values --------------------------------------------------------------------------------------------
+class _Derived:
+    """Marks a value that `__post_init__` derived from other fields rather than one the user gave.
+
+    The value behaves exactly like its base type (`==`, arithmetic, `json.dumps`, `repr`); a config constructed from
+    it (`dataclasses.replace`, `copy`, `GRPOConfig(**cfg.to_dict())`) derives the field again from the new values.
+    """
+
+    __slots__ = ()
+
+
+class _DerivedInt(_Derived, int):
+    __slots__ = ()
+
+
+class _DerivedFloat(_Derived, float):
+    __slots__ = ()
+
+
+class _DerivedStr(_Derived, str):
+    __slots__ = ()
+
+
+def _derived(value):
+    """`value` marked as derived (ints, floats and strings; `None` and bools stay as they are)."""
+    if value is None or isinstance(value, (bool, _Derived)):
+        return value
+    for base, marked in ((int, _DerivedInt), (float, _DerivedFloat), (str, _DerivedStr)):
+        if isinstance(value, base):
+            return marked(value)
+    return value
+
+
+def _given(value):
+    """What the user gave: `None` for a value an earlier `__post_init__` derived."""
+    return None if isinstance(value, _Derived) else value
+
+
+def is_derived(config: Any, name: str) -> bool:
+    """Whether `config.<name>` was derived by `__post_init__` (from other fields) rather than set by the user."""
+    return isinstance(getattr(config, name), _Derived)
 
 
 def _err(field_name: str, message: str) -> ValueError:
     return ValueError(f"GRPOConfig.{field_name}: {message}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -47,8 +204,18 @@ class GRPOConfig(TrainingArguments):
     ```txt
     generation round = per_device_train_batch_size × N × steps_per_generation rows  (= prompts × G)
     one round is generated every steps_per_generation × μ micro-steps, trained μ times (epoch order: a b | a b)
+    optimizer steps per round (steps_per_round) = steps_per_generation × μ / gradient_accumulation_steps
     ```
+
+    Every field of TRL 1.16's `GRPOConfig` is accepted with TRL's meaning (see the module docstring).
     """
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+        "transformers_continuous_batching_config",
+    ]
 
     # ---- overridden TrainingArguments defaults -------------------------------------------------------------
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's GRPO default)."})
@@ -58,10 +225,16 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- model -------------------------------------------------------------------------------------------
-    model_init_kwargs: dict[str, Any] | None = field(
+    model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a name or path."}
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Set every dropout probability to 0."})
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Set every dropout probability to 0, so the sampler, the old-policy pass and the training pass "
+            "score the same function (TRL's default is False)."
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the model repo."})
 
     # ---- data --------------------------------------------------------------------------------------------
@@ -75,22 +248,29 @@ class GRPOConfig(TrainingArguments):
     prompt_truncation: str = field(
         default="left", metadata={"help": "'left': keep the last tokens and count it; 'error': raise."}
     )
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts each epoch."})
+    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the prompts each epoch."})
 
     # ---- generation --------------------------------------------------------------------------------------
-    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (G)."})
-    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    num_generations: int | None = field(default=8, metadata={"help": "Completions per prompt (G)."})
+    max_completion_length: int | None = field(default=512, metadata={"help": "Most tokens generated per completion."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also divides trainer logits)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 disables it."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
-    min_p: float = field(default=0.0, metadata={"help": "Min-p sampling; 0.0 disables it."})
+    min_p: float | None = field(default=0.0, metadata={"help": "Min-p sampling; 0.0 (or None) disables it."})
     stop: list[str] | None = field(default=None, metadata={"help": "Stop strings (besides EOS)."})
     generation_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Rows per generation round across processes. Derived from steps_per_generation if unset."},
+        metadata={
+            "help": "Rows (completions) per generation round over all processes. Default: "
+            "per_device_train_batch_size × processes × steps_per_generation. Set it or steps_per_generation."
+        },
     )
     steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Micro-steps per generation round. Defaults to gradient_accumulation_steps."}
+        default=None,
+        metadata={
+            "help": "Micro-steps (per-device batches) trained from one generation round. Default: "
+            "gradient_accumulation_steps, or generation_batch_size / (per_device_train_batch_size × processes)."
+        },
     )
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Exclude completions that hit max_completion_length from the loss."}
@@ -105,8 +285,16 @@ class GRPOConfig(TrainingArguments):
         default=None, metadata={"help": "Base URLs of `grpo-async serve` servers (vllm_server backend)."}
     )
     vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "TRL-style single server URL; appended to vllm_server_urls."}
+        default=None, metadata={"help": "TRL-style single server URL; used together with vllm_server_urls."}
     )
+    vllm_server_host: str = field(
+        default="0.0.0.0",
+        metadata={
+            "help": "TRL-style server host: with the vllm_server backend and no URL given, the server is "
+            "http://vllm_server_host:vllm_server_port."
+        },
+    )
+    vllm_server_port: int = field(default=8000, metadata={"help": "TRL-style server port (see vllm_server_host)."})
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for a server to answer."})
     vllm_api_key: str | None = field(default=None, metadata={"help": "API key of the servers / OpenAI endpoint."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocated vLLM's memory share."})
@@ -133,7 +321,10 @@ class GRPOConfig(TrainingArguments):
     # ---- weight sync -------------------------------------------------------------------------------------
     weight_sync_transport: str = field(
         default="auto",
-        metadata={"help": f"One of {WEIGHT_SYNC_TRANSPORTS}; 'auto' picks the best the backend supports."},
+        metadata={
+            "help": f"One of {WEIGHT_SYNC_TRANSPORTS}; 'auto' picks the best the backend supports (with the openai "
+            "backend: no sync); 'none': the sampler keeps its initial weights."
+        },
     )
     weight_sync_bucket_mb: float = field(
         default=256.0, metadata={"help": "Size threshold of a weight-transfer bucket (modules are never split)."}
@@ -147,27 +338,34 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
-    # ---- per-stage micro-batches (seed 000) ---------------------------------------------------------------
+    # ---- per-stage micro-batches -------------------------------------------------------------------------
     rollout_micro_batch_size: int | None = field(
         default=None,
         metadata={
-            "help": "Completions per generate call (rows after the ×G repeat). Default: per_device_train_batch_size. "
-            "vLLM batches internally: set it to generation_batch_size for one call per round."
+            "help": "Completions per generate call (rows after the ×G repeat), on the main process, over the whole "
+            "round; must divide generation_batch_size. Default: per_device_train_batch_size. vLLM batches "
+            "internally: set it to generation_batch_size for one call per round."
         },
     )
     ref_logps_micro_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Rows per reference-model forward pass. Default: per_device_train_batch_size."},
+        metadata={
+            "help": "Rows per reference-model forward pass, on each process over its generation_batch_size / "
+            "processes rows (must divide them). Default: per_device_train_batch_size."
+        },
     )
     old_logps_micro_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Rows per old-policy forward pass. Default: per_device_train_batch_size."},
+        metadata={
+            "help": "Rows per old-policy forward pass, on each process over its generation_batch_size / processes "
+            "rows (must divide them). Default: per_device_train_batch_size."
+        },
     )
     reuse_order: str = field(
         default="epoch",
         metadata={
             "help": f"Order of the μ passes over a round's micro-batches, one of {REUSE_ORDERS}: 'epoch' (a b | a b) "
-            "or seed 000's 'consecutive' (a a b b)."
+            "or 'consecutive' (a a b b: each micro-batch trained μ times in a row)."
         },
     )
 
@@ -182,9 +380,12 @@ class GRPOConfig(TrainingArguments):
     max_staleness: int | None = field(
         default=None,
         metadata={
-            "help": "Never train a sample generated more than this many rounds before the round it is trained in "
-            "(its loss mask is zeroed; counted in async/dropped_stale). Default: num_batches_ahead (nothing is "
-            "dropped in the normal pipeline). With weight_sync_transport='none' the sampler never updates: raise it."
+            "help": "Most policy versions (optimizer steps) a sample may lag: a sample generated from the weights of "
+            "step v and trained in a round starting from the weights of step s has staleness s - v; staler samples "
+            "are not trained (loss mask zeroed, counted in async/dropped_stale). Default: what the pipeline can "
+            "produce, ceil(num_batches_ahead × steps_per_round), so nothing is dropped; when the sampler never "
+            "receives weights (weight_sync_transport='none', or the openai backend without 'checkpoint_dir') there "
+            "is no limit and it must stay unset."
         },
     )
     async_max_queue_size: int | None = field(
@@ -197,7 +398,9 @@ class GRPOConfig(TrainingArguments):
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range ε."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range; defaults to epsilon."})
     loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES}."})
-    scale_rewards: str = field(default="group", metadata={"help": f"One of {SCALE_REWARDS}."})
+    scale_rewards: str = field(
+        default="group", metadata={"help": f"One of {SCALE_REWARDS}; True means 'group', False 'none' (as in TRL)."}
+    )
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
     reward_timeout: float | None = field(
         default=300.0,
@@ -217,18 +420,36 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Weight the loss by π_old / π_sampler (the sampler's own logprobs): corrects for sampling from a "
-            "stale policy (async rounds) or another engine's numerics (vLLM). Needs the old-policy logps pass."
+            "stale policy (async rounds) or another engine's numerics (vLLM). Needs the old-policy logps pass. "
+            "TRL name: vllm_importance_sampling_correction."
         },
     )
     importance_sampling_mode: str = field(
         default="sequence_mask",
-        metadata={"help": f"One of {tuple(IS_MODES)} (TRL 1.16's vLLM IS modes)."},
+        metadata={
+            "help": f"One of {tuple(IS_MODES)} (TRL 1.16's vLLM IS modes). TRL name: vllm_importance_sampling_mode."
+        },
     )
     importance_sampling_clip_min: float | None = field(
-        default=None, metadata={"help": "Lower bound of the IS ratio (truncate: clip, mask: zero below); None: none."}
+        default=None,
+        metadata={
+            "help": "Lower bound of the IS ratio (truncate: clip, mask: zero below); None: none. TRL name: "
+            "vllm_importance_sampling_clip_min."
+        },
     )
     importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata={"help": "Upper bound of the IS ratio (truncate: clip, mask: zero above); None: none."}
+        default=3.0,
+        metadata={
+            "help": "Upper bound of the IS ratio (truncate: clip, mask: zero above); None: none. TRL name: "
+            "vllm_importance_sampling_clip_max."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL: multiply the KL term by π/π_old. Not implemented: True is accepted only with beta=0 "
+            "(no KL term)."
+        },
     )
 
     # ---- memory: packing, reference model ----------------------------------------------------------------
@@ -255,85 +476,269 @@ class GRPOConfig(TrainingArguments):
 
     # ---- logging -----------------------------------------------------------------------------------------
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
-    num_completions_to_print: int = field(default=4, metadata={"help": "Completions printed per log."})
+    num_completions_to_print: int | None = field(
+        default=4, metadata={"help": "Completions printed per log; None prints all of them."}
+    )
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "TRL: log images/videos with completions. Text-only here: no effect."}
+    )
+
+    # ---- TRL 1.16 fields accepted only at TRL's default (UNSUPPORTED_TRL_FIELDS) ---------------------------
+    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    num_generations_eval: int | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL field; always gathered here."})
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": "TRL field; rows are packed."})
+    generation_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
+    cache_implementation: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "TRL field; vLLM's implementation only."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "TRL field; the port is picked automatically."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "TRL field; use a server for TP."})
+    delta: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "TRL field (loss_type='sapo')."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "TRL field (loss_type='sapo')."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "TRL field (loss_type='vespo')."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "TRL field (loss_type='vespo')."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "TRL field (loss_type='vespo')."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "TRL field (loss_type='vespo')."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "TRL field; 'token' only."})
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize", metadata={"help": "TRL field; 'sum_then_normalize' only."}
+    )
+    sync_ref_model: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TRL field; not implemented."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TRL field; not implemented."})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "TRL field; not implemented."})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "TRL field; not implemented."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "TRL field; not implemented."})
+    entropy_target: float = field(default=0.2, metadata={"help": "TRL field; not implemented."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "TRL field; see max_turns."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    log_completions_hub_repo: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "TRL field; use vllm."})
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "TRL field; use vllm."}
+    )
+    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated TRL field; use vllm."})
+
+    def __new__(cls, *args, **kwargs):
+        # A dataclass subclass gets its own generated __init__: wrap it (once) so it too accepts TRL's names and
+        # answers a misspelled field with a suggestion. type.__call__ looks __init__ up after __new__ returns.
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_grpo_wrapped", False):
+            cls.__init__ = _wrap_init(init)
+        return super().__new__(cls)
 
     def __post_init__(self):
+        if self.bf16 is None:  # TRL: None means bf16 unless fp16
+            self.bf16 = not self.fp16
+        self._check_trl_fields()  # before TrainingArguments, which would fail on use_liger_kernel without Liger
         super().__post_init__()
+        if self.min_p is None:  # TRL's "off"
+            self.min_p = 0.0
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        self.epsilon_high = _given(self.epsilon_high)
         if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        if self.vllm_server_base_url:
-            self.vllm_server_urls = list(self.vllm_server_urls or []) + [self.vllm_server_base_url]
+            self.epsilon_high = _derived(float(self.epsilon))
+        self.generation_backend = _given(self.generation_backend)
         if self.generation_backend is None:
             if self.openai_base_url:
-                self.generation_backend = "openai"
+                self.generation_backend = _derived("openai")
             elif self.use_vllm:
                 if self.vllm_mode not in VLLM_MODES:
                     raise _err("vllm_mode", f"must be one of {VLLM_MODES}, got {self.vllm_mode!r}")
-                self.generation_backend = "vllm" if self.vllm_mode == "colocate" else "vllm_server"
+                self.generation_backend = _derived("vllm" if self.vllm_mode == "colocate" else "vllm_server")
             else:
-                self.generation_backend = "hf"
-        if self.steps_per_generation is None:
-            self.steps_per_generation = self.gradient_accumulation_steps
+                self.generation_backend = _derived("hf")
+        if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:
+            raise _err("num_batches_ahead", f"must be an int >= 0 (0 = synchronous), got {self.num_batches_ahead!r}")
+        self.async_max_queue_size = _given(self.async_max_queue_size)
         if self.async_max_queue_size is None:
-            self.async_max_queue_size = self.num_batches_ahead + 2
-        if self.max_staleness is None:
-            self.max_staleness = self.num_batches_ahead
-        for name in ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size"):
-            if getattr(self, name) is None:
-                setattr(self, name, self.per_device_train_batch_size)
+            self.async_max_queue_size = _derived(self.num_batches_ahead + 2)
+        self._derive_batch_geometry()
+        for name in _STAGES:
+            if _given(getattr(self, name)) is None:
+                setattr(self, name, _derived(self.per_device_train_batch_size))
         self._validate()
+
+    # ---- derived, read-only ------------------------------------------------------------------------------
+    @property
+    def server_urls(self) -> list[str]:
+        """The generation servers: `vllm_server_urls`, then `vllm_server_base_url`, de-duplicated (order kept); with
+        the vllm_server backend and no URL given, TRL's `http://vllm_server_host:vllm_server_port`."""
+        urls = list(self.vllm_server_urls or [])
+        if self.vllm_server_base_url:
+            urls.append(self.vllm_server_base_url)
+        if not urls and self.generation_backend == "vllm_server":
+            urls.append(f"http://{self.vllm_server_host}:{self.vllm_server_port}")
+        out, seen = [], set()
+        for u in urls:
+            key = str(u).rstrip("/")
+            if key not in seen:
+                seen.add(key)
+                out.append(u)
+        return out
+
+    @property
+    def syncs_weights(self) -> bool:
+        """Whether the sampler ever receives the trainer's weights: not with `weight_sync_transport='none'`, nor with
+        the openai backend unless it reloads a shared checkpoint folder (`'checkpoint_dir'`)."""
+        if self.weight_sync_transport == "none":
+            return False
+        if self.generation_backend == "openai":
+            return self.weight_sync_transport == "checkpoint_dir"
+        return True
+
+    @property
+    def steps_per_round(self) -> float:
+        """Optimizer steps per generation round: `steps_per_generation × num_iterations / gradient_accumulation_steps`
+        (may be fractional: a round can end inside an accumulation window)."""
+        return self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+
+    @property
+    def staleness_limit(self) -> int | None:
+        """Most policy versions (optimizer steps) a trained sample may lag (see `max_staleness`), or `None`: no limit.
+
+        `max_staleness` if set; else, when the sampler receives weights, the most the pipeline produces,
+        `ceil(num_batches_ahead × steps_per_round)` (nothing is dropped by default); else `None` (the sampler never
+        updates, samples are corrected by importance sampling, nothing is dropped).
+        """
+        if self.max_staleness is not None:
+            return self.max_staleness
+        if not self.syncs_weights:
+            return None
+        # integer form of ceil(num_batches_ahead * steps_per_round): no float rounding
+        num = self.num_batches_ahead * self.steps_per_generation * self.num_iterations
+        return -(-num // self.gradient_accumulation_steps)
 
     @property
     def service_target_bs(self) -> int:
-        """Derived: rows buffered before the stages run, LCM of the rollout, ref-logps and old-logps micro-batches."""
+        """LCM of the rollout, ref-logps and old-logps micro-batches. Kept for the trainer's micro-batch buffer; the
+        stages no longer need it to divide any round (each is checked against its own rows)."""
         return service_target_bs(
             self.rollout_micro_batch_size, self.ref_logps_micro_batch_size, self.old_logps_micro_batch_size
         )
 
     @property
     def global_micro_batch_size(self) -> int:
-        """Derived: rows trained per micro-step across all processes."""
+        """Rows trained per micro-step across all processes."""
         return self.per_device_train_batch_size * self.world_size
+
+    # ---- construction steps ------------------------------------------------------------------------------
+    def _check_trl_fields(self) -> None:
+        """TRL 1.16 fields this trainer does not implement must keep TRL's default (`NotImplementedError`)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for name, instead in _UNSUPPORTED.items():
+            value, f = getattr(self, name), fields[name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if name == "pad_to_multiple_of" and (
+                value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "null"))
+            ):
+                continue  # TRL: 'auto' pads only on Neuron; None never pads
+            if any(name in knobs and loss in LOSS_TYPES for loss, knobs in _KNOBS_OF_LOSS.items()):
+                continue  # the loss type exists: its knobs are the loss's business
+            if value != default:
+                raise NotImplementedError(
+                    f"GRPOConfig.{name}={value!r} is a TRL GRPOConfig option this trainer does not implement: "
+                    f"{instead}."
+                )
+        if self.use_bias_correction_kl and self.beta != 0:
+            raise NotImplementedError(
+                f"GRPOConfig.use_bias_correction_kl=True with beta={self.beta}: the KL term is not multiplied by the "
+                "ratio π/π_old here; set use_bias_correction_kl=False (the KL term is then the plain k3 estimate)."
+            )
+        if self.loss_type in TRL_LOSS_TYPES and self.loss_type not in LOSS_TYPES:
+            raise NotImplementedError(
+                f"GRPOConfig.loss_type={self.loss_type!r} is a TRL loss type this trainer does not implement; "
+                f"choose one of {LOSS_TYPES}."
+            )
+        if self.auto_find_batch_size:
+            raise _err(
+                "auto_find_batch_size",
+                "not supported: the generation round must hold whole groups of num_generations completions, and "
+                "halving the batch on out-of-memory breaks that; set it to False and lower "
+                "per_device_train_batch_size instead",
+            )
+        pc = getattr(self, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+            raise _err(
+                "parallelism_config",
+                "sequence-dim parallelism (cp_size > 1 or sp_size > 1) is not supported: the model inputs are built "
+                "after generation; set cp_size=1 and sp_size=1",
+            )
+
+    def _derive_batch_geometry(self) -> None:
+        """`generation_batch_size` and `steps_per_generation` from whichever the user set (TRL's rules)."""
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _err(name, f"must be an int >= 1, got {v!r}")
+        micro = self.global_micro_batch_size
+        gbs, spg = _given(self.generation_batch_size), _given(self.steps_per_generation)
+        if spg is not None and (not isinstance(spg, int) or isinstance(spg, bool) or spg < 1):
+            raise _err("steps_per_generation", f"must be an int >= 1, got {spg!r}")
+        if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1):
+            raise _err("generation_batch_size", f"must be an int >= 1, got {gbs!r}")
+        if gbs is None:
+            spg = spg if spg is not None else _derived(self.gradient_accumulation_steps)
+            gbs = _derived(micro * spg)
+        else:
+            if gbs % micro != 0:
+                raise _err(
+                    "generation_batch_size",
+                    f"{gbs} is not a multiple of per_device_train_batch_size={self.per_device_train_batch_size} × "
+                    f"processes={self.world_size} = {micro} (each micro-step trains {micro} rows over all processes)",
+                )
+            if spg is not None and spg != gbs // micro:
+                raise _err(
+                    "generation_batch_size",
+                    f"{gbs} and steps_per_generation={spg} disagree: a round of {gbs} rows is "
+                    f"{gbs // micro} micro-steps of per_device_train_batch_size={self.per_device_train_batch_size} × "
+                    f"processes={self.world_size}; set only one of the two",
+                )
+            spg = _derived(gbs // micro)
+        self.generation_batch_size, self.steps_per_generation = gbs, spg
+
+    def _round_description(self) -> tuple[str, str]:
+        """(field to blame, how the round's row count came about), naming only what the user set."""
+        gbs = self.generation_batch_size
+        if not is_derived(self, "generation_batch_size"):
+            return "generation_batch_size", f"generation_batch_size={gbs}"
+        steps = (
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            if is_derived(self, "steps_per_generation")
+            else f"steps_per_generation={self.steps_per_generation}"
+        )
+        return "num_generations", (
+            f"per_device_train_batch_size={self.per_device_train_batch_size} × processes={self.world_size} × "
+            f"{steps} = {gbs}"
+        )
 
     def _validate(self) -> None:
         G = self.num_generations
-        if not isinstance(G, int) or G < 2:
+        if not isinstance(G, int) or isinstance(G, bool) or G < 2:
             raise _err("num_generations", f"must be an int >= 2 (GRPO compares completions of a prompt), got {G!r}")
-        for name in ("steps_per_generation", "num_iterations"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise _err(name, f"must be an int >= 1, got {v!r}")
-        micro = self.global_micro_batch_size
-        if self.generation_batch_size is None:
-            self.generation_batch_size = micro * self.steps_per_generation
-        elif self.generation_batch_size % micro != 0:
+        if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+            raise _err("num_iterations", f"must be an int >= 1, got {self.num_iterations!r}")
+        gbs = self.generation_batch_size
+        if gbs % G != 0:
+            blame, how = self._round_description()
             raise _err(
-                "generation_batch_size",
-                f"{self.generation_batch_size} is not a multiple of per_device_train_batch_size × processes = {micro}",
+                blame,
+                f"a generation round has {how} rows, not a multiple of num_generations={G} (a prompt's {G} "
+                f"completions must land in one round); valid num_generations divide {gbs}: "
+                f"{[g for g in range(2, gbs + 1) if gbs % g == 0]}, or change the batch so the rows are a "
+                f"multiple of {G}",
             )
-        else:
-            self.steps_per_generation = self.generation_batch_size // micro
-        if self.generation_batch_size % G != 0:
-            raise _err(
-                "generation_batch_size",
-                f"the generation round has {self.generation_batch_size} rows "
-                f"(per_device_train_batch_size={self.per_device_train_batch_size} × processes={self.world_size} × "
-                f"steps_per_generation={self.steps_per_generation}), not a multiple of num_generations={G}; "
-                f"valid num_generations divide {self.generation_batch_size}: "
-                f"{[g for g in range(2, self.generation_batch_size + 1) if self.generation_batch_size % g == 0]}",
-            )
-        stages = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
-        for name in stages:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise _err(name, f"must be an int >= 1 (rows, counted after the ×G repeat), got {v!r}")
-        local_rows, sizes = self.generation_batch_size // self.world_size, [getattr(self, n) for n in stages]
-        try:  # the stages run on each process's rows of a round: the LCM must divide them
-            check_stage_sizes(local_rows, *sizes)
-        except ValueError as e:
-            fits = sizes_that_fit(local_rows, *sizes)  # name the one stage that can fix it alone, if any
-            culprit = next((n for n, k in zip(stages, STAGES) if fits[k]), stages[0])
-            raise _err(culprit, f"per-stage micro-batches do not fit the per-process generation batch: {e}") from None
+        self._validate_stages()
         if self.importance_sampling_mode not in IS_MODES:
             raise _err(
                 "importance_sampling_mode", f"must be one of {tuple(IS_MODES)}, got {self.importance_sampling_mode!r}"
@@ -349,15 +754,22 @@ class GRPOConfig(TrainingArguments):
                 f"need 0 <= importance_sampling_clip_min < importance_sampling_clip_max (None = unbounded), "
                 f"got min={lo!r}, max={hi!r}",
             )
+        if (
+            self.importance_sampling_correction
+            and self.importance_sampling_mode.endswith("_truncate")
+            and lo is None
+            and hi is None
+        ):
+            raise _err(
+                "importance_sampling_clip_max",
+                f"importance_sampling_mode={self.importance_sampling_mode!r} clips the ratio, so at least one of "
+                "importance_sampling_clip_min / importance_sampling_clip_max must be set",
+            )
         if self.reuse_order not in REUSE_ORDERS:
             raise _err("reuse_order", f"must be one of {REUSE_ORDERS}, got {self.reuse_order!r}")
-        if not isinstance(self.num_batches_ahead, int) or self.num_batches_ahead < 0:
-            raise _err("num_batches_ahead", f"must be an int >= 0 (0 = synchronous), got {self.num_batches_ahead!r}")
-        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
-            raise _err("max_staleness", f"must be an int >= 0 (rounds), got {self.max_staleness!r}")
         if not self.async_generation_timeout or self.async_generation_timeout <= 0:
             raise _err("async_generation_timeout", f"must be > 0 seconds, got {self.async_generation_timeout!r}")
-        if self.async_max_queue_size < self.num_batches_ahead + 1:
+        if not isinstance(self.async_max_queue_size, int) or self.async_max_queue_size < self.num_batches_ahead + 1:
             raise _err(
                 "async_max_queue_size",
                 f"{self.async_max_queue_size} cannot hold num_batches_ahead + 1 = {self.num_batches_ahead + 1} rounds",
@@ -378,27 +790,53 @@ class GRPOConfig(TrainingArguments):
             raise _err("max_prompt_length", f"must be an int > 0 or None, got {self.max_prompt_length!r}")
         if self.prompt_truncation not in ("left", "error"):
             raise _err("prompt_truncation", f"must be 'left' or 'error', got {self.prompt_truncation!r}")
+        if self.num_completions_to_print is not None and (
+            not isinstance(self.num_completions_to_print, int) or self.num_completions_to_print < 0
+        ):
+            raise _err(
+                "num_completions_to_print", f"must be an int >= 0 or None (all), got {self.num_completions_to_print!r}"
+            )
         if self.loss_type not in LOSS_TYPES:
             raise _err("loss_type", f"unknown loss type {self.loss_type!r}; choose one of {LOSS_TYPES}")
         if self.scale_rewards not in SCALE_REWARDS:
-            raise _err("scale_rewards", f"must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+            raise _err("scale_rewards", f"must be one of {SCALE_REWARDS} (or True/False), got {self.scale_rewards!r}")
         if self.reward_timeout is not None and not self.reward_timeout > 0:
             raise _err("reward_timeout", f"must be > 0 seconds or None (no limit), got {self.reward_timeout!r}")
         if self.beta < 0:
             raise _err("beta", f"must be >= 0, got {self.beta!r}")
-        if self.ref_server_url is not None:
-            if not str(self.ref_server_url).startswith(("http://", "https://")):
-                raise _err("ref_server_url", f"must be an http(s):// URL, got {self.ref_server_url!r}")
-            if self.beta == 0:
-                raise _err("ref_server_url", "is set but beta=0: no reference logps are computed; set beta > 0")
-            if self.ref_server_url.rstrip("/") in [u.rstrip("/") for u in self.vllm_server_urls or []]:
-                raise _err(
-                    "ref_server_url",
-                    f"{self.ref_server_url} is also a generation server (vllm_server_urls): it receives the policy's "
-                    "weight updates, so it cannot hold the frozen reference; start a separate server for it",
-                )
         if not self.epsilon > 0 or not self.epsilon_high > 0:
             raise _err("epsilon", f"epsilon and epsilon_high must be > 0, got {self.epsilon!r}, {self.epsilon_high!r}")
+        self._validate_generation()
+        self._validate_staleness()
+
+    def _validate_stages(self) -> None:
+        """Every chunk of every stage is full: the rollout runs on the main process over the whole round, the
+        ref/old logps passes on each process over its share of the round."""
+        for name in _STAGES:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _err(name, f"must be an int >= 1 (rows, counted after the ×G repeat), got {v!r}")
+        gbs, n = self.generation_batch_size, self.world_size
+        r = self.rollout_micro_batch_size
+        if gbs % r != 0:
+            raise _err(
+                "rollout_micro_batch_size",
+                f"{r} does not divide the generation round of {gbs} rows: the main process generates the whole "
+                f"round in calls of {r} rows and every call must be full; choose a divisor of {gbs}: "
+                f"{_divisors(gbs)}",
+            )
+        local = gbs // n
+        for name in _STAGES[1:]:
+            v = getattr(self, name)
+            if local % v != 0:
+                raise _err(
+                    name,
+                    f"{v} does not divide the {local} rows each process scores per round (generation_batch_size={gbs}"
+                    f" / processes={n}) in chunks of {v}; every chunk must be full: choose a divisor of {local}: "
+                    f"{_divisors(local)}",
+                )
+
+    def _validate_generation(self) -> None:
         if self.generation_backend not in GENERATION_BACKENDS:
             raise _err("generation_backend", f"must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}")
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
@@ -407,7 +845,11 @@ class GRPOConfig(TrainingArguments):
             )
         if self.weight_sync_bucket_mb <= 0:
             raise _err("weight_sync_bucket_mb", f"must be > 0, got {self.weight_sync_bucket_mb!r}")
-        if self.generation_backend == "vllm_server" and not self.vllm_server_urls:
+        if isinstance(self.vllm_server_urls, str):
+            raise _err(
+                "vllm_server_urls", f"must be a list of URLs, got the string {self.vllm_server_urls!r}; wrap it in [ ]"
+            )
+        if self.generation_backend == "vllm_server" and not self.server_urls:
             raise _err("vllm_server_urls", "the vllm_server backend needs at least one server URL")
         if not isinstance(self.vllm_max_concurrency, int) or self.vllm_max_concurrency < 1:
             raise _err("vllm_max_concurrency", f"must be an int >= 1, got {self.vllm_max_concurrency!r}")
@@ -429,3 +871,110 @@ class GRPOConfig(TrainingArguments):
             )
         if self.generation_backend == "openai" and not self.openai_base_url:
             raise _err("openai_base_url", "the openai backend needs openai_base_url")
+        if self.ref_server_url is not None:
+            if not str(self.ref_server_url).startswith(("http://", "https://")):
+                raise _err("ref_server_url", f"must be an http(s):// URL, got {self.ref_server_url!r}")
+            if self.beta == 0:
+                raise _err("ref_server_url", "is set but beta=0: no reference logps are computed; set beta > 0")
+            if self.ref_server_url.rstrip("/") in [str(u).rstrip("/") for u in self.server_urls]:
+                raise _err(
+                    "ref_server_url",
+                    f"{self.ref_server_url} is also a generation server: it receives the policy's weight updates, so "
+                    "it cannot hold the frozen reference; start a separate server for it",
+                )
+
+    def _validate_staleness(self) -> None:
+        s = self.max_staleness
+        if s is None:
+            return
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise _err(
+                "max_staleness", f"must be an int >= 0 (policy versions, i.e. optimizer steps) or None, got {s!r}"
+            )
+        if not self.syncs_weights:
+            raise _err(
+                "max_staleness",
+                f"is set ({s}) but the sampler never receives the trainer's weights (generation_backend="
+                f"{self.generation_backend!r}, weight_sync_transport={self.weight_sync_transport!r}): every sample "
+                "falls further behind each step, so after a few steps every sample would be dropped; leave "
+                "max_staleness unset (stale samples are corrected by importance sampling), or choose a weight-sync "
+                "transport that updates the sampler",
+            )
+
+
+# ---- keyword arguments: TRL's names, misspellings ----------------------------------------------------------------
+def _init_field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _translate_trl_names(cls, kwargs: dict) -> dict:
+    """`kwargs` with TRL's names of our knobs (`TRL_ALIASES`, `TRL_DEPRECATED`) renamed to ours."""
+    out = dict(kwargs)
+    names = _init_field_names(cls)
+    # dataclasses.replace passes every field: there, a TRL name is the change asked for and our name the old value
+    full_copy = names <= out.keys()
+    for trl_name, ours in TRL_DEPRECATED.items():
+        if trl_name in out:
+            value = out.pop(trl_name)
+            if value is not None:
+                warnings.warn(
+                    f"GRPOConfig: `{trl_name}` is deprecated (TRL removes it in v2.0.0); use `{ours}`.",
+                    FutureWarning,
+                    stacklevel=4,
+                )
+                out[ours] = value  # TRL: the deprecated cap overrides the clip_max
+    for trl_name, ours in TRL_ALIASES.items():
+        if trl_name not in out:
+            continue
+        value = out.pop(trl_name)
+        if ours in out and out[ours] != value and not full_copy:
+            raise TypeError(
+                f"GRPOConfig got both {trl_name}={value!r} (TRL's name) and {ours}={out[ours]!r}, which are the same "
+                "setting; pass only one"
+            )
+        out[ours] = value
+    unknown = [k for k in out if k not in names]
+    if unknown:
+        known = sorted(names | set(TRL_ALIASES) | set(TRL_DEPRECATED))
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise TypeError(f"{cls.__name__} got unexpected keyword argument(s): {', '.join(hints)}")
+    return out
+
+
+class _ClassSignature:
+    """`inspect.signature(cls)` gives the dataclass fields (the `__new__` above would otherwise hide them)."""
+
+    def __get__(self, obj, cls):
+        sig = inspect.signature(cls.__init__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+def _wrap_init(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **_translate_trl_names(type(self), kwargs))
+
+    __init__._grpo_wrapped = True
+    return __init__
+
+
+GRPOConfig.__init__ = _wrap_init(GRPOConfig.__init__)
+GRPOConfig.__signature__ = _ClassSignature()
+
+
+def _alias_property(ours: str) -> property:
+    def get(self):
+        return getattr(self, ours)
+
+    def set_(self, value):
+        setattr(self, ours, value)
+
+    return property(get, set_, doc=f"TRL's name of `{ours}` (same value).")
+
+
+for _trl_name, _ours in TRL_ALIASES.items():
+    setattr(GRPOConfig, _trl_name, _alias_property(_ours))
+del _trl_name, _ours

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ class MetricsJsonlCallback(TrainerCallback):
             self.path = os.path.join(args.output_dir, METRICS_FILE)
         if state.is_world_process_zero:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            if state.global_step > 0:  # resumed: the steps after the checkpoint are trained (and logged) again
+                truncate_metrics(self.path, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or self.path is None:
@@ -40,6 +44,96 @@ class MetricsJsonlCallback(TrainerCallback):
             plot_metrics(self.path, os.path.join(args.output_dir, PLOT_FILE), title=os.path.basename(args.output_dir))
         except Exception as e:  # a plot must not fail a finished run; say why it is missing
             logger.warning("could not plot %s: %s: %s", self.path, type(e).__name__, e)
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Drop the lines of `path` logged after optimizer step `step` (a run resumed from checkpoint-`step` logs them
+    again; kept, they would appear twice and the plot would draw backwards). Returns how many were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def summary_line(logs: dict, step: int, max_steps: int | None = None, seconds_per_step: float | None = None) -> str:
+    """One short console line for a Trainer log: step, reward, KL, mean completion length, seconds per optimizer
+    step (wall clock) and mean staleness (the full dict goes to metrics.jsonl and `report_to`)."""
+    if "train_runtime" in logs:  # the end-of-training summary
+        return (
+            f"done: {_fmt(logs.get('train_runtime'), '.0f')} s, {_fmt(logs.get('train_steps_per_second'), '.3f')} "
+            f"steps/s, mean loss {_fmt(logs.get('train_loss'), '.4f')}"
+        )
+    total = f"/{max_steps}" if max_steps and max_steps > 0 else ""
+    return (
+        f"step {step}{total}  reward {_fmt(logs.get('reward'), '.3f')}  kl {_fmt(logs.get('kl'), '.4f')}  "
+        f"len {_fmt(logs.get('completions/mean_length'), '.1f')}  {_fmt(seconds_per_step, '.2f')} s/step  "
+        f"staleness {_fmt(logs.get('async/staleness'), '.2f')}"
+    )
+
+
+class ConciseProgressCallback(ProgressCallback):
+    """The Trainer's progress bar, with one short line per log (`summary_line`) instead of the whole metrics dict,
+    and a line saying from which step a resumed run continues. Install it with `use_concise_console(trainer)`."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = (time.perf_counter(), state.global_step)
+        if state.is_world_process_zero and state.global_step > 0:
+            print(resume_message(state.global_step, getattr(args, "resume_from_checkpoint", None)), flush=True)
+        super().on_train_begin(args, state, control, **kwargs)
+
+    _last: tuple[float, int] | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        now, seconds = time.perf_counter(), None
+        if self._last is not None and state.global_step > self._last[1]:
+            seconds = (now - self._last[0]) / (state.global_step - self._last[1])
+        self._last = (now, state.global_step)
+        line = summary_line(logs, state.global_step, state.max_steps, seconds)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+def resume_message(step: int, checkpoint: str | None = None) -> str:
+    where = f" ({checkpoint})" if isinstance(checkpoint, str) else ""
+    return f"resuming from the checkpoint at step {step}{where}: training continues at step {step + 1}"
+
+
+def use_concise_console(trainer) -> None:
+    """Replace the Trainer's console printer (a dict of every metric per log) by `ConciseProgressCallback`: the
+    progress bar (unless `disable_tqdm`) and one short line per log. `metrics.jsonl` and `report_to` still get every
+    metric."""
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    cb = ConciseProgressCallback()
+    if trainer.args.disable_tqdm:  # no bar: the lines only
+        cb.on_train_begin = _lines_only_begin.__get__(cb)
+        cb.on_step_end = lambda *a, **k: None
+        cb.on_prediction_step = lambda *a, **k: None
+        cb.on_evaluate = lambda *a, **k: None
+        cb.on_predict = lambda *a, **k: None
+        cb.on_train_end = lambda *a, **k: None
+    trainer.add_callback(cb)
+
+
+def _lines_only_begin(self, args, state, control, **kwargs):
+    self._last = (time.perf_counter(), state.global_step)
+    if state.is_world_process_zero and state.global_step > 0:
+        print(resume_message(state.global_step, getattr(args, "resume_from_checkpoint", None)), flush=True)
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -187,7 +281,20 @@ def read_completions(output_dir: str):
     return pd.concat([pd.read_parquet(os.path.join(folder, f)) for f in files], ignore_index=True)
 
 
-def completions_table(samples: dict, step: int, n: int):
+def cut_prompt(text: str, limit: int) -> str:
+    """The end of `text` in at most `limit` characters: cut at a word boundary, with a leading ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    tail = text[-(limit - 1) :]
+    for i, ch in enumerate(tail):
+        if ch.isspace():
+            if tail[i + 1 :].strip():
+                tail = tail[i + 1 :]
+            break
+    return "…" + tail
+
+
+def completions_table(samples: dict, step: int, n: int | None):
     """A rich `Table` of the first `n` samples: prompt, completion, each reward function, reward, advantage,
     policy version."""
     from rich.table import Table
@@ -200,9 +307,9 @@ def completions_table(samples: dict, step: int, n: int):
     for k in reward_cols:
         table.add_column(k, justify="right", no_wrap=True)
     table.add_column("policy_version", justify="right", no_wrap=True)
-    for i in range(min(n, len(cols["prompt"]))):
+    for i in range(len(cols["prompt"]) if n is None else min(n, len(cols["prompt"]))):  # None: all (as TRL)
         table.add_row(
-            cols["prompt"][i][-200:],
+            cut_prompt(cols["prompt"][i], 200),
             cols["completion"][i][:400],
             *(f"{cols[k][i]:.3f}" for k in reward_cols),
             str(cols["policy_version"][i]),
@@ -210,7 +317,7 @@ def completions_table(samples: dict, step: int, n: int):
     return table
 
 
-def log_completions(samples: dict, output_dir: str, step: int, n: int) -> str:
+def log_completions(samples: dict, output_dir: str, step: int, n: int | None) -> str:
     """Prints the first `n` samples as a table (at least 160 columns wide when stdout is not a terminal) and
     writes all of them to `output_dir/completions/step_<step>.parquet`; returns the parquet path."""
     import sys

@@ -60,8 +60,11 @@ def _plain(value: Any) -> Any:
     """A YAML-safe copy of a config value (enums by value, other objects by their str)."""
     if isinstance(value, enum.Enum):  # IntervalStrategy, SchedulerType, ... (str subclasses: checked first)
         return _plain(value.value)
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, bool):
         return value
+    for base in (int, float, str):  # a value GRPOConfig derived is a marked int/float/str: write the plain one
+        if isinstance(value, base):
+            return base(value)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

@@ -1,8 +1,9 @@
 """`make demo`: train a tiny model from scratch with async GRPO on the bundled letter task (2 CPU cores, minutes).
 
-Prints progress, then where it wrote the metrics (JSONL) and the reward-curve PNG, and ends with
-`RESULT demo_reward_first10=<a> demo_reward_last10=<b>`. The trained model (or LoRA adapter with `--use_peft`) and
-its model card (README.md) are saved to `--output_dir`.
+Shows a progress bar and one line per step (reward, KL, mean length, seconds per step, staleness), then a few
+completions of the final model (greedy and sampled), where it wrote the metrics (JSONL) and the reward-curve PNG,
+and ends with `RESULT demo_reward_first10=<a> demo_reward_last10=<b>`. The trained model (or LoRA adapter with
+`--use_peft`) and its model card (README.md) are saved to `--output_dir`.
 
 Launch on several processes with one of the accelerate configs, e.g.
 `accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/demo.py --backend hf`.
@@ -24,8 +25,9 @@ from accelerate import PartialState
 from transformers import HfArgumentParser
 
 from grpo_async import GRPOConfig, GRPOTrainer
-from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
-from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics
+from grpo_async.demo_task import LETTERS, letter_reward, make_dataset, make_ends_cleanly_for
+from grpo_async.loading import load_tokenizer
+from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics, use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
 from grpo_async.recipe_parser import apply_yaml_defaults
 from grpo_async.testing import TinyModelSpec, build_tiny_model
@@ -37,6 +39,32 @@ def _default_backend() -> str:
     import importlib.util
 
     return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    """The generated ids up to and including the first EOS (what follows is `generate`'s batch padding)."""
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def show_final_completions(trainer, tokenizer, max_new_tokens: int, sampled: int = 2) -> None:
+    """Print what the FINAL model answers to each prompt: greedy, and `sampled` samples at temperature 1, with the
+    special tokens left visible (a clean answer is letters, then one `<|end|>`)."""
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    print("final model (special tokens shown):")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for c in LETTERS:
+            chat = [{"role": "user", "content": f"Say {c}"}]
+            ids = tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+            ids = {k: v.to(model.device) for k, v in ids.items() if k in ("input_ids", "attention_mask")}
+            n = ids["input_ids"].shape[1]
+            kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            greedy = model.generate(**ids, do_sample=False, **kw)[0, n:]
+            samples = model.generate(**ids, do_sample=True, temperature=1.0, num_return_sequences=sampled, **kw)[:, n:]
+            texts = [tokenizer.decode(_until_eos(t.tolist(), tokenizer.eos_token_id)) for t in [greedy, *samples]]
+            print(f"  Say {c}: greedy {texts[0]!r}  sampled " + "  ".join(repr(t) for t in texts[1:]))
 
 
 def main(argv=None):
@@ -98,15 +126,18 @@ def main(argv=None):
         hub_model_id=a.hub_model_id,
         model_init_kwargs=model_args.model_init_kwargs() if model_args.model_name_or_path else None,
         seed=0,
-        disable_tqdm=True,
+        disable_tqdm=not state.is_main_process,
     )
+    tokenizer = load_tokenizer(model_dir)
     trainer = GRPOTrainer(
         model=model_dir,
-        reward_funcs=[letter_reward, ends_cleanly],
+        reward_funcs=[letter_reward, make_ends_cleanly_for(tokenizer)],
         args=args,
         train_dataset=make_dataset(4096, seed=0),
+        processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
+    use_concise_console(trainer)
     start = time.time()
     trainer.train()
     trainer.close()
@@ -117,12 +148,14 @@ def main(argv=None):
         trainer.create_model_card(dataset_name=DATASET_NAME)
     if not trainer.accelerator.is_main_process:
         return
+    seconds = time.time() - start
+    show_final_completions(trainer, tokenizer, a.max_completion_length)
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
     png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="grpo_async demo: letter task")
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
     acc = trainer.accelerator
     print(
-        f"trained {len(rewards)} steps in {time.time() - start:.0f}s on backend={a.backend}, "
+        f"trained {len(rewards)} steps in {seconds:.0f}s on backend={a.backend}, "
         f"{acc.num_processes} process(es), distributed_type={acc.distributed_type.value}"
     )
     print(f"metrics: {os.path.abspath(metrics)}")

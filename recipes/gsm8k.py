@@ -21,10 +21,13 @@ import os
 from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no extra process per rank
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU only: GiB of KV cache (vLLM's RAM share check is skipped)
 
 import torch
 
 from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.loading import check_lengths, load_model_config
+from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.rewards import format_reward, math_reward
@@ -88,6 +91,8 @@ def main(argv=None):
     if model_args.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required (a Hub id or a local folder)")
     args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
+    # a prompt + completion budget beyond the model's positions: a clear error now, not vLLM's mid-run
+    check_lengths(args, load_model_config(model_args.model_name_or_path, trust_remote_code=args.trust_remote_code))
     trainer = GRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=[math_reward, format_reward],
@@ -95,6 +100,7 @@ def main(argv=None):
         train_dataset=build_dataset(script),
         peft_config=get_peft_config(model_args),
     )
+    use_concise_console(trainer)
     trainer.train()
     trainer.save_model(args.output_dir)
     trainer.close()

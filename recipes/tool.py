@@ -20,11 +20,14 @@ import random
 from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no extra process per rank
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU only: GiB of KV cache (vLLM's RAM share check is skipped)
 
 import torch
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.envs import ToolEnv, calculator
+from grpo_async.loading import check_lengths, load_model_config
+from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.rewards import math_reward
@@ -91,6 +94,8 @@ def main(argv=None):
     if model_args.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required (a Hub id or a local folder)")
     args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
+    # a prompt + completion budget beyond the model's positions: a clear error now, not vLLM's mid-run
+    check_lengths(args, load_model_config(model_args.model_name_or_path, trust_remote_code=args.trust_remote_code))
     env = ToolEnv(
         [calculator],
         max_turns=script.max_turns,
@@ -105,6 +110,7 @@ def main(argv=None):
         peft_config=get_peft_config(model_args),
         environment=env,
     )
+    use_concise_console(trainer)
     trainer.train()
     trainer.save_model(args.output_dir)
     trainer.close()

@@ -27,9 +27,15 @@ class Observed(GRPOTrainer):
 
     mode = ""
 
-    def _generate_with(self, prompt_ids, weights, n=None):
-        print("GENERATING", flush=True)
-        return super()._generate_with(prompt_ids, weights, n)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        generate = self.producer.generate  # the round producer's generate step, observed (not replaced)
+
+        def observed(*a, **k):
+            print("GENERATING", flush=True)
+            return generate(*a, **k)
+
+        self.producer.generate = observed
 
     def _save_rng_state(self, output_dir):
         if self.mode == "checkpoint" and self.state.global_step == 2:

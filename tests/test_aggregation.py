@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_async.rollout.aggregation import (
+from grpo_async.pipeline.aggregation import (
     REUSE_ORDERS,
     MicroBatchBuffer,
     apply_in_chunks,

@@ -87,13 +87,18 @@ def test_misuse_is_reported():
 
 
 def test_dead_thread_is_reported_not_waited_on():
-    gen = AsyncBatchGenerator(lambda r: None, generation_timeout=30).start()
+    def produce(request):
+        if request.batch_id == 1:  # not an Exception: escapes the per-request handler and kills the thread
+            raise SystemExit("generator thread killed")
+        return request.batch_id
+
+    gen = AsyncBatchGenerator(produce, generation_timeout=300).start()
     gen.submit_batch(BatchRequest(0, []))
-    gen.get_batch(0)
-    gen._fatal = SystemError("thread killed")  # fault injection: a real thread cannot be killed on demand
+    assert gen.get_batch(0).processed_results == 0
     gen.submit_batch(BatchRequest(1, []))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="died"):
-        gen.get_batch(1) if gen.get_completed_count() == 0 else gen.check_health()
-    assert time.monotonic() - start < 5
-    gen.stop()
+        gen.get_batch(1)  # would wait 300 s for a dead thread if death were not checked
+    assert time.monotonic() - start < 60  # far below the 300 s a blind wait would take
+    gen.stop(timeout=5)  # the dying thread may still be unwinding when its death is reported
+    assert not gen.is_running()

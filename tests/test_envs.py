@@ -24,6 +24,7 @@ from grpo_async.envs.tools import ToolCallError
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.hf import HFBackend
 from grpo_async.testing import tiny_config
+from grpo_async.trainer_setup import make_environment
 
 USER = [{"role": "user", "content": "Say a"}]
 
@@ -151,7 +152,7 @@ def test_environment_protocol_is_checked():
         max_turns = 2
 
     with pytest.raises(TypeError, match=r"lacks \['initial_state', 'is_completed', 'env_response'\]"):
-        GRPOTrainer._make_environment(NoResponse(), None)
+        make_environment(NoResponse(), None)
 
 
 # ------------------------------------------------------------------------------------------ rollouts (HF backend)
@@ -373,15 +374,16 @@ def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tmp_pa
         )
         assert t.state.log_history[0]["sampling/logp_diff/max"] < 1e-3
         t.close()
+        # the OpenAI-compatible backend with the default config: generation only (the sampler never receives
+        # weights, so nothing is pushed and no sample is dropped as stale), multi-turn rounds still train
         t = _train_multi_turn(
             tiny_model_path,
-            _args(
-                tmp_path,
-                generation_backend="openai",
-                openai_base_url=url + "/v1",
-                vllm_api_key=API_KEY,
-                weight_sync_transport="none",
-                max_staleness=10,
-            ),
+            _args(tmp_path, generation_backend="openai", openai_base_url=url + "/v1", vllm_api_key=API_KEY),
         )
+        logs = [h for h in t.state.log_history if "reward" in h]
+        assert len(logs) == t.state.global_step >= 2
+        assert all(h["async/dropped_stale"] == 0 for h in logs)
+        assert all(h["env/turns/mean"] >= 1 for h in logs)
+        assert "timing/weight_sync" not in str(t.state.log_history)  # nothing was pushed
+        assert t.backend.version is None and t.publisher.published is None
         t.close()

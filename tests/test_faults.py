@@ -170,7 +170,7 @@ def test_prompts_longer_than_max_prompt_length(tiny_model_path, tmp_path, mode):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"rollout_micro_batch_size": 3}, "per-stage micro-batches do not fit"),  # LCM(3, 4, 4) = 12 > 4 rows
+        ({"rollout_micro_batch_size": 3}, "GRPOConfig.rollout_micro_batch_size"),  # 4-row round in chunks of 3
         ({"ref_logps_micro_batch_size": 0}, "GRPOConfig.ref_logps_micro_batch_size"),
         ({"steps_per_generation": 0}, "GRPOConfig.steps_per_generation"),
         ({"use_vllm": True, "vllm_mode": "remote"}, "GRPOConfig.vllm_mode"),

@@ -193,3 +193,70 @@ def test_plot_command_errors_name_the_problem(tmp_path):
         f.write(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     with pytest.raises(ValueError, match="has none of the metrics"):
         plot_metrics(str(tmp_path / METRICS_FILE), str(tmp_path / "x.png"))
+
+
+# ------------------------------------------------------------------------------------------------ console, resume
+def test_resume_drops_the_metrics_logged_after_the_checkpoint(tmp_path, capsys):
+    """Resuming from checkpoint-60 of a run that got to step 72: steps 61-72 are trained and logged again, so the
+    old lines go (else they appear twice and the plot draws backwards), and the console says from where it resumes."""
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    from grpo_async import GRPOConfig
+    from grpo_async.logging_utils import ConciseProgressCallback, MetricsJsonlCallback
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 100}) + "\n" for s in range(1, 73)))
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True)
+    state = TrainerState(global_step=60, max_steps=100)
+    MetricsJsonlCallback().on_train_begin(args, state, TrainerControl())
+    assert [r["step"] for r in read_metrics(str(path))] == list(range(1, 61))
+    ConciseProgressCallback().on_train_begin(args, state, TrainerControl())
+    assert "resuming from the checkpoint at step 60" in capsys.readouterr().out
+
+
+def test_one_short_console_line_per_log():
+    from grpo_async.logging_utils import summary_line
+
+    logs = {"reward": 0.51234, "kl": 0.001, "completions/mean_length": 12.25, "async/staleness": 1.0, "loss": 0.1}
+    line = summary_line({**logs, **{f"extra/{i}": i for i in range(40)}}, 7, 200, seconds_per_step=0.5)
+    assert line == "step 7/200  reward 0.512  kl 0.0010  len 12.2  0.50 s/step  staleness 1.00"
+
+
+def test_the_trainer_prints_short_lines_and_no_metric_dicts(tiny_model_path, tmp_path, capsys):
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.logging_utils import use_concise_console
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        max_prompt_length=16,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        generation_backend="hf",
+        num_batches_ahead=0,
+        disable_tqdm=False,
+    )
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    use_concise_console(trainer)
+    trainer.train()
+    trainer.close()
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "step 1/2  reward" in out and "step 2/2  reward" in out
+    assert "'rewards/letter_reward/mean'" not in out  # no metric dict printed
+    assert len(read_metrics(str(tmp_path / "metrics.jsonl"))) == 3  # every log still on disk (2 steps + summary)
+
+
+def test_the_completions_table_cuts_the_prompt_at_a_word_boundary():
+    from grpo_async.logging_utils import cut_prompt
+
+    text = "system: " + " ".join(f"word{i}" for i in range(100)) + " Say b"
+    cut = cut_prompt(text, 40)
+    assert cut.startswith("…") and cut.endswith("Say b") and len(cut) <= 40
+    assert cut[1:].split()[0] in text.split()  # starts with a whole word
+    assert cut_prompt("short prompt", 40) == "short prompt"

@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
-from grpo_async.trainer import PIPELINE_STATE_FILE
+from grpo_async.pipeline.checkpointing import PIPELINE_STATE_FILE
 
 S = 3  # checkpoint step; dataset of 8 prompts, 4 per round → 2 optimizer steps per epoch: step 3 is mid-epoch 1
 

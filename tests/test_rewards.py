@@ -270,3 +270,24 @@ def test_a_hung_reward_function_stops_training_with_its_name(tiny_model_path, tm
             trainer.train()
     finally:
         release.set()
+
+
+def test_demo_ends_cleanly_scores_exactly_one_eos_at_the_end_and_no_other_special_token():
+    """Character tokenizer: ids 0-6 are special (<pad>=0, <|end|>=3), 'b' = 8. The old check (more ids than
+    characters) paid for a <pad> anywhere; the reward must pay only for text then one EOS."""
+    from grpo_async.demo_task import ends_cleanly
+    from grpo_async.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    b, end, pad = tok.convert_tokens_to_ids("b"), tok.eos_token_id, tok.pad_token_id
+    cases = {
+        "clean": ([b, b, end], 0.1),
+        "pad inside": ([b, pad, b, end], 0.0),
+        "pad, no eos": ([b, pad, b], 0.0),
+        "two eos": ([b, end, end], 0.0),
+        "eos only": ([end], 0.0),
+        "clipped": ([b] * 16, 0.0),
+    }
+    ids = [c[0] for c in cases.values()]
+    texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    assert ends_cleanly(["Say b"] * len(ids), texts, ids) == [c[1] for c in cases.values()]

@@ -22,9 +22,14 @@ class Recorder(GRPOTrainer):
 
     def compute_loss(self, model, inputs, *a, **k):
         self.seen = getattr(self, "seen", [])
-        self.seen.append(
-            {k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k2, v in inputs.items()}
+        record = {k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k2, v in inputs.items()}
+        # what the trainer handed over, before the copies above: do the two masks share memory?
+        storage = (
+            inputs["loss_mask"].untyped_storage().data_ptr(),
+            inputs["completion_mask"].untyped_storage().data_ptr(),
         )
+        record["masks_share_storage"] = storage[0] == storage[1]
+        self.seen.append(record)
         return super().compute_loss(model, inputs, *a, **k)
 
 
@@ -63,8 +68,7 @@ def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
     stale = [h["async/staleness_max"] for h in logs]
     assert max(stale) == min(ahead, 2) and all(s <= ahead for s in stale)
     # attention mask and loss mask are separate tensors
-    b = t.seen[0]
-    assert b["loss_mask"].data_ptr() != b["completion_mask"].data_ptr()
+    assert not any(b["masks_share_storage"] for b in t.seen)
     assert t.generator is None  # thread stopped after train()
 
 
@@ -134,7 +138,7 @@ def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_
         assert (b["loss_mask"].sum() == 0) == stale, (int(b["round_id"][0]), int(b["policy_version"][0]))
     dropped = [h["async/dropped_stale"] for h in t.state.log_history if "async/dropped_stale" in h]
     assert dropped == [0, 0, 16, 16]  # every row of rounds 2 and 3
-    assert "older than max_staleness=1 rounds were not trained" in caplog.text
+    assert "older than max_staleness=1 policy versions were not trained" in caplog.text
     # the default bound (num_batches_ahead) never drops anything in the normal pipeline
     args = _args(tmp_path, num_batches_ahead=2)
     t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
@@ -153,12 +157,9 @@ def test_consecutive_reuse_order(tiny_model_path, tmp_path):
 
 
 def test_per_stage_micro_batches(tiny_model_path, tmp_path):
-    # round: 8 rows × 2 GA = 16 rows (1 process). rollout 6 rows (not a multiple of G = 4: prompts repeated, n = 1)
-    # → chunks 6, 6, 4 = 3 calls; ref 16 → 1 chunk; old 4 → 4 chunks; LCM(6, 16, 4) = 48 > 16 is refused, so
-    # rollout 8 (2 prompts × G per call) → 2 calls, LCM(8, 16, 4) = 16 = the round: one buffer flush per round.
-    with pytest.raises(
-        ValueError, match="GRPOConfig.rollout_micro_batch_size.*lcm.*= 48.*rollout: \\[1, 2, 4, 8, 16\\]"
-    ):
+    # round: 8 rows × 2 GA = 16 rows (1 process). rollout 6 would leave a short call (6, 6, 4): refused, naming the
+    # sizes that fit; rollout 8 (2 prompts × G per call) → 2 calls; ref 16 → 1 chunk; old 4 → 4 chunks.
+    with pytest.raises(ValueError, match="GRPOConfig.rollout_micro_batch_size.*16 rows.*\\[1, 2, 4, 8, 16\\]"):
         _args(tmp_path, rollout_micro_batch_size=6, ref_logps_micro_batch_size=16, old_logps_micro_batch_size=4)
     args = _args(
         tmp_path,
@@ -306,3 +307,34 @@ def test_evaluate_generates_once_and_leaves_training_alone(tiny_model_path, tmp_
     assert max(h.get("async/staleness_max", 0) for h in t.state.log_history) <= 1
     m = t.evaluate()
     assert m["eval_completions/mean_length"] > 0
+
+
+def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_path):
+    # 12 rows per process and round; ref 3 → 4 chunks of 3, old 6 → 2 chunks of 6 (main ran ref as 3,3,2,3,1)
+    args = _args(
+        tmp_path,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        num_generations=2,
+        rollout_micro_batch_size=2,
+        ref_logps_micro_batch_size=3,
+        old_logps_micro_batch_size=6,
+        beta=0.1,
+        max_steps=2,
+    )
+    sizes = {"ref": [], "old": []}
+
+    class Sizes(Recorder):
+        def _policy_logps(self, ids, mask, T):
+            sizes["old"].append(ids.size(0))
+            return super()._policy_logps(ids, mask, T)
+
+        def _ref_logps(self, ids, mask, T):
+            sizes["ref"].append(ids.size(0))
+            return super()._ref_logps(ids, mask, T)
+
+    t = Sizes(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert sizes == {"ref": [3] * 8, "old": [6] * 4}  # 2 rounds
+    logs = [h for h in t.state.log_history if "chunks/ref_logps" in h]
+    assert [(h["chunks/ref_logps"], h["chunks/old_logps"], h["chunks/rollout"]) for h in logs] == [(4, 2, 6)] * 2

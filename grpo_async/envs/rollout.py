@@ -43,6 +43,7 @@ class RolloutResult:
     messages: list[dict] = field(default_factory=list)  # the completion's messages (assistant and environment)
     state: dict = field(default_factory=dict)
     turns: int = 0  # assistant turns
+    clipped_turns: int = 0  # assistant turns cut by a token limit (max_tokens_per_turn or the completion's room)
     finish_reason: str = "stop"
 
     def to_completion(self) -> Completion:
@@ -50,7 +51,13 @@ class RolloutResult:
             completion_ids=self.completion_ids,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
-            extra={"messages": self.messages, "env_mask": self.env_mask, "turns": self.turns, "state": self.state},
+            extra={
+                "messages": self.messages,
+                "env_mask": self.env_mask,
+                "turns": self.turns,
+                "clipped_turns": self.clipped_turns,
+                "state": self.state,
+            },
         )
 
 
@@ -168,6 +175,7 @@ def run_rollouts(
             r.logprobs += list(c.logprobs)
             r.env_mask += [1] * len(sampled)
             r.turns = turn
+            r.clipped_turns += c.finish_reason == "length"
             text = tokenizer.decode(sampled, skip_special_tokens=True)
             message = {"role": "assistant", "content": text}
             r.messages.append(message)

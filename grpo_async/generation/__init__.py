@@ -69,7 +69,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str):
 def _make_vllm_server(args, model, tokenizer, model_path: str):
     from .vllm_backends import VLLMServerBackend
 
-    urls = list(args.vllm_server_urls)
+    urls = list(args.server_urls)
     transport = _server_transport(args, urls)
     return VLLMServerBackend(
         urls,
@@ -122,6 +122,30 @@ def make_backend(args, model, tokenizer, model_path: str | None = None) -> Gener
     if name not in BACKENDS:
         raise ValueError(f"generation_backend {name!r} is not available; registered: {sorted(BACKENDS)}")
     return BACKENDS[name](args, model, tokenizer, model_path)
+
+
+def make_trainer_backend(args, model, tokenizer, model_source: str | None):
+    """The backend a trainer generates with: `(backend, temporary folder to delete at close or None)`.
+
+    Under ZeRO-3 the `hf` backend generates on an unpartitioned twin of the architecture (a forward of the
+    partitioned policy needs every rank); it receives whole weights, gathered group by group, before its first round.
+    An in-process vLLM engine needs a folder: when the model was given as an object it is saved to a temporary one.
+    """
+    import copy
+    import tempfile
+
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if args.generation_backend == "hf" and is_deepspeed_zero3_enabled():
+        base = base_model(model)
+        model = type(base)(copy.deepcopy(base.config))
+        model.generation_config = copy.deepcopy(base.generation_config)
+    folder = None
+    if model_source is None and args.generation_backend == "vllm":
+        folder = model_source = tempfile.mkdtemp(prefix="grpo_async_sampler_")
+        base_model(model).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return make_backend(args, model, tokenizer, model_source), folder
 
 
 __all__ = ["BACKENDS", "Completion", "GenerationBackend", "SamplingConfig", "make_backend", "register_backend"]

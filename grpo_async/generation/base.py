@@ -1,21 +1,23 @@
 """The one protocol every generation backend implements.
 
-A backend is owned by the `AsyncBatchGenerator` thread on the main process. The trainer never calls it while a
-round is being generated; it only hands it new weights through `update_weights`, which the generator thread
-applies *between* rounds, so a round always finishes on the weights it started with.
+A backend is built on the main process and shared by the round producer (job-queue thread), the policy publisher
+and evaluation, one at a time (`generation.shared.SharedBackend`). The publisher streams new weights into it with
+`load_weights` only while no round is being generated, so a round always finishes on the weights it started with
+(except in the servers' in-flight mode, where the server freezes running requests around the load).
 
 ```
-trainer thread                          generator thread
-──────────────                          ────────────────
+trainer thread                                   job-queue thread
+──────────────                                   ────────────────
 optimizer.step()  (version v)
-stage weights(v)  ──────────────▶       before next round: backend.update_weights(state, v)
-submit round r    ──────────────▶       backend.generate(prompt_ids, sampling) → completions
+publish: wait until no round runs,
+         backend.load_weights(groups of live model, v)
+submit round r    ─────────────────────────────▶ backend.generate(prompt_ids, sampling) → completions
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -64,8 +66,14 @@ class GenerationBackend(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]: ...
 
+    def load_weights(self, groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], version: int) -> None:
+        """Load full HF-named weights (PEFT already merged), streamed as `(module, [(name, tensor), ...])` groups
+        straight from the live model: consume each group before asking for the next (the tensors may be views of
+        gathered parameters), keep nothing after returning. Called by the policy publisher while no round runs."""
+        ...
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load full HF-named weights (PEFT already merged). Called by the generator thread between rounds."""
+        """`load_weights` from a flat state dict (tests, tools)."""
         ...
 
     def close(self) -> None: ...

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..weight_sync.buckets import group_by_module
 from .base import Completion, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
@@ -40,15 +41,20 @@ class HFBackend:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
     @torch.no_grad()
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, groups, version: int) -> None:
+        """Copy `(module, [(hf_name, tensor), ...])` groups into the generation copy, one group at a time."""
         with self._lock:
             params = dict(self.model.named_parameters())
-            unknown = [k for k in state_dict if k not in params]
-            if unknown:
-                raise KeyError(f"HFBackend.update_weights: unknown parameter names {unknown[:5]}")
-            for name, tensor in state_dict.items():
-                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            for _, tensors in groups:
+                unknown = [k for k, _ in tensors if k not in params]
+                if unknown:
+                    raise KeyError(f"HFBackend.load_weights: unknown parameter names {unknown[:5]}")
+                for name, tensor in tensors:
+                    params[name].copy_(tensor.to(params[name].device, params[name].dtype))
             self.version = version
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.load_weights(group_by_module(state_dict), version)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:

@@ -272,6 +272,33 @@ def add_logprob_route(app) -> None:
             raise HTTPException(400, f"logprobs: {e}") from e
 
 
+#: what `grpo-async serve --help` prints first: our flags and defaults, then vLLM's engine options
+OUR_HELP = """usage: grpo-async serve MODEL [--port 8000] [--api-key KEY] [--frozen] [vLLM engine options]
+
+vLLM's OpenAI-compatible server plus the weight-sync routes a grpo_async trainer uses
+(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url=..., vllm_api_key=...)).
+
+grpo-async options and defaults (they differ from `vllm serve`):
+  MODEL                 a local model folder or a Hugging Face Hub id (same as --model)
+  --host HOST           default 127.0.0.1: loopback only; pass --host 0.0.0.0 to listen on every interface
+  --api-key KEY         required on EVERY route (OpenAI API, /health, /ws/*, docs), not only /v1; clients send
+                        `Authorization: Bearer KEY`. A request without it, or with another key, gets HTTP 401.
+  --frozen              refuse weight updates (HTTP 403): for a reference-model server (GRPOConfig.ref_server_url)
+  --gpu-memory-utilization F
+                        on a GPU: vLLM's default (0.92 of the GPU). On CPU, where it is the share of the machine's
+                        RAM vLLM reserves, the default is half of the memory free at start (at most 0.9), so the
+                        server starts on a machine with other processes; pass a value to override it.
+  --worker-extension-cls
+                        default grpo_async.generation.vllm_worker.WeightSyncWorker (needed by the /ws/* routes)
+  --logprobs-mode       default processed_logprobs: the sampler's logprobs of the distribution it sampled from
+
+Routes added to vLLM's: GET /ws/info, POST /ws/init_broadcast, /ws/close_broadcast, /ws/update (weight sync from
+the trainer: shared memory or CUDA IPC on this machine, else a gloo/NCCL broadcast), POST /ws/logprobs (reference
+logprobs). vLLM's dev routes (/collective_rpc, /sleep, ...) are never exposed. Prints
+`grpo-async serve: ready at http://HOST:PORT` once it answers.
+"""
+
+
 def make_parser():
     """vLLM's `serve` argument parser with grpo-async defaults (host, worker extension, logprobs mode)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -285,6 +312,46 @@ def make_parser():
         "--frozen", action="store_true", help="grpo-async: refuse weight updates (403), e.g. for a reference server"
     )
     return parser
+
+
+def print_help(file=None) -> None:
+    """Our flags, described, then "vLLM engine options:" and vLLM's own help."""
+    file = file or sys.stdout
+    print(OUR_HELP, file=file)
+    print("vLLM engine options:\n", file=file)
+    print(make_parser().format_help(), file=file)
+
+
+def cpu_memory_utilization(available_bytes: int, total_bytes: int) -> float:
+    """The CPU default of `--gpu-memory-utilization` (there: the share of RAM vLLM reserves): half of the memory
+    free now, at most 0.9 and at least 0.05, rounded down to 2 decimals."""
+    share = 0.5 * available_bytes / max(total_bytes, 1)
+    return max(0.05, min(0.9, math.floor(share * 100) / 100))
+
+
+def _passed(argv: list[str], flag: str) -> bool:
+    names = (flag, flag.replace("-", "_").replace("__", "--", 1))
+    return any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in argv)
+
+
+def _default_cpu_memory(args, argv: list[str]) -> None:
+    """On CPU, when the user did not pass --gpu-memory-utilization, replace vLLM's 0.92 (which fails to start
+    whenever other processes use RAM) by `cpu_memory_utilization` of the memory free now."""
+    if _passed(argv, "--gpu-memory-utilization"):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import psutil
+
+    mem = psutil.virtual_memory()
+    args.gpu_memory_utilization = cpu_memory_utilization(mem.available, mem.total)
+    print(
+        f"grpo-async serve: CPU, --gpu-memory-utilization {args.gpu_memory_utilization} (half of the free RAM; "
+        "pass the flag to choose)",
+        flush=True,
+    )
 
 
 async def _serve(args) -> None:
@@ -352,7 +419,12 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.logger import configure_logging_from_args
 
     cli_env_setup()
-    args = make_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return
+    args = make_parser().parse_args(argv)
+    _default_cpu_memory(args, argv)
     if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
         raise SystemExit(
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "

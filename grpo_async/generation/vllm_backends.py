@@ -23,16 +23,25 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from grpo_async.generation.base import Completion, SamplingConfig, check_completions
-from grpo_async.weight_sync.buckets import group_by_module
-from grpo_async.weight_sync.transports import ColocateTransport, ServerClient, ServerError, make_transport
+from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
+from grpo_async.weight_sync.transports import (
+    ColocateTransport,
+    ServerAuthError,
+    ServerClient,
+    ServerError,
+    ShmTransport,
+    make_transport,
+)
 
 logger = logging.getLogger("grpo_async.vllm_backends")
+
+Groups = Iterable[tuple[str, NamedTensors]]
 
 
 def validate_sampling(s: SamplingConfig) -> SamplingConfig:
@@ -187,8 +196,11 @@ def parse_completions_response(resp, n: int, where: str) -> list[Completion]:
 class VLLMColocateBackend:
     """A `vllm.LLM` in this process; weights loaded in place between rounds.
 
-    Needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here when unset; the engine runs in this process so tensors are
-    handed over by reference). On CPU also set `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, e.g. `1`). Note that
+    With one training process the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here when
+    unset) and weights are handed over by reference. With several training processes (`accelerate launch`,
+    `torchrun`) vLLM's in-process start-up would join the trainer's process group (a collective only this rank
+    enters: a silent deadlock), so the engine core runs in a child process of this rank (`separate_process=True`)
+    and weights travel through shared memory. On CPU also set `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, e.g. `1`).
     vLLM CPU pins this process's OpenMP threads and drops torch to one thread.
 
     Args:
@@ -199,6 +211,8 @@ class VLLMColocateBackend:
         seed (`int`, *optional*, defaults to 0): engine seed.
         bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
         enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
+        separate_process (`bool`, *optional*): run the engine core in a child process; default: when
+            `torch.distributed` is initialized with more than one process.
         **llm_kwargs: passed to `vllm.LLM`.
     """
 
@@ -212,12 +226,18 @@ class VLLMColocateBackend:
         seed: int = 0,
         bucket_mb: float | None = 64.0,
         enforce_eager: bool = True,
+        separate_process: bool | None = None,
         **llm_kwargs,
     ):
-        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        if separate_process is None:
+            dist = torch.distributed
+            separate_process = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if separate_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        elif os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError(
                 "VLLMColocateBackend needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r})"
+                f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}), or pass separate_process=True"
             )
         from vllm import LLM
 
@@ -232,7 +252,11 @@ class VLLMColocateBackend:
             worker_extension_cls="grpo_async.generation.vllm_worker.WeightSyncWorker",
             **llm_kwargs,
         )
-        self.transport = ColocateTransport(self.llm, bucket_mb)
+        self.separate_process = separate_process
+        if separate_process:
+            self.transport = ShmTransport(_EngineRpc(self.llm), bucket_mb)
+        else:
+            self.transport = ColocateTransport(self.llm, bucket_mb)
         self.version: int | None = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
@@ -254,17 +278,43 @@ class VLLMColocateBackend:
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.transport.push(group_by_module(state_dict), version)
+    def load_weights(self, groups: Groups, version: int) -> None:
+        self.transport.push(groups, version)
+        if self.separate_process:
+            self.llm.reset_prefix_cache()
         self.version = version
 
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.load_weights(group_by_module(state_dict), version)
+
     def close(self) -> None:
+        transport = self.__dict__.pop("transport", None)
+        if transport is not None:
+            transport.close()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+
+class _EngineRpc:
+    """What `ShmTransport` needs of a server (`post("/ws/update", body)`), answered by the engine's workers through
+    `LLM.collective_rpc` instead of HTTP: the engine core in a child process maps the segments itself."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.url = "in-process engine (child process)"
+        self.timeout = 600.0
+
+    def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        if path != "/ws/update":
+            raise ValueError(f"_EngineRpc only carries /ws/update, not {path}")
+        out = self.llm.collective_rpc("ws_update", kwargs={"request": body})[0]
+        if "error" in out:
+            raise RuntimeError(f"weight update failed in the vLLM engine: {out['error']}")
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- HTTP backends
@@ -401,16 +451,20 @@ class VLLMServerBackend:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         clients = [ServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
-        live = []
+        live, why = [], []
         for c in clients:
             try:
                 c.get("/health", timeout=min(timeout, 10.0))
                 model = model or _model_name(c)
                 live.append(c)
+            except ServerAuthError as e:  # running, but the key is wrong: not "not answering"
+                logger.warning("VLLMServerBackend: %s left out of rotation: %s", c.url, e)
+                why.append(f"{c.url} refused the API key (HTTP {e.status}): {e}")
             except ServerError as e:
                 logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
+                why.append(f"{c.url} is not answering: {e}")
         if not live:
-            raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health")
+            raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health: {'; '.join(why)}")
         self.router = _CompletionsRouter(live, model, max_concurrency, "VLLMServerBackend")
         self.transport_name = transport
         self.bucket_mb = bucket_mb
@@ -440,27 +494,51 @@ class VLLMServerBackend:
             self.transports[client.url] = tr
         return tr
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Push `state_dict` to every live server (one after the other); a server that fails leaves the rotation."""
-        groups = group_by_module(state_dict)
-        first = next(iter(state_dict.values()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        errors = []
+    def load_weights(self, groups: Groups, version: int) -> None:
+        """Stream the groups to every live server at once, bucket by bucket (the groups are produced once: each
+        bucket goes to every server before the next is asked for); a server that fails leaves the rotation."""
+        errors: list[str] = []
+        sessions = {}
         for client in list(self.router.live):
-            try:
-                self._transport(client, device).push(groups, version)
-            except (ServerError, RuntimeError, OSError) as e:
-                errors.append(f"{client.url}: {e}")
-                self.router.mark_dead(client, e)
-                tr = self.transports.pop(client.url, None)
-                if tr is not None:
-                    tr.close()
+            sessions[client.url] = (client, None)
+
+        def drop(url: str, e: BaseException) -> None:
+            client, _ = sessions.pop(url)
+            errors.append(f"{url}: {e}")
+            self.router.mark_dead(client, e)
+            tr = self.transports.pop(url, None)
+            if tr is not None:
+                tr.close()
+
+        def each(fn) -> None:
+            for url, (client, _) in list(sessions.items()):
+                try:
+                    fn(url, client)
+                except (ServerError, RuntimeError, OSError) as e:
+                    drop(url, e)
+
+        def open_stream(url, client):
+            sessions[url] = (client, self._transport(client, device).stream(version))
+
+        device = None
+        for bucket in iter_buckets(groups, self.bucket_mb):
+            if device is None:
+                device = bucket[0][1].device
+                each(open_stream)
+            each(lambda url, client, b=bucket: sessions[url][1].send(b))
+        if device is None:  # a model without parameters: nothing to send, still close the session
+            device = torch.device("cpu")
+            each(open_stream)
+        each(lambda url, client: sessions[url][1].close())
         if not self.router.live:
             raise RuntimeError(
                 f"VLLMServerBackend: no vLLM server left in rotation while pushing weights version {version} "
                 f"(all of {[c.url for c in self.router.clients]} stopped answering); last errors: {errors}"
             )
         self.version = version
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.load_weights(group_by_module(state_dict), version)
 
     def close(self) -> None:
         for tr in self.transports.values():
@@ -523,33 +601,36 @@ class OpenAIRemoteBackend:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         return self.router.generate(prompt_ids, sampling)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, groups: Groups, version: int) -> None:
+        """`checkpoint_dir`: write `version-<v>/` as safetensors shards (one per bucket, with the standard
+        `model.safetensors.index.json`), then point `latest` at it."""
         if self.weight_sync is None:
             raise RuntimeError(
                 "OpenAIRemoteBackend(weight_sync=None) is generation-only and cannot receive weights; "
                 "use weight_sync='checkpoint_dir' or a VLLMServerBackend"
             )
+        import json
+
         from safetensors.torch import save_file
 
         folder = os.path.join(self.checkpoint_dir, f"version-{version}")
         os.makedirs(folder, exist_ok=True)
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in state_dict.items()},
-            os.path.join(folder, "model.safetensors"),
-        )
+        weight_map, total = {}, 0
+        for i, bucket in enumerate(iter_buckets(groups, 1024.0)):
+            name = f"model-{i + 1:05d}.safetensors"
+            save_file({k: v.detach().contiguous().cpu() for k, v in bucket}, os.path.join(folder, name))
+            weight_map.update(dict.fromkeys((k for k, _ in bucket), name))
+            total += sum(v.numel() * v.element_size() for _, v in bucket)
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
         tmp = os.path.join(self.checkpoint_dir, "latest.tmp")
         with open(tmp, "w") as f:
             f.write(f"version-{version}\n")
         os.replace(tmp, os.path.join(self.checkpoint_dir, "latest"))
         self.version = version
 
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.load_weights(group_by_module(state_dict), version)
+
     def close(self) -> None:
         self.router.close()
-
-
-#: name → backend class, for configs that pick a backend by name.
-BACKENDS = {
-    "vllm_colocate": VLLMColocateBackend,
-    "vllm_server": VLLMServerBackend,
-    "openai_remote": OpenAIRemoteBackend,
-}

@@ -295,19 +295,27 @@ class WeightSyncWorker:
             out["digests"] = digests
         return out
 
-    def ws_load_tensors(self, buckets, version: int | None = None, digests: bool = False) -> dict:
-        """In-process only (colocate): one session loading each bucket (`list[(name, tensor)]`) in turn."""
+    def ws_load_tensors(
+        self, buckets, version: int | None = None, digests: bool = False, begin: bool = True, end: bool = True
+    ) -> dict:
+        """In-process only (colocate): load each bucket (`list[(name, tensor)]`) in turn. A call may hold a whole
+        session (`begin` and `end`, the default) or a part of one, so the trainer can stream bucket by bucket; a call
+        that fails closes the session (the model never stays half-reloaded)."""
         out: dict[str, str] = {}
         count = 0
-        self._ws_begin()
+        if begin:
+            self._ws_begin()
+        ok = False
         try:
             for named in buckets:
                 if digests:
                     out.update({n: tensor_digest(t) for n, t in named})
                 count += len(named)
                 self._ws_load(named)
+            ok = True
         finally:
-            self._ws_end()
+            if end or not ok:
+                self._ws_end()
         if version is not None:
             self._ws_state()["version"] = version
         result = {"tensors": count, "version": self._ws_state()["version"]}

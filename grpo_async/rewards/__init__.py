@@ -146,6 +146,37 @@ def _call_async(funcs: dict[int, RewardFunc], names: Sequence[str], kwargs: dict
     return results
 
 
+def _as_list(out):
+    """A 1-D numpy array or torch tensor as a list (TRL accepts them); anything else unchanged."""
+    if isinstance(out, torch.Tensor) and out.dim() == 1:
+        return out.detach().cpu().tolist()
+    if type(out).__module__ == "numpy" and getattr(out, "ndim", None) == 1:
+        return out.tolist()
+    return out
+
+
+def _as_reward(v, name: str, j: int) -> float | None:
+    """One reward value as a finite float, or None ("not applicable"). Numbers only: a Python/numpy number or a
+    0-d tensor; a string such as `"1.0"` is an error (it is a bug in the function, not a reward)."""
+    if v is None:
+        return None
+    is_number = isinstance(v, (int, float))  # bool included, as TRL
+    is_number |= type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 and hasattr(v, "dtype")
+    is_number |= isinstance(v, torch.Tensor) and v.dim() == 0
+    if not is_number or isinstance(v, (str, bytes)):
+        raise ValueError(
+            f"reward function {name!r} returned {v!r} at index {j} (a {type(v).__name__}); expected a number "
+            "(int, float, numpy or 0-d torch number) or None"
+        )
+    x = float(v)
+    if not math.isfinite(x):
+        raise ValueError(
+            f"reward function {name!r} returned {x} at index {j}; rewards must be finite "
+            "(return None for a completion the function does not apply to)"
+        )
+    return x
+
+
 def score_completions(
     funcs: Sequence[RewardFunc],
     names: Sequence[str],
@@ -174,25 +205,13 @@ def score_completions(
             results[i] = out
     table = torch.empty(n, len(funcs), dtype=torch.float32)  # [B, F]
     for i, (out, name) in enumerate(zip(results, names, strict=True)):
+        out = _as_list(out)
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
             raise ValueError(f"reward function {name!r} returned {got} for {n} completions; return one per completion")
         for j, v in enumerate(out):
-            if v is None:
-                table[j, i] = math.nan
-                continue
-            try:
-                x = float(v)
-            except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f"reward function {name!r} returned {v!r} at index {j}; expected a number or None"
-                ) from e
-            if not math.isfinite(x):
-                raise ValueError(
-                    f"reward function {name!r} returned {x} at index {j}; rewards must be finite "
-                    "(return None for a completion the function does not apply to)"
-                )
-            table[j, i] = x
+            x = _as_reward(v, name, j)
+            table[j, i] = math.nan if x is None else x
     unscorable = torch.isnan(table).all(dim=1)  # [B]
     if unscorable.any():
         j = int(unscorable.nonzero()[0, 0])

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .buckets import module_of
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -47,10 +49,6 @@ def hf_name(name: str, peft: bool) -> str | None:
     return name
 
 
-def _module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 @contextlib.contextmanager
 def _merged(model: nn.Module):
     if _is_peft(model):
@@ -73,23 +71,26 @@ def _gathered(params: list[nn.Parameter]):
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "full_tensor"):  # FSDP2 DTensor
-        t = t.full_tensor()
-    return t.detach()
+    if hasattr(t, "full_tensor"):  # FSDP2 DTensor: a new, whole tensor
+        return t.full_tensor().detach()
+    if hasattr(t, "ds_id"):  # ZeRO-3: the gathered storage is released when its group ends: keep a copy
+        return t.detach().clone()
+    return t.detach()  # the live parameter (a view, no copy)
 
 
 @torch.no_grad()
 def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
     """Yield `(module_name, [(hf_name, full_tensor), ...])` per module, all ranks participating.
 
-    The tensors yielded are views of the live (gathered/merged) parameters: copy them before the next iteration.
-    Under ZeRO-3 each module is gathered only while its group is being consumed.
+    Plain and PEFT-merged parameters are yielded as views of the live tensors (no copy; merged until the iteration
+    ends); ZeRO-3 parameters are gathered one module at a time and copied, FSDP2's `full_tensor()` is a new tensor,
+    so a consumer that packs a bucket of groups before asking for more holds about one bucket beyond the model.
     """
     peft = _is_peft(model)
     # Group parameters by owning module, keeping module order.
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
-        groups.setdefault(_module_of(name), []).append((name, p))
+        groups.setdefault(module_of(name), []).append((name, p))
     with _merged(model):
         for module_name, items in groups.items():
             with _gathered([p for _, p in items]):

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from grpo_async.weight_sync.buckets import BucketPlan, NamedTensors, pack_bucket, plan_buckets
+from grpo_async.weight_sync.buckets import BucketPlan, NamedTensors, bucket_layout, iter_buckets, pack_bucket
 
 logger = logging.getLogger("grpo_async.weight_sync")
 
@@ -58,6 +58,10 @@ class ServerError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class ServerAuthError(ServerError):
+    """A server refused the API key (HTTP 401 or 403): it is running, the key is wrong or missing."""
 
 
 class ServerClient:
@@ -93,6 +97,13 @@ class ServerClient:
             )
         except requests.RequestException as e:
             raise ServerError(f"{method} {self.url}{path} failed: {type(e).__name__}: {e}") from e
+        if r.status_code == 401 or (r.status_code == 403 and "--frozen" not in r.text):
+            what = "refused the API key" if "Authorization" in self.session.headers else "needs an API key (none sent)"
+            raise ServerAuthError(
+                f"{method} {self.url}{path} → HTTP {r.status_code}: the server at {self.url} is running but {what}; "
+                f"pass the key it was started with (`--api-key`) as GRPOConfig.vllm_api_key: {r.text[:200]}",
+                r.status_code,
+            )
         if r.status_code >= 400:
             raise ServerError(f"{method} {self.url}{path} → HTTP {r.status_code}: {r.text[:500]}", r.status_code)
         if not r.content:
@@ -162,7 +173,9 @@ class WeightTransport(ABC):
 
     @abstractmethod
     def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
-        """Send `(module, [(hf_name, tensor), ...])` groups; return the receiver's summary.
+        """Stream `(module, [(hf_name, tensor), ...])` groups to the receiver, bucket by bucket, as they are produced
+        (the groups may be views of live, gathered or merged parameters: each bucket is sent before the next group
+        is asked for, so the sender holds about one bucket beyond the model); return the receiver's summary.
 
         `digests=True` asks the receiver for sha256 of every tensor as received; `load=False` moves the bytes without
         loading them (benchmark of the transport alone).
@@ -188,12 +201,32 @@ class ColocateTransport(WeightTransport):
     def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
         if not load:
             raise ValueError("ColocateTransport moves no bytes; load=False is meaningless here")
-        buckets = [p.tensors for p in plan_buckets(groups, self.bucket_mb)]
-        out = self.llm.collective_rpc(
-            "ws_load_tensors", kwargs={"buckets": buckets, "version": version, "digests": digests}
-        )[0]
+        total = {"tensors": 0, "version": None}
+        found: dict[str, str] = {}
+        begun = ended = False
+        try:
+            for bucket in iter_buckets(groups, self.bucket_mb):  # one RPC per bucket, tensors by reference
+                out = self._rpc([bucket], None, digests, begin=not begun, end=False)
+                begun = True
+                total["tensors"] += out["tensors"]
+                found.update(out.get("digests", {}))
+            out = self._rpc([], version, digests, begin=not begun, end=True)
+            ended = True
+        finally:
+            if begun and not ended:  # never leave the engine's model half-reloaded
+                try:
+                    self._rpc([], None, False, begin=False, end=True)
+                except Exception as e:  # noqa: BLE001 - the original error is more useful
+                    logger.warning("could not close the interrupted reload session: %s", e)
         self.llm.reset_prefix_cache()
-        return out
+        total["version"] = out["version"]
+        if digests:
+            total["digests"] = found
+        return total
+
+    def _rpc(self, buckets, version, digests, *, begin: bool, end: bool) -> dict:
+        kwargs = {"buckets": buckets, "version": version, "digests": digests, "begin": begin, "end": end}
+        return self.llm.collective_rpc("ws_load_tensors", kwargs=kwargs)[0]
 
 
 # ---------------------------------------------------------------------------------------------- server transports
@@ -208,37 +241,34 @@ class _ServerTransport(WeightTransport):
         self.pause = "wait"
 
     def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
-        plans = plan_buckets(groups, self.bucket_mb)
-        if self.bucket_mb is not None or len(plans) <= 1:
-            return self._session(plans, {"version": version, "digests": digests, "load": load, "pause": self.pause})
-        # Per-tensor mode: one request per tensor inside one reload session.
-        total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}}
-        done = False
+        """One reload session on the server: a request per bucket (packed and sent while the trainer has produced
+        only that bucket), then a closing request that finalizes the load and sets `version`."""
+        stream = self.stream(version, digests=digests, load=load)
         try:
-            for i, plan in enumerate(plans):
-                extra = {"begin": i == 0, "end": i == len(plans) - 1, "digests": digests, "load": load}
-                extra["pause"] = self.pause
-                if i == len(plans) - 1:
-                    extra["version"] = version
-                out = self._session([plan], extra)
-                for k in ("tensors", "bytes", "buckets"):
-                    total[k] += out[k]
-                total["digests"].update(out.get("digests", {}))
-                total["version"] = out.get("version")
-            done = True
-        finally:
-            if not done:  # make sure the server finalizes an interrupted session
-                try:
-                    self.client.post(
-                        "/ws/update",
-                        {"transport": self.name, "buckets": [], "begin": False, **self._empty_extra()},
-                        timeout=self.timeout,
-                    )
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("could not close the interrupted reload session on %s: %s", self.client.url, e)
-        if not digests:
-            total.pop("digests")
-        return total
+            for bucket in iter_buckets(groups, self.bucket_mb):
+                stream.send(bucket)
+        except KeyboardInterrupt:
+            raise  # never wait for the server when the user interrupts
+        except BaseException:
+            stream.abort()
+            raise
+        return stream.close()
+
+    def stream(self, version: int | None = None, *, digests: bool = False, load: bool = True) -> _Stream:
+        """Open a push that is fed bucket by bucket: `send(bucket)` each, then `close()` (or `abort()`)."""
+        self._start_push()
+        return _Stream(self, version, {"digests": digests, "load": load, "pause": self.pause})
+
+    @staticmethod
+    def _add(total: dict, out: dict) -> None:
+        for k in ("tensors", "bytes", "buckets"):
+            total[k] += out.get(k, 0)
+        total["digests"].update(out.get("digests", {}))
+        for k, v in (out.get("phases") or {}).items():
+            total["phases"][k] = total["phases"].get(k, 0.0) + v
+
+    def _start_push(self) -> None:  # noqa: B027 - optional hook
+        """Called once before each push's first bucket."""
 
     def _empty_extra(self) -> dict:
         if self.name == "broadcast":
@@ -247,6 +277,53 @@ class _ServerTransport(WeightTransport):
 
     @abstractmethod
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict: ...
+
+
+class _Stream:
+    """One reload session on a server, fed bucket by bucket (see `_ServerTransport.stream`)."""
+
+    def __init__(self, transport: _ServerTransport, version: int | None, base: dict):
+        self.transport, self.version, self.base = transport, version, base
+        self.begun = self.ended = False
+        self.total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}, "phases": {}}
+
+    def send(self, bucket: NamedTensors) -> None:
+        plan = BucketPlan(bucket, bucket_layout(bucket))
+        try:
+            out = self.transport._session([plan], {**self.base, "begin": not self.begun, "end": False})
+        except KeyboardInterrupt:
+            raise  # never wait for the server when the user interrupts
+        except BaseException:
+            self.begun = True  # the server may have opened the session: close it
+            self.abort()
+            raise
+        self.begun = True
+        _ServerTransport._add(self.total, out)
+
+    def close(self) -> dict:
+        extra = {**self.base, "begin": not self.begun, "end": True, "version": self.version}
+        out = self.transport._session([], extra)
+        self.ended = True
+        _ServerTransport._add(self.total, out)
+        self.total["version"] = out.get("version")
+        if not self.base["digests"]:
+            self.total.pop("digests")
+        return self.total
+
+    def abort(self) -> None:
+        """Make sure the server finalizes an interrupted session (its model never stays half-reloaded)."""
+        if not self.begun or self.ended:
+            return
+        self.ended = True
+        tr = self.transport
+        try:
+            tr.client.post(
+                "/ws/update",
+                {"transport": tr.name, "buckets": [], "begin": False, **tr._empty_extra()},
+                timeout=tr.timeout,
+            )
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not close the interrupted reload session on %s: %s", tr.client.url, e)
 
 
 class BroadcastTransport(_ServerTransport):
@@ -338,6 +415,14 @@ class BroadcastTransport(_ServerTransport):
         opts.rootRank = 0
         return [self.pg.broadcast([b], opts) for b in bufs.values()]
 
+    def _wait(self, work) -> None:
+        """Wait for a broadcast in slices, so that Ctrl-C reaches the trainer's main thread (the publish runs there);
+        after `group_timeout` the blocking wait raises the group's own error."""
+        deadline = time.monotonic() + self.group_timeout
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        work.wait()
+
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
         body = {"transport": "broadcast", "buckets": [p.layout for p in plans], "group": self.group_name, **extra}
         call = _Call(
@@ -351,11 +436,11 @@ class BroadcastTransport(_ServerTransport):
                 _, bufs = pack_bucket(plan.tensors, device=self.device)  # packs while the previous bucket flies
                 if inflight is not None:
                     for w in inflight[0]:
-                        w.wait()
+                        self._wait(w)
                 inflight = (self._broadcast(bufs), bufs)
             if inflight is not None:
                 for w in inflight[0]:
-                    w.wait()
+                    self._wait(w)
         except KeyboardInterrupt:
             raise  # never wait for the server when the user interrupts
         except Exception as e:  # the peer died or stopped receiving: bounded by the group timeout
@@ -418,9 +503,8 @@ class ShmTransport(_ServerTransport):
             self._pool[key] = shm
         return shm
 
-    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
-        self._counter = 0
-        return super().push(groups, version, digests=digests, load=load)
+    def _start_push(self) -> None:
+        self._counter = 0  # segments are reused push after push, one per bucket and dtype
 
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
         names = []
@@ -532,9 +616,3 @@ def make_transport(name: str, client: ServerClient, bucket_mb: float | None = 64
     if name not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; choose one of {sorted(TRANSPORTS)}")
     return TRANSPORTS[name](client, bucket_mb, **kwargs)
-
-
-def timed(fn, *args, **kwargs) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return time.perf_counter() - t0, out

@@ -1,4 +1,4 @@
-"""`AsyncBatchGenerator`: one background thread that turns `BatchRequest`s into `BatchResult`s (seed 003 §15).
+"""`AsyncBatchGenerator`: the job queue — one background thread that turns `BatchRequest`s into `BatchResult`s.
 
 ```
 trainer thread                        generator thread "grpo-async-generator"
@@ -137,16 +137,15 @@ class AsyncBatchGenerator:
         with self._cond:
             if request.batch_id in self._submitted:
                 raise ValueError(f"batch_id {request.batch_id} was already submitted")
-            while len(self._pending) + len(self._completed) >= self.max_queue_size:
-                self.check_health()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"submit_batch({request.batch_id}): queue full ({len(self._pending)} pending, "
-                        f"{len(self._completed)} completed not fetched, max_queue_size={self.max_queue_size}) "
-                        f"for {timeout:.1f}s; the request was not queued"
-                    )
-                self._cond.wait(min(left, 0.5))
+            self._wait(
+                lambda: len(self._pending) + len(self._completed) < self.max_queue_size,
+                deadline,
+                lambda: (
+                    f"submit_batch({request.batch_id}): queue full ({len(self._pending)} pending, "
+                    f"{len(self._completed)} completed not fetched, max_queue_size={self.max_queue_size}) "
+                    f"for {timeout:.1f}s; the request was not queued"
+                ),
+            )
             self._submitted.add(request.batch_id)
             self._pending.add(request.batch_id)
         self._requests.put(request)
@@ -165,15 +164,14 @@ class AsyncBatchGenerator:
         with self._cond:
             if batch_id not in self._submitted:
                 raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
-            while batch_id not in self._completed:
-                self.check_health()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"Async generation timed out: batch {batch_id} not ready after {timeout:.1f}s "
-                        f"(pending={sorted(self._pending)}); raise `async_generation_timeout` if rounds are slow"
-                    )
-                self._cond.wait(min(left, 0.5))
+            self._wait(
+                lambda: batch_id in self._completed,
+                deadline,
+                lambda: (
+                    f"Async generation timed out: batch {batch_id} not ready after {timeout:.1f}s "
+                    f"(pending={sorted(self._pending)}); raise `async_generation_timeout` if rounds are slow"
+                ),
+            )
             result = self._completed.pop(batch_id)
             self._submitted.discard(batch_id)
             self._cond.notify_all()
@@ -182,6 +180,31 @@ class AsyncBatchGenerator:
                 f"Async generation failed: batch {batch_id}: {type(result.error).__name__}: {result.error}"
             ) from result.error
         return result
+
+    def wait_until_idle(self, timeout: float | None = None) -> None:
+        """Wait until no request is queued or running (at most `timeout`, default `generation_timeout`); completed
+        results stay until fetched. Raises `TimeoutError`, or the thread's death as in `get_batch`."""
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._wait(
+                lambda: not self._pending,
+                deadline,
+                lambda: (
+                    f"Async generation timed out: rounds {sorted(self._pending)} still running after "
+                    f"{timeout:.1f}s; raise `async_generation_timeout` if rounds are slow"
+                ),
+            )
+
+    def _wait(self, done, deadline: float, timeout_message) -> None:
+        """With `_cond` held: wait until `done()`, re-raising the thread's death, or raise `TimeoutError` at
+        `deadline` with `timeout_message()`."""
+        while not done():
+            self.check_health()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(timeout_message())
+            self._cond.wait(min(left, 0.5))
 
     def get_pending_count(self) -> int:
         with self._cond:

@@ -1,0 +1,56 @@
+"""`SharedBackend`: the one generation backend of a run, built on first use, used by one caller at a time.
+
+Three collaborators use it on the main process: the round producer (job-queue thread) generates, the policy publisher
+(trainer thread) loads new weights, evaluation generates. `lock` makes each use atomic, so a round never sees its
+weights change under it.
+
+Example:
+    >>> shared = SharedBackend(lambda: HFBackend(model, tokenizer))   # doctest: +SKIP
+    >>> with shared.lock:
+    ...     completions = shared.get().generate(prompt_ids, sampling)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .base import GenerationBackend
+
+
+class SharedBackend:
+    """Builds the backend lazily with `factory()` and holds it until `close()`.
+
+    Args:
+        factory (`Callable[[], GenerationBackend]`): builds the backend (called at most once per `close`).
+    """
+
+    def __init__(self, factory: Callable[[], GenerationBackend]):
+        self._factory = factory
+        self._backend: GenerationBackend | None = None
+        self.lock = threading.RLock()
+
+    def get(self) -> GenerationBackend:
+        with self.lock:
+            if self._backend is None:
+                self._backend = self._factory()
+            return self._backend
+
+    @property
+    def built(self) -> GenerationBackend | None:
+        """The backend if it has been built, else None (never builds)."""
+        return self._backend
+
+    @property
+    def version(self) -> int | None:
+        """The policy version the backend holds (None before it is built or received weights)."""
+        return getattr(self._backend, "version", None)
+
+    def close(self) -> None:
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
+    def forget(self) -> None:
+        """Drop the backend without closing it (a thread may still be using it; the process exit cleans up)."""
+        self._backend = None

@@ -1,0 +1,136 @@
+"""Checkpoints that resume the pipeline exactly: its position (micro-steps, rounds, rounds in flight), written
+atomically next to the Trainer's own files.
+
+```txt
+output_dir/_grpo_async_saving/checkpoint-60/   every process writes here (Trainer files + grpo_async_state.json)
+        │ rename (main process), only when complete
+        ▼
+output_dir/checkpoint-60/                      then old checkpoints are rotated
+```
+A process killed mid-save leaves the previous checkpoints untouched, and `get_last_checkpoint` never sees a partial
+one (it only lists `checkpoint-<n>` folders).
+
+Example of the state file:
+    {"micro_steps": 120, "round": 60, "policy_version": 60, "submitted_rounds": [60],
+     "geometry": {"num_processes": 2, "per_device_train_batch_size": 4, ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+#: written into every checkpoint folder: the pipeline's position (micro-steps, rounds, rounds in flight, geometry)
+PIPELINE_STATE_FILE = "grpo_async_state.json"
+#: checkpoints are written under `output_dir/SAVING_DIR/checkpoint-N`, then renamed into place (atomic save)
+SAVING_DIR = "_grpo_async_saving"  # "_*" is left out of the Trainer's hub uploads of output_dir
+
+
+def write_pipeline_state(folder: str, state: dict) -> None:
+    tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
+
+
+def read_pipeline_state(checkpoint: str, geometry: dict) -> dict:
+    """The saved state; raises when the checkpoint has none or the batch geometry changed since."""
+    path = os.path.join(checkpoint, PIPELINE_STATE_FILE)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{checkpoint} has no {PIPELINE_STATE_FILE}: it was not written by grpo_async's GRPOTrainer, so the "
+            "pipeline position (rounds, micro-steps) cannot be restored"
+        )
+    with open(path) as f:
+        saved = json.load(f)
+    diff = {k: (v, geometry.get(k)) for k, v in saved["geometry"].items() if geometry.get(k) != v}
+    if diff:
+        changed = ", ".join(f"{k}: {a} → {b}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"cannot resume from {checkpoint}: the batch geometry changed ({changed}); "
+            "prompts would be skipped or trained twice. Resume with the settings the checkpoint was written with."
+        )
+    return saved
+
+
+def clear_staged(run_dir: str, name: str) -> str:
+    """Remove what a killed save left in the staging folder; return the staging path of checkpoint `name`."""
+    staged = os.path.join(run_dir, SAVING_DIR, name)
+    if os.path.exists(staged):
+        shutil.rmtree(staged)
+    return staged
+
+
+def move_into_place(run_dir: str, name: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """Rename the finished staging folder to `run_dir/name` (swapping out an older save of the same step), then
+    rotate old checkpoints: they are deleted only now that the new one is complete (main process only)."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    staging_root = os.path.join(run_dir, SAVING_DIR)
+    staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+    if os.path.exists(final):  # the same step saved again (after a resume): swap, then drop the old one
+        old = os.path.join(staging_root, name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=save_total_limit,
+        best_model_checkpoint=best_model_checkpoint,
+        use_mtime=True,
+    )
+    try:
+        os.rmdir(staging_root)  # only when empty
+    except OSError:
+        pass
+
+
+def uses_staging(args) -> bool:
+    """With `push_to_hub` and `hub_strategy` "checkpoint" / "all_checkpoints" the Trainer uploads the checkpoint
+    folder in the background by its path, so it is written in place (the pipeline state last), as the Trainer does."""
+    strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+    return not (args.push_to_hub and strategy in ("checkpoint", "all_checkpoints"))
+
+
+def atomic_save(save, *, run_dir: str, state, args, pipeline_state: dict, barrier, staging) -> None:
+    """Run the Trainer's `save()` into the staging folder (`staging(True)` redirects its output dir), add the
+    pipeline state, rename the folder into place (main process) and only then rotate old checkpoints.
+
+    `state` is the Trainer's `TrainerState` (its best checkpoint is moved with the folder), `barrier` waits for every
+    process, `args` the `TrainingArguments` (`should_save`, `save_total_limit`).
+    """
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    if not uses_staging(args):
+        staging(False)
+        save()
+        if args.should_save:
+            write_pipeline_state(os.path.join(run_dir, name), pipeline_state)
+        return
+    staged = os.path.join(run_dir, SAVING_DIR, name)
+    if args.should_save:
+        clear_staged(run_dir, name)
+    barrier()
+    staging(True)
+    try:
+        save()
+    finally:
+        staging(False)
+    best = state.best_model_checkpoint
+    staging_root = os.path.join(run_dir, SAVING_DIR)
+    if best and os.path.dirname(os.path.abspath(best)) == os.path.abspath(staging_root):
+        state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))  # where it will be
+        if args.should_save:
+            state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+    if args.should_save:
+        write_pipeline_state(staged, pipeline_state)
+    barrier()  # every process's files (rng states, shards) are in `staged`
+    if args.should_save:
+        move_into_place(run_dir, name, args.save_total_limit, state.best_model_checkpoint)
+    barrier()

@@ -1,0 +1,160 @@
+"""`RoundConsumer`: a `Round` in, this process's gradient-accumulation micro-batches out.
+
+```txt
+Round [R rows, every process] ─▶ slice [L = R / N, this rank] ─▶ stale rows: loss mask zeroed (counted)
+   ─▶ old logps (chunks of old_logps_micro_batch_size), ref logps (chunks of ref_logps_micro_batch_size)
+   ─▶ IS weights π_old / π_sampler ─▶ shuffle ─▶ steps_per_generation micro-batches [B = L / steps], trimmed
+```
+Every stage runs only full chunks of exactly its size (the config checks that each size divides L). Example:
+L = 12, ref 3, old 6 → ref logps in 4 chunks of 3, old logps in 2 chunks of 6.
+
+Staleness is counted in policy versions (optimizer steps): a row sampled with the weights of step v, trained in a
+round that starts at step s, has staleness s − v; rows above `staleness_limit` are never trained.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..algo.loss import importance_sampling_weights
+from .distribute import process_slice
+from .types import MicroBatch, Round
+
+logger = logging.getLogger(__name__)
+
+#: `fn(ids [b, P+T], mask [b, P+T], T) -> logps [b, T]`
+LogpsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class ConsumerSettings:
+    steps_per_generation: int
+    old_logps_micro_batch_size: int
+    ref_logps_micro_batch_size: int
+    staleness_limit: int | None  # policy versions; None: never drop
+    importance_sampling_correction: bool
+    importance_sampling_mode: str
+    importance_sampling_clip_min: float | None
+    importance_sampling_clip_max: float | None
+
+
+class RoundConsumer:
+    """Cuts rounds into this process's micro-batches.
+
+    Args:
+        settings (`ConsumerSettings`).
+        num_processes (`int`), process_index (`int`): this process's place.
+        old_logps (`LogpsFn`, *optional*): the policy's logps (no grad); `None` when the policy cannot move before the
+            round is trained (then π_old = the policy itself).
+        ref_logps (`LogpsFn`, *optional*): the reference model's logps; `None` when β = 0.
+        reduce_sum (`Callable[[torch.Tensor], torch.Tensor]`): sum over processes (identity with one process).
+        gather (`Callable[[torch.Tensor], torch.Tensor]`): concatenation over processes.
+        log (`Callable[[str, float], None]`): records a metric.
+    """
+
+    def __init__(
+        self,
+        settings: ConsumerSettings,
+        *,
+        num_processes: int,
+        process_index: int,
+        old_logps: LogpsFn | None,
+        ref_logps: LogpsFn | None,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        log: Callable[[str, float], None],
+    ):
+        self.s = settings
+        self.num_processes, self.process_index = num_processes, process_index
+        self.old_logps, self.ref_logps = old_logps, ref_logps
+        self.reduce_sum, self.gather, self.log = reduce_sum, gather, log
+
+    def __call__(self, rnd: Round, step: int) -> list[MicroBatch]:
+        """`step`: the policy version (optimizer step) this round starts training at."""
+        R = len(rnd.batch)
+        local = rnd.batch.select(process_slice(R, self.num_processes, self.process_index))  # [L]
+        local = self._drop_stale(local, rnd.round_id, step)
+        local = self._add_logps(local)
+        if self.s.importance_sampling_correction:
+            local = self._add_importance_weights(local)
+        local = local.select(torch.randperm(len(local)))  # shuffled within the round
+        return [b.trim() for b in local.split(self.s.steps_per_generation)]
+
+    def _drop_stale(self, local: MicroBatch, round_id: int, step: int) -> MicroBatch:
+        limit = self.s.staleness_limit
+        stale = torch.zeros(len(local), dtype=torch.bool)
+        if limit is not None:
+            stale = (step - local.policy_version) > limit  # [L]
+        loss_mask = local.loss_mask.clone()
+        loss_mask[stale] = 0
+        counts = self.reduce_sum(torch.tensor([float(stale.sum()), float(loss_mask.sum())]))
+        dropped, items = counts.tolist()
+        self.log("async/dropped_stale", dropped)
+        if dropped:
+            logger.warning(
+                "round %d: %d samples older than max_staleness=%s policy versions were not trained",
+                round_id,
+                int(dropped),
+                limit,
+            )
+            # the loss normaliser counts trained tokens only
+            return _replace(local, loss_mask=loss_mask, num_items_in_batch=items)
+        return local
+
+    @torch.no_grad()
+    def _add_logps(self, local: MicroBatch) -> MicroBatch:
+        stages = {"old_logps": (self.s.old_logps_micro_batch_size, self.old_logps)}
+        stages["ref_logps"] = (self.s.ref_logps_micro_batch_size, self.ref_logps)
+        T = local.completion_ids.size(1)
+        ids = torch.cat([local.prompt_ids, local.completion_ids], 1)  # [L, P+T]
+        mask = torch.cat([local.prompt_mask, local.completion_mask], 1)  # [L, P+T]
+        out = {}
+        for name, (size, fn) in stages.items():
+            if fn is None:
+                continue
+            t0 = time.perf_counter()
+            L = ids.size(0)
+            chunks = [fn(ids[i : i + size], mask[i : i + size], T) for i in range(0, L, size)]  # each [size, T]
+            out[name] = torch.cat(chunks)  # [L, T]
+            self.log(f"timing/{name}", time.perf_counter() - t0)
+            self.log(f"chunks/{name}", float(len(chunks)))
+        return _replace(local, **out)
+
+    def _add_importance_weights(self, local: MicroBatch) -> MicroBatch:
+        """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens."""
+        s = self.s
+        mask = local.loss_mask  # [L, T]
+        old = local.old_logps if local.old_logps is not None else local.sampler_logps
+        weights, diff = importance_sampling_weights(
+            old,
+            local.sampler_logps,
+            mask,
+            s.importance_sampling_mode,
+            s.importance_sampling_clip_min,
+            s.importance_sampling_clip_max,
+        )
+        on = mask.bool() if weights.size(1) > 1 else mask.any(1, keepdim=True)  # tokens / completions that count
+        d, w = diff[mask.bool()].abs().float(), weights[on].float()
+        empty = w.numel() == 0  # every token of this process's rows is masked
+        stats = torch.tensor([d.sum(), d.numel(), d.max() if d.numel() else 0.0])
+        ratios = torch.tensor([math.inf, 0.0, 0.0, -math.inf] if empty else [w.min(), w.sum(), w.numel(), w.max()])
+        stats = self.gather(stats).view(-1, 3)  # [N, 3]
+        ratios = self.gather(ratios).view(-1, 4)  # [N, 4]
+        self.log("sampling/logp_diff/mean", (stats[:, 0].sum() / stats[:, 1].sum().clamp(min=1)).item())
+        self.log("sampling/logp_diff/max", stats[:, 2].max().item())
+        self.log("sampling/importance_sampling_ratio/min", ratios[:, 0].min().item())
+        self.log("sampling/importance_sampling_ratio/mean", (ratios[:, 1].sum() / ratios[:, 2].sum()).item())
+        self.log("sampling/importance_sampling_ratio/max", ratios[:, 3].max().item())
+        return _replace(local, is_weights=weights)
+
+
+def _replace(batch: MicroBatch, **changes) -> MicroBatch:
+    import dataclasses
+
+    return dataclasses.replace(batch, **changes)

@@ -1,0 +1,286 @@
+"""`RoundProducer`: a `RoundRequest` in, a `Round` out — tokenize, generate (or run environment turns), score,
+compute grouped advantages, pad. Runs in the job-queue thread on the main process; knows nothing of the Trainer.
+
+Worked example (G = 2, one prompt "Say b", a reward of 1 per "b"):
+
+```txt
+RoundRequest(round_id=3, rows=[{"prompt": "Say b"}, {"prompt": "Say b"}])
+  tokenize   → prompt_ids [[5, 9, 2]]                     (chat prompts: the chat template, generation prompt added)
+  generate   → completions "bb", "a"                       (n = G per prompt, on the weights the sampler holds: v)
+  rewards    → [[2.0], [0.0]]  → combined [2.0, 0.0]      ([R, F] → [R], weighted sum)
+  advantages → [0.707, -0.707]                            (group mean / std, `scale_rewards`)
+Round(round_id=3, policy_version=v, batch=MicroBatch(prompt_ids [2, 3], completion_ids [2, 2], ...), metrics={...})
+```
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
+from ..envs.rollout import template_ids
+from ..generation.base import Completion, SamplingConfig
+from ..generation.shared import SharedBackend
+from ..rewards import score_completions
+from .aggregation import chunk_slices
+from .distribute import pad
+from .types import MicroBatch, Round, RoundRequest
+
+
+def is_conversational(prompt) -> bool:
+    """A prompt given as chat messages (`[{"role": ..., "content": ...}, ...]`)."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+@dataclass
+class ProducerSettings:
+    """What the producer needs of the config (no config object below the trainer)."""
+
+    num_generations: int  # G
+    sampling: SamplingConfig  # n is set per call
+    max_completion_length: int
+    max_prompt_length: int | None
+    prompt_truncation: str  # "left" | "error"
+    rollout_micro_batch_size: int  # completions per generate call, over the whole round
+    scale_rewards: str
+    mask_truncated_completions: bool
+    mask_env_responses: bool
+    reward_timeout: float | None
+    syncs_weights: bool  # False: the sampler keeps its initial weights (version 0)
+    seed: int | None = None  # per-request sampling seeds derived from (seed, round, call)
+
+
+class RoundProducer:
+    """Turns requests into rounds.
+
+    Args:
+        backend (`SharedBackend`): the sampler (shared with the publisher and evaluation; used under its lock).
+        tokenizer: the processing class (chat template, pad token, decoding).
+        reward_funcs (`list[callable]`), reward_names (`list[str]`), reward_weights (`torch.Tensor` `[F]`).
+        settings (`ProducerSettings`).
+        environment (*optional*): a multi-turn environment (`grpo_async.envs`).
+        extra_columns (`Callable[[], dict]`, *optional*): values passed to every reward call besides the dataset's
+            columns (the trainer passes `trainer_state`, as TRL does).
+    """
+
+    def __init__(
+        self,
+        backend: SharedBackend,
+        tokenizer,
+        reward_funcs: Sequence[Callable],
+        reward_names: Sequence[str],
+        reward_weights: torch.Tensor,
+        settings: ProducerSettings,
+        environment=None,
+        extra_columns: Callable[[], dict] | None = None,
+    ):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.reward_funcs, self.reward_names, self.reward_weights = (
+            list(reward_funcs),
+            list(reward_names),
+            reward_weights,
+        )
+        self.s = settings
+        self.environment = environment
+        self.extra_columns = extra_columns or dict
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    def tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], int]:
+        """Token ids of each prompt, left-truncated to `max_prompt_length` (counted) or refused, as configured."""
+        out, truncated = [], 0
+        limit = self.s.max_prompt_length
+        for p in prompts:
+            if is_conversational(p):
+                ids = template_ids(self.tokenizer, p, add_generation_prompt=True)
+            elif isinstance(p, str):
+                ids = self.tokenizer(p)["input_ids"]
+            else:
+                raise TypeError(f"prompt must be a string or a list of chat messages, got {type(p).__name__}")
+            if limit is not None and len(ids) > limit:
+                if self.s.prompt_truncation == "error":
+                    raise ValueError(f"a prompt has {len(ids)} tokens > max_prompt_length={limit}: {p!r:.200}")
+                ids, truncated = ids[-limit:], truncated + 1
+            out.append(ids)
+        return out, truncated
+
+    def _sampling(self, n: int, round_id: int, call: int) -> SamplingConfig:
+        s = SamplingConfig(**vars(self.s.sampling))
+        s.n = n
+        if self.s.seed is not None:  # one seed per (run seed, round, call): the same run samples the same tokens
+            s.seed = (self.s.seed * 1_000_003 + round_id * 10_007 + call) % (2**31 - 1)
+        return s
+
+    def generate(self, prompts: list, rows: list[dict], prompt_ids: list[list[int]], round_id: int, G: int):
+        """Completions grouped by prompt (`[R]`), the sampler's version, and the number of generate calls. Holds the
+        backend's lock for the whole round, so the round runs on one version of the weights."""
+        with self.backend.lock:
+            backend = self.backend.get()
+            version = backend.version if self.s.syncs_weights and backend.version is not None else 0
+            if self.environment is not None:
+                from ..envs import run_rollouts
+
+                results = run_rollouts(
+                    backend,
+                    self.tokenizer,
+                    self.environment,
+                    prompts,
+                    prompt_ids,
+                    rows,
+                    self._sampling(G, round_id, 0),
+                    G,
+                    self.s.max_completion_length,
+                )
+                return [r.to_completion() for r in results], version, max(r.turns for r in results)
+            size = self.s.rollout_micro_batch_size
+            if size % G == 0:  # whole groups per call: prompts with n = G
+                calls = [(prompt_ids[sl], G) for sl in chunk_slices(len(prompt_ids), size // G)]
+            else:  # a chunk may cut a group: every prompt G times with n = 1
+                repeated = [p for p in prompt_ids for _ in range(G)]
+                calls = [(repeated[sl], 1) for sl in chunk_slices(len(repeated), size)]
+            completions: list[Completion] = []
+            for i, (chunk, n) in enumerate(calls):
+                completions += backend.generate(chunk, self._sampling(n, round_id, i))
+            return completions, version, len(calls)
+
+    def score(self, rows: list[dict], completions: list[Completion]) -> torch.Tensor:
+        """Decode completions (chat-formatted for chat prompts) and call the reward functions. Returns `[R, F]`."""
+        completion_ids = [c.completion_ids for c in completions]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        for c, t in zip(completions, texts):
+            c.text = t
+        prompts = [r["prompt"] for r in rows]
+        formatted = [
+            c.extra["messages"]  # multi-turn: the assistant's and the environment's messages
+            if "messages" in c.extra
+            else ([{"role": "assistant", "content": t}] if is_conversational(p) else t)
+            for p, t, c in zip(prompts, texts, completions, strict=True)
+        ]
+        columns: dict[str, Any] = {
+            k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")
+        }
+        columns.update(self.extra_columns())
+        if completions and "state" in completions[0].extra:  # multi-turn: each rollout's final environment state
+            columns["env_state"] = [c.extra["state"] for c in completions]
+        return score_completions(
+            self.reward_funcs,
+            self.reward_names,
+            prompts,
+            formatted,
+            completion_ids,
+            columns,
+            timeout=self.s.reward_timeout,
+        )
+
+    # ---- the round ----------------------------------------------------------------------------------------
+    def __call__(self, request: RoundRequest) -> Round:
+        G, rows = self.s.num_generations, request.rows
+        for g in range(0, len(rows), G):
+            if any(rows[g + i]["prompt"] != rows[g]["prompt"] for i in range(G)):
+                raise RuntimeError(f"round {request.round_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
+        prompts = [r["prompt"] for r in rows[::G]]
+        prompt_ids, truncated = self.tokenize_prompts(prompts)
+        t0 = time.perf_counter()
+        completions, version, rollout_calls = self.generate(prompts, rows, prompt_ids, request.round_id, G)
+        t_gen = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards_per_func = self.score(rows, completions)  # [R, F]
+        t_reward = time.perf_counter() - t0
+        rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [R]
+        advantages = compute_advantages(rewards, G, self.s.scale_rewards)  # [R]
+
+        R = len(rows)
+        prompt_rep = [prompt_ids[i // G] for i in range(R)]
+        completion_ids = [c.completion_ids for c in completions]
+        completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
+        truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
+        loss_mask = completion_mask.clone()  # [R, T] tokens trained on
+        if self.environment is not None and self.s.mask_env_responses:  # environment/tool tokens are not trained
+            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]
+        if self.s.mask_truncated_completions:
+            loss_mask[truncated_rows] = 0
+        batch = MicroBatch(
+            prompt_ids=pad(prompt_rep, self.tokenizer.pad_token_id, side="left"),  # [R, P]
+            prompt_mask=pad([[1] * len(p) for p in prompt_rep], 0, side="left"),  # [R, P]
+            completion_ids=pad(completion_ids, self.tokenizer.pad_token_id),  # [R, T]
+            completion_mask=completion_mask,
+            loss_mask=loss_mask,
+            sampler_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
+            advantages=advantages,
+            policy_version=torch.full((R,), version, dtype=torch.long),  # [R]
+            round_id=torch.full((R,), request.round_id, dtype=torch.long),  # [R]
+            row_index=torch.arange(R),  # [R]
+            num_items_in_batch=float(loss_mask.sum()),
+        )
+        metrics = self._metrics(completions, rewards, rewards_per_func, completion_mask, G)
+        metrics.update(
+            {
+                "prompts/truncated": float(truncated),
+                "timing/rollout": t_gen,
+                "chunks/rollout": float(rollout_calls),
+                "timing/rewards": t_reward,
+            }
+        )
+        samples = {
+            "prompt": [r["prompt"] for r in rows],
+            "completion": [c.text for c in completions],
+            "rewards": {name: rewards_per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
+            "reward": rewards.tolist(),
+            "advantage": advantages.tolist(),
+            "policy_version": [version] * R,
+            "round": request.round_id,
+        }
+        return Round(request.round_id, version, batch, metrics, samples)
+
+    def _metrics(self, completions, rewards, rewards_per_func, completion_mask, G) -> dict[str, float]:
+        R = len(completions)
+        lengths = completion_mask.sum(1).float()  # [R]
+        # a completion is clipped when a token limit cut it, or (multi-turn) cut one of its assistant turns
+        clipped = [c.finish_reason == "length" or c.extra.get("clipped_turns", 0) > 0 for c in completions]
+        m = {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": sum(clipped) / R,
+            "reward": torch.nanmean(rewards).item(),
+            "reward_std": nanstd(rewards).item(),
+            "frac_reward_zero_std": group_std_is_zero(rewards, G).float().mean().item(),
+        }
+        if self.environment is not None:  # multi-turn: assistant turns, environment tokens, rollouts cut by max_turns
+            turns = torch.tensor([float(c.extra["turns"]) for c in completions])  # [R]
+            env_tokens = sum(len(c.extra["env_mask"]) - sum(c.extra["env_mask"]) for c in completions)
+            m["env/turns/mean"] = turns.mean().item()
+            m["env/turns/max"] = turns.max().item()
+            m["env/env_tokens_frac"] = env_tokens / max(1.0, completion_mask.sum().item())
+            m["env/max_turns_ratio"] = sum(c.finish_reason == "max_turns" for c in completions) / R
+        for i, name in enumerate(self.reward_names):
+            m[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        return m
+
+    def evaluate(self, dataset, chunk_prompts: int) -> dict[str, float]:
+        """Generate G completions per prompt of `dataset` on the weights the sampler holds, score them; the means."""
+        G = self.s.num_generations
+        rewards_all, per_func_all, lengths = [], [], []
+        for lo in range(0, len(dataset), chunk_prompts):
+            rows = [dataset[i] for i in range(lo, min(lo + chunk_prompts, len(dataset)))]
+            prompts = [r["prompt"] for r in rows]
+            prompt_ids, _ = self.tokenize_prompts(prompts)
+            rows_rep = [r for r in rows for _ in range(G)]
+            completions, _, _ = self.generate(prompts, rows_rep, prompt_ids, -1 - lo, G)
+            per_func = self.score(rows_rep, completions)  # [n·G, F]
+            per_func_all.append(per_func)
+            rewards_all.append(combine_rewards(per_func, self.reward_weights))
+            lengths += [len(c.completion_ids) for c in completions]
+        rewards, per_func = torch.cat(rewards_all), torch.cat(per_func_all)
+        return {
+            "reward": torch.nanmean(rewards).item(),
+            "reward_std": nanstd(rewards).item(),
+            "completions/mean_length": sum(lengths) / len(lengths),
+            **{f"rewards/{n}": torch.nanmean(per_func[:, i]).item() for i, n in enumerate(self.reward_names)},
+        }

@@ -1,0 +1,90 @@
+"""`PolicyPublisher`: streams the live policy's weights into the sampler; owns the published policy version.
+
+The policy version is the optimizer step that produced the weights (`Trainer.state.global_step`), the pipeline's one
+clock: a round records the version its sampler held, staleness is `step trained at − version sampled with`.
+
+Publishing never stages a copy of the model: `iter_full_params` yields the parameters module group by module group
+straight from the live model (ZeRO-3 gathers one group at a time, PEFT adapters are merged for the duration, FSDP2
+`full_tensor()`s), and the backend's `load_weights` packs each bucket into its transport before asking for the next
+group. Device tensors stay on their device (NCCL broadcast and CUDA IPC pack on the GPU). The trainer holds about one
+bucket beyond the model.
+
+```txt
+rank 0 (main)   wait until no round runs ─▶ load_weights(groups) ─▶ bucket ─▶ transport ─▶ bucket ─▶ ... ─▶ end(v)
+rank 1..N-1                                 iterate groups (take part in ZeRO-3 / FSDP2 gathers), send nothing
+```
+
+Where a round in flight must finish on the old weights, the publish waits for it (the job queue is idle when the
+trainer has fetched the round it needs and `num_batches_ahead <= 1`); with `inflight=True` (servers) it does not
+wait, and the server freezes its running requests around the load instead.
+
+Example:
+    >>> publisher = PolicyPublisher(shared_backend, wait_idle=queue.wait_until_idle)   # doctest: +SKIP
+    >>> publisher.publish(model, version=trainer.state.global_step)   # every rank calls; seconds spent
+    0.12
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from torch import nn
+
+from ..generation.shared import SharedBackend
+from ..weight_sync.collect import iter_full_params
+
+
+class PolicyPublisher:
+    """Publishes weights when the policy version changes.
+
+    Args:
+        backend (`SharedBackend` or `None`): the sampler, on the main process; `None` on the other processes (they
+            only take part in the collectives of gathering the parameters).
+        enabled (`bool`, *optional*, defaults to `True`): `False` when the sampler never receives weights
+            (`weight_sync_transport="none"`, a generation-only endpoint): `publish` does nothing.
+        wait_idle (`Callable[[], None]`, *optional*): blocks until no round is queued or being generated.
+        inflight (`bool`, *optional*, defaults to `False`): do not wait for rounds in flight (servers freeze them).
+    """
+
+    def __init__(
+        self,
+        backend: SharedBackend | None,
+        *,
+        enabled: bool = True,
+        wait_idle: Callable[[], None] | None = None,
+        inflight: bool = False,
+    ):
+        self.backend = backend
+        self.enabled = enabled
+        self.wait_idle = wait_idle
+        self.inflight = inflight
+        self.published: int | None = None  # the version last published (tracked on every rank)
+
+    def publish(self, model: nn.Module, version: int) -> float:
+        """Every process calls this at the same point; returns the seconds the publish took (0 when nothing to do)."""
+        if not self.enabled or self.published == version:
+            return 0.0
+        start = time.perf_counter()
+        groups = iter_full_params(model)
+        if self.backend is None:
+            for _ in groups:  # take part in the gathers; the main process sends
+                pass
+        else:
+            try:
+                if self.wait_idle is not None and not self.inflight:
+                    self.wait_idle()
+                with contextlib.nullcontext() if self.inflight else self.backend.lock:
+                    self.backend.get().load_weights(groups, version)
+            except KeyboardInterrupt:
+                # a push cut off mid-way may leave a server stuck in a reload session or a process group half-used:
+                # the backend is left to the process's exit instead of being closed (and waited on) by the caller
+                self.backend.forget()
+                raise
+        self.published = version
+        return time.perf_counter() - start
+
+    def reset(self) -> None:
+        """Forget what was published (a new backend, a resumed run): the next `publish` sends again."""
+        self.published = None

@@ -1,0 +1,139 @@
+"""Typed data between the pipeline's stages: `RoundRequest` → `Round` → `MicroBatch`.
+
+Shape legend: `R` rows of a whole round (prompts × G, every process's), `L` rows of one process, `B` rows of one
+micro-batch, `P` prompt tokens (left-padded), `T` completion tokens (right-padded).
+
+```txt
+trainer (every rank)          producer (main, job-queue thread)         consumer (every rank)
+RoundRequest(rows [R]) ─────▶ Round(batch: MicroBatch [R], metrics) ──▶ slice [L] → stale rows masked → logps
+                                                                         → IS weights → GA micro-batches [B]
+```
+
+A `MicroBatch` also reads like the dict TRL's `compute_loss` receives (`inputs["advantages"]`, `"ref_logps" in
+inputs`, `inputs.get("old_logps")`), so a `compute_loss` override written for TRL keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RoundRequest:
+    """What the trainer asks the producer for: one generation round.
+
+    Args:
+        round_id (`int`): global index of the round (across epochs).
+        rows (`list[dict]`): `[R]` dataset rows of every process, in rank order; each prompt's G copies are
+            consecutive (the `RepeatSampler` layout).
+    """
+
+    round_id: int
+    rows: list[dict]
+
+
+@dataclass
+class MicroBatch:
+    """Rows ready for the loss. The same type holds a whole round (`[R]`), one process's slice (`[L]`) or one
+    gradient-accumulation micro-batch (`[B]`); the optional tensors are filled in by the consumer."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 = a prompt token
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    completion_mask: torch.Tensor  # [B, T] 1 = the token exists (attention)
+    loss_mask: torch.Tensor  # [B, T] 1 = trained on (never the attention mask: env tokens, truncation, staleness)
+    sampler_logps: torch.Tensor  # [B, T] the sampler's logprobs of the sampled tokens (temperature applied)
+    advantages: torch.Tensor  # [B]
+    policy_version: torch.Tensor  # [B] optimizer step of the weights the row was sampled with
+    round_id: torch.Tensor  # [B]
+    row_index: torch.Tensor  # [B] position in the whole round
+    old_logps: torch.Tensor | None = None  # [B, T] π_old, when the policy moves before the row is trained
+    ref_logps: torch.Tensor | None = None  # [B, T] reference model, when beta > 0
+    is_weights: torch.Tensor | None = None  # [B, T] (token modes) or [B, 1] (sequence modes)
+    num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
+
+    # ---- rows ----------------------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The per-row tensors that are set, by field name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+
+    def __len__(self) -> int:
+        return self.advantages.size(0)
+
+    def select(self, index: slice | torch.Tensor) -> MicroBatch:
+        """Rows `index` (a slice or an index tensor) of every per-row tensor."""
+        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensors().items()})
+
+    def split(self, parts: int) -> list[MicroBatch]:
+        """`parts` consecutive micro-batches of equal size (`len(self)` must divide evenly)."""
+        n = len(self)
+        if n % parts:
+            raise ValueError(f"{n} rows do not split into {parts} equal micro-batches")
+        size = n // parts
+        return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+    def trim(self) -> MicroBatch:
+        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right)."""
+        p_keep = int(self.prompt_mask.sum(1).max().item()) if len(self) else 0
+        t_keep = max(1, int(self.completion_mask.sum(1).max().item())) if len(self) else 0
+        P = self.prompt_ids.size(1)
+        out = {"prompt_ids": self.prompt_ids[:, P - p_keep :], "prompt_mask": self.prompt_mask[:, P - p_keep :]}
+        for k, v in self.tensors().items():
+            if k in _PER_TOKEN or (k == "is_weights" and v.size(1) > 1):
+                out[k] = v[:, :t_keep]
+        return dataclasses.replace(self, **out)
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    # ---- TRL-style read access (`inputs["advantages"]`) ----------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key) if key in _FIELDS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in _FIELDS and getattr(self, key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+    def keys(self) -> list[str]:
+        return [k for k in _FIELDS if k in self]
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(MicroBatch))
+_PER_TOKEN = ("completion_ids", "completion_mask", "loss_mask", "sampler_logps", "old_logps", "ref_logps")
+
+
+@dataclass
+class Round:
+    """One generated round: every process's rows plus what was measured producing it.
+
+    Args:
+        round_id (`int`): the request's round.
+        policy_version (`int`): optimizer step of the weights the sampler held while generating it.
+        batch (`MicroBatch`): `[R]` rows, without logps (the consumer adds them).
+        metrics (`dict[str, float]`): rewards, lengths, timings of this round.
+        samples (`dict`): prompts, completions and rewards for the completions table.
+        generation_time (`float`): seconds the producer spent on the round (set by the job queue).
+    """
+
+    round_id: int
+    policy_version: int
+    batch: MicroBatch
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)
+    generation_time: float = 0.0

@@ -1,0 +1,176 @@
+"""Construction-time checks and process-group helpers of `GRPOTrainer` (no Trainer reference here)."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+
+from .pipeline.producer import is_conversational
+
+if TYPE_CHECKING:
+    from .config import GRPOConfig
+
+_PEER_FAILURE_SIGNS = ("connection closed by peer", "connection reset by peer", "gloo", "nccl")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective failed because another process died or stalled (gloo/NCCL errors, store timeouts); not an error
+    of our own pipeline (generation, rewards) that merely mentions one."""
+    if str(e).startswith("Async generation"):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or any(s in str(e).lower() for s in _PEER_FAILURE_SIGNS)
+
+
+def peer_failure_error(e: BaseException, accelerator, micro_step: int, global_step: int, args) -> RuntimeError:
+    return RuntimeError(
+        f"process {accelerator.process_index} of {accelerator.num_processes}: a collective with "
+        f"the other training processes failed at micro-step {micro_step} (global step {global_step}): a peer process "
+        f"died, or did not answer within ddp_timeout={args.ddp_timeout}s; see the other processes' logs for the "
+        f"first error ({type(e).__name__}: {str(e)[:300]})"
+    )
+
+
+def bound_collectives(num_processes: int, ddp_timeout: float) -> None:
+    """Every collective (DDP all-reduce, the pipeline's gather/broadcast of rounds) waits at most `ddp_timeout`
+    seconds for the other processes. transformers passes `ddp_timeout` to the process group on GPU only; on CPU
+    (gloo) the group would keep torch's 30-minute default, so a stalled peer would hang the others that long."""
+    dist = torch.distributed
+    if num_processes > 1 and dist.is_available() and dist.is_initialized():
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=ddp_timeout))
+
+
+def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = None) -> None:
+    columns = getattr(dataset, "column_names", None)
+    if columns is None and len(dataset):
+        columns = list(dataset[0].keys())
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"{name} needs a 'prompt' column (text or chat messages); it has {columns}")
+    need = min_rows if min_rows is not None else args.generation_batch_size // args.num_generations
+    if len(dataset) < need:
+        raise ValueError(
+            f"{name} has {len(dataset)} prompts but one generation round needs {need} "
+            f"(generation_batch_size={args.generation_batch_size} / num_generations={args.num_generations})"
+        )
+
+
+def make_environment(environment, tools, *datasets):
+    from .envs import ToolEnv, check_environment
+
+    if tools is not None:
+        if environment is not None:
+            raise ValueError("give either environment= or tools= (tools=[...] is environment=ToolEnv([...]))")
+        environment = ToolEnv(tools)
+    if environment is None:
+        return None
+    check_environment(environment)
+    for ds in datasets:
+        if ds is not None and len(ds) and not is_conversational(ds[0]["prompt"]):
+            raise ValueError(
+                "a multi-turn environment needs conversational prompts (lists of chat messages); the dataset's "
+                f"first prompt is {ds[0]['prompt']!r:.100}"
+            )
+    return environment
+
+
+def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
+    """Load what was named, check the tokenizer, build the reference (a frozen copy; none with PEFT, whose base
+    model with the adapter disabled is the reference, or with a reference server), wrap PEFT, drop dropout, prove
+    packed rows stay isolated, and refuse a model the in-process vLLM engine cannot serve.
+
+    Returns `(model, processing_class, ref_model or None)`.
+    """
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from .algo.packing import check_isolation
+    from .loading import load_model, load_tokenizer
+
+    model_id = model if isinstance(model, str) else model.config._name_or_path
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        model = load_model(model, **kwargs)
+    elif args.model_init_kwargs:
+        raise ValueError("GRPOConfig.model_init_kwargs only applies when `model` is a name or path")
+    if processing_class is None:
+        processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
+    if getattr(processing_class, "pad_token", None) is None:
+        raise ValueError(
+            f"The tokenizer of {model_id!r} has no pad token. Set one before creating the trainer, e.g. "
+            "`tokenizer.pad_token = tokenizer.eos_token`."
+        )
+    processing_class.padding_side = "left"
+
+    is_peft = peft_config is not None
+    ref_model = None
+    # the reference: a frozen server (ref_server_url), the PEFT base model, or a frozen copy of the policy
+    if args.beta > 0 and not is_peft and args.ref_server_url is None:
+        ref_model = copy.deepcopy(model).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+    if is_peft:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if args.disable_dropout:
+        for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    # packed rows must not attend to each other: prove it on this model once (not under ZeRO-3, whose parameters
+    # are partitioned from `from_pretrained` on: a forward needs the DeepSpeed engine, and gathering them whole
+    # on every rank would defeat ZeRO-3)
+    if args.padding_free and not is_deepspeed_zero3_enabled():
+        was_training = model.training
+        check_isolation(model.eval())
+        model.train(was_training)
+
+    if args.generation_backend == "vllm":  # the in-process engine starts later: refuse what it cannot serve now
+        from .generation.vllm_backends import check_vllm_can_serve
+
+        check_vllm_can_serve(model.config, "GRPOConfig.generation_backend='vllm'")
+    return model, processing_class, ref_model
+
+
+def producer_settings(a: GRPOConfig):
+    from .generation.base import SamplingConfig
+    from .pipeline.producer import ProducerSettings
+
+    sampling = SamplingConfig(
+        max_tokens=a.max_completion_length, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p
+    )
+    sampling.stop = a.stop
+    return ProducerSettings(
+        num_generations=a.num_generations,
+        sampling=sampling,
+        max_completion_length=a.max_completion_length,
+        max_prompt_length=a.max_prompt_length,
+        prompt_truncation=a.prompt_truncation,
+        rollout_micro_batch_size=a.rollout_micro_batch_size,
+        scale_rewards=a.scale_rewards,
+        mask_truncated_completions=a.mask_truncated_completions,
+        mask_env_responses=a.mask_env_responses,
+        reward_timeout=a.reward_timeout,
+        syncs_weights=a.syncs_weights,
+        seed=None,  # per-request seeds crash vLLM CPU on chunked prefill ("CPU Generator does not use offset")
+    )
+
+
+def consumer_settings(a: GRPOConfig):
+    from .pipeline.consumer import ConsumerSettings
+
+    return ConsumerSettings(
+        steps_per_generation=a.steps_per_generation,
+        old_logps_micro_batch_size=a.old_logps_micro_batch_size,
+        ref_logps_micro_batch_size=a.ref_logps_micro_batch_size,
+        staleness_limit=a.staleness_limit,
+        importance_sampling_correction=a.importance_sampling_correction,
+        importance_sampling_mode=a.importance_sampling_mode,
+        importance_sampling_clip_min=a.importance_sampling_clip_min,
+        importance_sampling_clip_max=a.importance_sampling_clip_max,
+    )
