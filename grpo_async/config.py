@@ -31,7 +31,8 @@ from .pipeline.aggregation import REUSE_ORDERS, service_target_bs
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
 VLLM_MODES = ("colocate", "server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "ipc", "checkpoint_dir", "none")
-#: the weight-sync transports each backend can use ('none': the sampler keeps its initial weights)
+#: the weight-sync transports each backend can use ('none': the sampler keeps its initial weights); backends added with
+#: `grpo_async.generation.register_backend` are added here
 SYNC_BY_BACKEND = {
     "hf": ("auto", "none"),
     "vllm": ("auto", "none"),
@@ -837,8 +838,14 @@ class GRPOConfig(TrainingArguments):
                 )
 
     def _validate_generation(self) -> None:
-        if self.generation_backend not in GENERATION_BACKENDS:
-            raise _err("generation_backend", f"must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}")
+        if (
+            self.generation_backend not in SYNC_BY_BACKEND
+        ):  # the built-ins and grpo_async.generation.register_backend's
+            raise _err(
+                "generation_backend",
+                f"must be one of {tuple(SYNC_BY_BACKEND)} (add others with grpo_async.generation.register_backend), "
+                f"got {self.generation_backend!r}",
+            )
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
             raise _err(
                 "weight_sync_transport", f"must be one of {WEIGHT_SYNC_TRANSPORTS}, got {self.weight_sync_transport!r}"

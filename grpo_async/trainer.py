@@ -31,7 +31,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import PreTrainedModel, Trainer
 
-from .algo.logprobs import completion_logps
+from .algo.logprobs import LogpsScorer, completion_logps
 from .algo.loss import LossContext, grpo_loss
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
@@ -41,23 +41,25 @@ from .generation.shared import SharedBackend
 from .logging_utils import MetricsJsonlCallback, log_completions
 from .model_card import write_model_card
 from .pipeline import checkpointing as ckpt
-from .pipeline.aggregation import reuse_order
 from .pipeline.consumer import RoundConsumer
-from .pipeline.job_queue import AsyncBatchGenerator, BatchRequest
-from .pipeline.metrics import window_summary
+from .pipeline.metrics import loss_metrics, window_summary
 from .pipeline.producer import RoundProducer
 from .pipeline.publisher import PolicyPublisher
-from .pipeline.types import MicroBatch, Round, RoundRequest
+from .pipeline.scheduler import Collectives, RoundScheduler
+from .pipeline.types import MicroBatch
 from .rewards import prepare_reward_funcs
 from .trainer_setup import (
     bound_collectives,
     check_dataset,
     consumer_settings,
+    default_args,
     is_peer_failure,
     make_environment,
     peer_failure_error,
     prepare_models,
     producer_settings,
+    reward_weights_tensor,
+    scheduler_settings,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,19 @@ logger = logging.getLogger(__name__)
 
 def _identity(rows):
     return rows
+
+
+class _ProducerAttribute:
+    """A trainer attribute (TRL's name) that reads and writes `trainer.producer.<name>`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else getattr(trainer.producer, self.name)
+
+    def __set__(self, trainer, value) -> None:
+        setattr(trainer.producer, self.name, value if isinstance(value, torch.Tensor) else list(value))
 
 
 class GRPOTrainer(Trainer):
@@ -107,11 +122,7 @@ class GRPOTrainer(Trainer):
         environment=None,
         tools=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = GRPOConfig(output_dir=f"{str(name).split('/')[-1]}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a grpo_async.GRPOConfig, got {type(args).__name__}")
+        args = default_args(model, args)
         self._model_source = model if isinstance(model, str) else None  # what engines that load a model read
         model, processing_class, ref_model = prepare_models(model, args, processing_class, peft_config)
         self.is_peft = peft_config is not None
@@ -120,10 +131,7 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
         funcs, names = prepare_reward_funcs(reward_funcs)
-        weights = args.reward_weights
-        if weights is not None and len(weights) != len(funcs):
-            raise ValueError(f"GRPOConfig.reward_weights has {len(weights)} values for {len(funcs)} reward functions")
-        weights = torch.tensor(weights or [1.0] * len(funcs), dtype=torch.float32)
+        weights = reward_weights_tensor(args.reward_weights, len(funcs))
         self.environment = make_environment(environment, tools, train_dataset, eval_dataset)
 
         super().__init__(
@@ -149,9 +157,6 @@ class GRPOTrainer(Trainer):
 
         a = args
         self.num_generations = a.num_generations
-        self.generate_every = a.steps_per_generation * a.num_iterations  # micro-steps per round
-        # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
-        self._reuse_order = reuse_order(list(range(a.steps_per_generation)), a.num_iterations, a.reuse_order)
         self.compute_old_logps = (
             a.num_iterations > 1
             or a.steps_per_generation > a.gradient_accumulation_steps
@@ -159,23 +164,13 @@ class GRPOTrainer(Trainer):
         )
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step = 0  # training_step calls
-        self._epoch_seen = None
-        self._epoch_call = 0  # _prepare_inputs calls in the current epoch
-        self._round = 0  # index of the next round to train (global, across epochs)
-        self._submitted: set[int] = set()  # round ids submitted (tracked on every rank)
-        self._buffered_inputs: list[MicroBatch] | None = None
         self._train_step_time = 0.0
-        self._wait_in_step = 0.0  # part of the current training_step spent waiting for a round
-        self._async_loader: AsyncDataLoaderWrapper | None = None
-        self._last_samples: dict | None = None
-        self._sampler_model_dir: str | None = None
         main = self.accelerator.is_main_process
         self.sampler = SharedBackend(self._make_backend) if main else None
-        self.generator: AsyncBatchGenerator | None = None
         self.publisher = PolicyPublisher(
             self.sampler,
             enabled=a.syncs_weights,
-            wait_idle=lambda: self.generator.wait_until_idle() if self.generator is not None else None,
+            wait_idle=lambda: self.rounds.wait_until_idle(),
             inflight=a.weight_sync_inflight,
         )
         self.producer = RoundProducer(
@@ -189,45 +184,36 @@ class GRPOTrainer(Trainer):
             extra_columns=lambda: {"trainer_state": self.state},  # as TRL: reward shaping by training progress
         )
         dev = self.accelerator.device
+        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
         self.consumer = RoundConsumer(
             consumer_settings(a),
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
-            old_logps=self._policy_logps if self.compute_old_logps else None,
-            ref_logps=self._ref_logps if a.beta > 0 else None,
+            old_logps=LogpsScorer(lambda: self.model, **scoring) if self.compute_old_logps else None,
+            ref_logps=self._reference_scorer(scoring) if a.beta > 0 else None,
             reduce_sum=lambda t: self.accelerator.reduce(t.to(dev), reduction="sum").cpu(),
             gather=lambda t: self.accelerator.gather(t.to(dev)).cpu(),
             log=lambda k, v: self._metrics["train"][k].append(v),
         )
+        self.rounds = RoundScheduler(
+            scheduler_settings(a),
+            Collectives(
+                is_main=main,
+                gather=gather_object,
+                broadcast=lambda obj: broadcast_object_list([obj], from_process=0)[0],
+            ),
+            self.producer,
+            self.consumer,
+            publish=self._publish,
+            log=lambda k, v: self._metrics["train"][k].append(v),
+        )
 
-    # the reward functions belong to the round producer; these read and replace them there (as TRL's attributes)
-    @property
-    def reward_funcs(self) -> list:
-        return self.producer.reward_funcs
+    # the reward functions belong to the round producer; TRL's attributes read and replace them there
+    reward_funcs = _ProducerAttribute("reward_funcs")
+    reward_func_names = _ProducerAttribute("reward_names")
+    reward_weights = _ProducerAttribute("reward_weights")
 
-    @reward_funcs.setter
-    def reward_funcs(self, funcs) -> None:
-        self.producer.reward_funcs = list(funcs)
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        return self.producer.reward_names
-
-    @reward_func_names.setter
-    def reward_func_names(self, names) -> None:
-        self.producer.reward_names = list(names)
-
-    @property
-    def reward_weights(self) -> torch.Tensor:
-        return self.producer.reward_weights
-
-    @reward_weights.setter
-    def reward_weights(self, weights: torch.Tensor) -> None:
-        self.producer.reward_weights = weights
-
-    # ------------------------------------------------------------------------------------------------------
-    # data
-    # ------------------------------------------------------------------------------------------------------
+    # ---- data ----------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["prompt"]
@@ -253,112 +239,42 @@ class GRPOTrainer(Trainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
-        ahead = self.args.num_batches_ahead * self.generate_every
-        self._async_loader = AsyncDataLoaderWrapper(
+        ahead = self.args.num_batches_ahead * self.rounds.generate_every
+        loader = AsyncDataLoaderWrapper(
             dataloader,
             buffer_size=max(5, ahead + self.args.gradient_accumulation_steps + 1),
             history_size=self.args.gradient_accumulation_steps + 1,
         )
-        return self._async_loader
+        self.rounds.attach(loader)
+        return loader
 
-    # ------------------------------------------------------------------------------------------------------
-    # the pipeline
-    # ------------------------------------------------------------------------------------------------------
+    # ---- the pipeline --------------------------------------------------------------------------------------------
     def _make_backend(self):
-        """Build the generation backend (main process, on first use)."""
+        """Build the generation backend (main process, on first use): `(backend, temporary model folder or None)`."""
         from .generation import make_trainer_backend
 
-        backend, self._sampler_model_dir = make_trainer_backend(
-            self.args, self.accelerator.unwrap_model(self.model), self.processing_class, self._model_source
-        )
-        return backend
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return make_trainer_backend(self.args, unwrapped, self.processing_class, self._model_source)
 
     def _publish(self) -> None:
         seconds = self.publisher.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
         if seconds:
             self._metrics["train"]["timing/weight_sync"].append(seconds)
 
-    def _submit_rounds(self, generation_batch: list[dict]) -> None:
-        """Submit the current round if needed and up to `num_batches_ahead` rounds after it (every rank)."""
-        todo = [] if self._round in self._submitted else [(self._round, generation_batch)]
-        for j in range(1, self.args.num_batches_ahead + 1):
-            if self._round + j in self._submitted:
-                continue
-            future = self._async_loader.batch_at(self._epoch_call + j * self.generate_every)
-            if future is None:  # end of the epoch: that round is generated when its epoch starts
-                break
-            todo.append((self._round + j, future))
-        for round_id, rows in todo:
-            all_rows = gather_object(list(rows))  # every rank's rows, rank order
-            self._submitted.add(round_id)
-            if self.accelerator.is_main_process:
-                self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
-
-    def _fetch_round(self) -> Round:
-        """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
-        rnd, err = None, None
-        start = time.perf_counter()
-        if self.accelerator.is_main_process:
-            try:
-                result = self.generator.get_batch(self._round)
-                rnd = result.processed_results
-                rnd.generation_time = result.generation_time
-            except Exception as e:  # tell the other ranks before raising, so they don't wait in the broadcast
-                err, rnd = e, f"{type(e).__name__}: {e}"
-        wait = time.perf_counter() - start
-        self._wait_in_step += wait
-        rnd = broadcast_object_list([rnd], from_process=0)[0]
-        if err is not None:
-            raise err
-        if isinstance(rnd, str):
-            raise RuntimeError(f"Async generation failed on the main process: {rnd}")
-        self._log_round(rnd, wait)
-        return rnd
-
-    def _next_round(self, generation_batch: list[dict]) -> list[MicroBatch]:
-        if self.accelerator.is_main_process and self.generator is None:
-            self.generator = AsyncBatchGenerator(
-                lambda request: self.producer(request.inputs[0]),
-                max_queue_size=self.args.async_max_queue_size,
-                generation_timeout=self.args.async_generation_timeout,
-            ).start()
-        rnd = self._fetch_round() if self._round in self._submitted else None
-        self._publish()  # the weights of this step, for the rounds submitted next
-        self._submit_rounds(generation_batch)
-        if rnd is None:
-            rnd = self._fetch_round()
-        self._submitted.discard(self._round)
-        self._round += 1
-        return self.consumer(rnd, self.state.global_step)
-
-    @torch.no_grad()
-    def _policy_logps(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-        a, dev = self.args, self.accelerator.device
-        logps = completion_logps(self.model, ids.to(dev), mask.to(dev), T, a.temperature, padding_free=a.padding_free)
-        return logps.cpu()  # [b, T]
-
-    @torch.no_grad()
-    def _ref_logps(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-        a, dev = self.args, self.accelerator.device
-        if self.ref_client is not None:  # the frozen reference server
-            return self.ref_client.completion_logps(ids, mask, T, a.temperature)  # [b, T]
-        ids, mask = ids.to(dev), mask.to(dev)
+    def _reference_scorer(self, scoring: dict):
+        """Reference logps: the frozen server, the frozen copy, or (PEFT) the policy with its adapter disabled."""
+        if self.ref_client is not None:
+            return lambda ids, mask, T: self.ref_client.completion_logps(ids, mask, T, scoring["temperature"])
         if self.ref_model is not None:
-            return completion_logps(self.ref_model, ids, mask, T, a.temperature, padding_free=a.padding_free).cpu()
-        with self.accelerator.unwrap_model(self.model).disable_adapter():  # PEFT: the base model is the reference
-            return completion_logps(self.model, ids, mask, T, a.temperature, padding_free=a.padding_free).cpu()
+            return LogpsScorer(lambda: self.ref_model, **scoring)
+        return LogpsScorer(
+            lambda: self.model, **scoring, context=lambda: self.accelerator.unwrap_model(self.model).disable_adapter()
+        )
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
-        loader = self._async_loader
-        if loader is not None and loader.epoch != self._epoch_seen:  # a new epoch (resumed: started `skipped` in)
-            self._epoch_seen, self._epoch_call = loader.epoch, loader.skipped
-        if self._epoch_call % self.generate_every == 0 or self._buffered_inputs is None:
-            self._buffered_inputs = self._next_round(generation_batch)
-        inputs = self._buffered_inputs[self._reuse_order[self._epoch_call % self.generate_every]]
-        self._epoch_call += 1
-        return inputs.to(self.accelerator.device)
+        return self.rounds.next_micro_batch(generation_batch, self.state.global_step).to(self.accelerator.device)
 
     def sync_weights(self) -> None:
         """Publish the trainer's current weights to the sampler now (every rank must call), e.g. to inspect the
@@ -375,32 +291,15 @@ class GRPOTrainer(Trainer):
         """Stop the job-queue thread and shut the generation backend down (an in-process vLLM engine frees its
         memory); `train()` can run again (a new backend is built then). A thread still stuck after `timeout` seconds
         (e.g. pushing to a dead server) is a daemon: the backend is then left to the process's exit."""
-        generator = self.generator
-        self.close_generator(timeout)
+        generator_busy = self.rounds.stop(timeout)
         if self.sampler is not None:
-            if generator is not None and generator.is_running():
+            if generator_busy:
                 logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
                 self.sampler.forget()
             self.sampler.close()
         self.publisher.reset()
-        if self._sampler_model_dir:
-            import shutil
 
-            shutil.rmtree(self._sampler_model_dir, ignore_errors=True)
-            self._sampler_model_dir = None
-
-    def close_generator(self, timeout: float = 10.0) -> None:
-        """Stop the job-queue thread (rounds still queued are abandoned; the round in progress gets `timeout` seconds
-        to finish); the backend stays for a later train()."""
-        if self.generator is not None:
-            self.generator.stop(timeout)
-            self.generator = None
-        self._submitted.clear()
-        self._buffered_inputs = None
-
-    # ------------------------------------------------------------------------------------------------------
-    # loss and step
-    # ------------------------------------------------------------------------------------------------------
+    # ---- loss and step -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return outputs")
@@ -433,7 +332,7 @@ class GRPOTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
-        self._wait_in_step = 0.0
+        self.rounds.take_wait()
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except RuntimeError as e:
@@ -441,43 +340,18 @@ class GRPOTrainer(Trainer):
                 raise peer_failure_error(e, self.accelerator, self._step, self.state.global_step, self.args) from e
             raise
         self._step += 1
-        self._train_step_time += time.perf_counter() - start - self._wait_in_step  # compute only, waits excluded
+        self._train_step_time += time.perf_counter() - start - self.rounds.take_wait()  # compute only, no waits
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["timing/train_step"].append(self._train_step_time)
             self._train_step_time = 0.0
         return loss
 
-    # ------------------------------------------------------------------------------------------------------
-    # metrics
-    # ------------------------------------------------------------------------------------------------------
-    def _masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]).float(), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
-
+    # ---- metrics -------------------------------------------------------------------------------------------------
     def _log_loss(self, out, inputs: MicroBatch) -> None:
-        m, mask = self._metrics["train"], inputs.loss_mask.float()
-        if out.per_token_kl is not None:
-            m["kl"].append(self._masked_mean(out.per_token_kl.detach(), mask))
-        low, high = out.is_low_clipped.float(), out.is_high_clipped.float()
-        m["clip_ratio/low_mean"].append(self._masked_mean(low, mask))
-        m["clip_ratio/high_mean"].append(self._masked_mean(high, mask))
-        m["clip_ratio/region_mean"].append(self._masked_mean(torch.maximum(low, high), mask))
-        # staleness in policy versions: the step trained at minus the step whose weights sampled the row
-        stale = self.accelerator.gather((self.state.global_step - inputs.policy_version).float())  # [B·N]
-        m["async/staleness"].append(stale.mean().item())
-        m["async/staleness_max"].append(stale.max().item())
-        m["async/staleness_min"].append(stale.min().item())
-
-    def _log_round(self, rnd: Round, wait: float) -> None:
-        m = self._metrics["train"]
-        for k, v in rnd.metrics.items():
-            m[k].append(v)
-        m["timing/generation"].append(rnd.generation_time)
-        m["timing/wait_generation"].append(wait)
-        if self.generator is not None:
-            m["async/pending"].append(float(self.generator.get_pending_count()))
-            m["async/completed"].append(float(self.generator.get_completed_count()))
-        self._last_samples = rnd.samples
+        reduce = lambda t: self.accelerator.reduce(t, reduction="sum")  # noqa: E731
+        metrics = loss_metrics(out, inputs, self.state.global_step, reduce=reduce, gather=self.accelerator.gather)
+        for k, v in metrics.items():
+            self._metrics["train"][k].append(v)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -486,20 +360,21 @@ class GRPOTrainer(Trainer):
         logs = {**logs, **{k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}}
         super().log(logs, start_time)
         self._metrics[mode].clear()
-        if self.args.log_completions and self.accelerator.is_main_process and self._last_samples:
+        if self.args.log_completions and self.accelerator.is_main_process and self.rounds.last_samples:
             log_completions(
-                self._last_samples, self.args.output_dir, self.state.global_step, self.args.num_completions_to_print
+                self.rounds.last_samples,
+                self.args.output_dir,
+                self.state.global_step,
+                self.args.num_completions_to_print,
             )
-            self._last_samples = None  # each round's samples are logged once
+            self.rounds.last_samples = None  # each round's samples are logged once
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs) -> None:
         """Writes `README.md` into `output_dir` (main process): method, base model, reward functions and weights,
         datasets, non-default config, framework versions; `push_to_hub` calls it before uploading."""
         write_model_card(self, model_name=model_name, dataset_name=dataset_name or kwargs.get("dataset"), tags=tags)
 
-    # ------------------------------------------------------------------------------------------------------
-    # evaluation
-    # ------------------------------------------------------------------------------------------------------
+    # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Generate G completions per eval prompt once with the current weights, score them, log the means.
 
@@ -527,33 +402,16 @@ class GRPOTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    # ------------------------------------------------------------------------------------------------------
-    # lifecycle and checkpoints
-    # ------------------------------------------------------------------------------------------------------
+    # ---- lifecycle and checkpoints -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; resuming also restores the pipeline (`pipeline/checkpointing.py`): the run continues with
         exactly the prompts an uninterrupted run would have trained (rounds that were generated ahead but not
         trained at the checkpoint are generated again, from the checkpoint's weights)."""
         if resume_from_checkpoint:
-            path = resume_from_checkpoint
-            if path is True:
-                from transformers.trainer_utils import get_last_checkpoint
-
-                path = get_last_checkpoint(self.args.output_dir)
-                if path is None:
-                    raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint")
-            saved = ckpt.read_pipeline_state(path, self._pipeline_state()["geometry"])
-            self._step, self._round = saved["micro_steps"], saved["round"]
-            logger.warning(
-                "resuming from %s: optimizer step %d, round %d%s",
-                path,
-                saved["policy_version"],
-                self._round,
-                f" (rounds {saved['submitted_rounds']} were generated ahead and are generated again)"
-                if saved["submitted_rounds"]
-                else "",
-            )
-            resume_from_checkpoint = path
+            resume_from_checkpoint = ckpt.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+            saved = ckpt.read_pipeline_state(resume_from_checkpoint, self._pipeline_state()["geometry"])
+            self._step = saved["micro_steps"]
+            self.rounds.load_state_dict(saved)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except KeyboardInterrupt:
@@ -562,24 +420,14 @@ class GRPOTrainer(Trainer):
             self.close(timeout=2.0)
             raise
         finally:
-            self.close_generator()
+            self.rounds.stop()
 
     def _pipeline_state(self) -> dict:
-        a = self.args
         return {
             "micro_steps": self._step,  # training_step calls so far
-            "round": self._round,  # next round to train
             "policy_version": self.state.global_step,
-            "submitted_rounds": sorted(self._submitted),  # generated ahead, not trained: regenerated on resume
-            "geometry": {
-                "num_processes": self.accelerator.num_processes,
-                "per_device_train_batch_size": a.per_device_train_batch_size,
-                "gradient_accumulation_steps": a.gradient_accumulation_steps,
-                "steps_per_generation": a.steps_per_generation,
-                "num_iterations": a.num_iterations,
-                "num_generations": a.num_generations,
-                "seed": a.seed,
-            },
+            **self.rounds.state_dict(),
+            "geometry": ckpt.batch_geometry(self.args, self.accelerator.num_processes),
         }
 
     def _get_output_dir(self, trial) -> str:

@@ -46,6 +46,25 @@ def bound_collectives(num_processes: int, ddp_timeout: float) -> None:
         _set_pg_timeout(timedelta(seconds=ddp_timeout))
 
 
+def default_args(model, args):
+    """TRL's default when `args` is omitted: a `GRPOConfig` writing to `<model name>-GRPO`."""
+    from .config import GRPOConfig
+
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = GRPOConfig(output_dir=f"{str(name).split('/')[-1]}-GRPO")
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"args must be a grpo_async.GRPOConfig, got {type(args).__name__}")
+    return args
+
+
+def reward_weights_tensor(weights: list[float] | None, num_funcs: int) -> torch.Tensor:
+    """`[F]` weights of the reward functions (all 1 when not given)."""
+    if weights is not None and len(weights) != num_funcs:
+        raise ValueError(f"GRPOConfig.reward_weights has {len(weights)} values for {num_funcs} reward functions")
+    return torch.tensor(weights or [1.0] * num_funcs, dtype=torch.float32)
+
+
 def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = None) -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is None and len(dataset):
@@ -173,4 +192,17 @@ def consumer_settings(a: GRPOConfig):
         importance_sampling_mode=a.importance_sampling_mode,
         importance_sampling_clip_min=a.importance_sampling_clip_min,
         importance_sampling_clip_max=a.importance_sampling_clip_max,
+    )
+
+
+def scheduler_settings(a: GRPOConfig):
+    from .pipeline.scheduler import SchedulerSettings
+
+    return SchedulerSettings(
+        steps_per_generation=a.steps_per_generation,
+        num_iterations=a.num_iterations,
+        num_batches_ahead=a.num_batches_ahead,
+        reuse_order=a.reuse_order,
+        max_queue_size=a.async_max_queue_size,
+        generation_timeout=a.async_generation_timeout,
     )

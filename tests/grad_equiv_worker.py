@@ -18,12 +18,13 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.algo.loss import LossContext, grpo_loss
 from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.pipeline.types import MicroBatch
 
 N, GA, MICRO, P, T, BETA = 2, 2, 2, 5, 6, 0.1
 ROWS = N * GA * MICRO
 
 
-def batch(model) -> dict:
+def batch(model) -> MicroBatch:
     """8 rows with skewed prompt/completion lengths and every loss input the trainer gets, seeded (same on ranks)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(7, 60, (ROWS, P + T), generator=g)
@@ -35,23 +36,25 @@ def batch(model) -> dict:
     loss_mask[3, 0] = 0  # a masked token inside a completion
     with torch.no_grad():
         logps = completion_logps(model, ids, mask, T)  # [R, T]
-    return {
-        "prompt_ids": ids[:, :P],
-        "prompt_mask": mask[:, :P],
-        "completion_ids": ids[:, P:],
-        "completion_mask": mask[:, P:],
-        "loss_mask": loss_mask,
-        "advantages": torch.randn(ROWS, generator=g, dtype=torch.float64),
-        "old_logps": logps + 0.3 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),  # some ratios clip
-        "ref_logps": logps + 0.2 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),
-        "is_weights": 0.5 + torch.rand(ROWS, 1, generator=g, dtype=torch.float64),
-        "weights_round": torch.zeros(ROWS, dtype=torch.long),
-        "policy_version": torch.zeros(ROWS, dtype=torch.long),
-        "num_items_in_batch": float(loss_mask.sum()),  # loss tokens of the whole round, all processes
-    }
+    return MicroBatch(
+        prompt_ids=ids[:, :P],
+        prompt_mask=mask[:, :P],
+        completion_ids=ids[:, P:],
+        completion_mask=mask[:, P:],
+        loss_mask=loss_mask,
+        sampler_logps=logps.clone(),
+        advantages=torch.randn(ROWS, generator=g, dtype=torch.float64),
+        old_logps=logps + 0.3 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),  # some ratios clip
+        ref_logps=logps + 0.2 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),
+        is_weights=0.5 + torch.rand(ROWS, 1, generator=g, dtype=torch.float64),
+        policy_version=torch.zeros(ROWS, dtype=torch.long),
+        round_id=torch.zeros(ROWS, dtype=torch.long),
+        row_index=torch.arange(ROWS),
+        num_items_in_batch=float(loss_mask.sum()),  # loss tokens of the whole round, all processes
+    )
 
 
-def whole_batch_grad(model_path: str, rows: dict, loss_type: str) -> torch.Tensor:
+def whole_batch_grad(model_path: str, rows: MicroBatch, loss_type: str) -> torch.Tensor:
     """The definition: one pass over all rows on one process, no accumulation, padded rows."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1)
@@ -71,7 +74,7 @@ def whole_batch_grad(model_path: str, rows: dict, loss_type: str) -> torch.Tenso
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def trainer_grad(model_path: str, out_dir: str, rows: dict, loss_type: str, padding_free: bool) -> torch.Tensor:
+def trainer_grad(model_path: str, out_dir: str, rows: MicroBatch, loss_type: str, padding_free: bool) -> torch.Tensor:
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -93,9 +96,8 @@ def trainer_grad(model_path: str, out_dir: str, rows: dict, loss_type: str, padd
     acc = trainer.accelerator
     ddp = acc.prepare_model(trainer.model)
     rank = acc.process_index
-    local = {k: (v[rank * GA * MICRO : (rank + 1) * GA * MICRO] if torch.is_tensor(v) else v) for k, v in rows.items()}
-    for m in range(GA):
-        micro = {k: (v[m * MICRO : (m + 1) * MICRO] if torch.is_tensor(v) else v) for k, v in local.items()}
+    local = rows.select(slice(rank * GA * MICRO, (rank + 1) * GA * MICRO))
+    for m, micro in enumerate(local.split(GA)):
         sync = acc.no_sync(ddp) if m < GA - 1 else torch.enable_grad()  # DDP averages at the last micro-step
         with sync:
             acc.backward(trainer.compute_loss(ddp, micro))

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = [
     "--dtype", "float32", "--generation_backend", "hf", "--use_cpu", "true", "--bf16", "false",
     "--gradient_checkpointing", "false", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
-    "--num_generations", "4", "--max_prompt_length", "256", "--max_steps", "2", "--save_strategy", "no",
+    "--num_generations", "4", "--max_prompt_length", "200", "--max_steps", "2", "--save_strategy", "no",
     "--disable_tqdm", "true",
 ]  # fmt: skip
 

@@ -69,7 +69,7 @@ def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
     assert max(stale) == min(ahead, 2) and all(s <= ahead for s in stale)
     # attention mask and loss mask are separate tensors
     assert not any(b["masks_share_storage"] for b in t.seen)
-    assert t.generator is None  # thread stopped after train()
+    assert t.rounds.generator is None  # thread stopped after train()
 
 
 def test_synchronous_mode_is_on_policy(tiny_model_path, tmp_path):

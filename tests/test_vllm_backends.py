@@ -200,8 +200,13 @@ def test_openai_remote_backend_generates_and_checkpoint_sync(servers, tiny_model
     from safetensors.torch import load_file
 
     assert (tmp_path / "latest").read_text().strip() == "version-7"
-    loaded = load_file(str(tmp_path / "version-7" / "model.safetensors"))
-    assert all(loaded[k].equal(v) for k, v in sd.items())
+    folder = tmp_path / "version-7"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(sd)
+    loaded = {}
+    for shard in sorted(set(index["weight_map"].values())):  # streamed: one shard per bucket
+        loaded.update(load_file(str(folder / shard)))
+    assert set(loaded) == set(sd) and all(loaded[k].equal(v) for k, v in sd.items())
     ckpt.close()
 
 

@@ -202,7 +202,8 @@ def test_killing_the_only_server_mid_training_fails_clearly_within_the_timeout(s
             t.train()
         assert kill.killed_at is not None
         assert time.monotonic() - kill.killed_at < 4 * timeout
-        assert "Async generation failed" in str(err.value)
+        # the killed server is named, whether the round's generation or the next weight push met it first
+        assert servers[0].url in str(err.value)
         assert not any(th.name == "grpo-async-generator" for th in threading.enumerate())
     finally:
         t.close()

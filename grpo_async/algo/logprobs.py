@@ -66,3 +66,34 @@ def completion_logps(
         logits = logits[:, :-1, :] / temperature  # [b, T, V]
         out.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))  # [b, T]
     return torch.cat(out, dim=0)  # [B, T]
+
+
+class LogpsScorer:
+    """`scorer(ids [b, P+T], mask [b, P+T], T) -> logps [b, T]` (on CPU, no grad) under the model `model()` returns
+    when called (the live, possibly wrapped policy, or a frozen reference), inside `context()` if given (e.g. a PEFT
+    model's `disable_adapter`, which makes the policy its own reference).
+
+    Example:
+        >>> ref = LogpsScorer(lambda: ref_model, temperature=0.7, padding_free=True, device="cpu")   # doctest: +SKIP
+        >>> ref(ids, mask, T).shape
+        torch.Size([b, T])
+    """
+
+    def __init__(self, model, *, temperature: float, padding_free: bool, device, context=None):
+        self.model, self.context = model, context
+        self.temperature, self.padding_free, self.device = temperature, padding_free, device
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+        import contextlib
+
+        with self.context() if self.context is not None else contextlib.nullcontext():
+            logps = completion_logps(
+                self.model(),
+                ids.to(self.device),
+                mask.to(self.device),
+                T,
+                self.temperature,
+                padding_free=self.padding_free,
+            )
+        return logps.cpu()  # [b, T]

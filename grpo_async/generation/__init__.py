@@ -108,12 +108,25 @@ BACKENDS: dict[str, Callable] = {
 }
 
 
-def register_backend(name: str, factory: Callable) -> None:
-    """Add a backend factory `factory(args, unwrapped_model, tokenizer, model_path) -> GenerationBackend`.
+def register_backend(name: str, factory: Callable, weight_sync: tuple[str, ...] = ("auto", "none")) -> None:
+    """Add a backend factory `factory(args, unwrapped_model, tokenizer, model_path) -> GenerationBackend`, usable as
+    `GRPOConfig(generation_backend=name)`.
 
     `model_path` is a folder (or hub id) holding the policy's architecture, initial weights and tokenizer, for engines
-    that load a model themselves; the trainer pushes its current weights before the first round anyway."""
+    that load a model themselves; the trainer pushes its current weights before the first round anyway.
+    `weight_sync`: the `weight_sync_transport` values the backend accepts; with `"auto"` the policy publisher streams
+    the weights into its `load_weights`, with `"none"` the sampler keeps its initial weights."""
+    from ..config import SYNC_BY_BACKEND, SYNC_WHY, WEIGHT_SYNC_TRANSPORTS
+
+    unknown = [t for t in weight_sync if t not in WEIGHT_SYNC_TRANSPORTS]
+    if not callable(factory) or unknown or not weight_sync:
+        raise ValueError(
+            f"register_backend({name!r}): factory must be callable and weight_sync a non-empty tuple of "
+            f"{WEIGHT_SYNC_TRANSPORTS}; got {factory!r}, {weight_sync!r}"
+        )
     BACKENDS[name] = factory
+    SYNC_BY_BACKEND[name] = tuple(weight_sync)
+    SYNC_WHY[name] = f"registered with weight_sync={tuple(weight_sync)}"
 
 
 def make_backend(args, model, tokenizer, model_path: str | None = None) -> GenerationBackend:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -22,18 +23,21 @@ class SharedBackend:
     """Builds the backend lazily with `factory()` and holds it until `close()`.
 
     Args:
-        factory (`Callable[[], GenerationBackend]`): builds the backend (called at most once per `close`).
+        factory (`Callable[[], GenerationBackend]`): builds the backend (called at most once per `close`). It may
+            return `(backend, folder)`: a temporary folder the backend reads (a saved model), deleted at `close`.
     """
 
-    def __init__(self, factory: Callable[[], GenerationBackend]):
+    def __init__(self, factory: Callable[[], GenerationBackend | tuple[GenerationBackend, str | None]]):
         self._factory = factory
         self._backend: GenerationBackend | None = None
+        self._folder: str | None = None
         self.lock = threading.RLock()
 
     def get(self) -> GenerationBackend:
         with self.lock:
             if self._backend is None:
-                self._backend = self._factory()
+                built = self._factory()
+                self._backend, self._folder = built if isinstance(built, tuple) else (built, None)
             return self._backend
 
     @property
@@ -50,6 +54,9 @@ class SharedBackend:
         backend, self._backend = self._backend, None
         if backend is not None:
             backend.close()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     def forget(self) -> None:
         """Drop the backend without closing it (a thread may still be using it; the process exit cleans up)."""

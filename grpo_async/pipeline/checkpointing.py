@@ -18,8 +18,11 @@ Example of the state file:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+
+logger = logging.getLogger(__name__)
 
 #: written into every checkpoint folder: the pipeline's position (micro-steps, rounds, rounds in flight, geometry)
 PIPELINE_STATE_FILE = "grpo_async_state.json"
@@ -34,8 +37,34 @@ def write_pipeline_state(folder: str, state: dict) -> None:
     os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
 
 
+def batch_geometry(args, num_processes: int) -> dict:
+    """What must not change across a resume (or prompts would be skipped or trained twice)."""
+    return {
+        "num_processes": num_processes,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "steps_per_generation": args.steps_per_generation,
+        "num_iterations": args.num_iterations,
+        "num_generations": args.num_generations,
+        "seed": args.seed,
+    }
+
+
+def resolve_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> str:
+    """`True` → the newest `checkpoint-N` of `output_dir`; a path is returned as it is."""
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        path = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint=True but {output_dir} has no checkpoint")
+        return path
+    return resume_from_checkpoint
+
+
 def read_pipeline_state(checkpoint: str, geometry: dict) -> dict:
-    """The saved state; raises when the checkpoint has none or the batch geometry changed since."""
+    """The saved state; raises when the checkpoint has none or the batch geometry changed since. Logs where the run
+    resumes (optimizer step, round, rounds generated again)."""
     path = os.path.join(checkpoint, PIPELINE_STATE_FILE)
     if not os.path.exists(path):
         raise ValueError(
@@ -51,6 +80,14 @@ def read_pipeline_state(checkpoint: str, geometry: dict) -> dict:
             f"cannot resume from {checkpoint}: the batch geometry changed ({changed}); "
             "prompts would be skipped or trained twice. Resume with the settings the checkpoint was written with."
         )
+    again = saved.get("submitted_rounds") or []
+    logger.warning(
+        "resuming from %s: optimizer step %d, round %d%s",
+        checkpoint,
+        saved["policy_version"],
+        saved["round"],
+        f" (rounds {again} were generated ahead and are generated again)" if again else "",
+    )
     return saved
 
 

@@ -1,0 +1,209 @@
+"""`RoundScheduler`: decides, at every micro-step, which round is trained and which rounds are generated next.
+
+It owns the pipeline's position (the next round to train, the rounds submitted ahead, the micro-step within the
+epoch) and the job-queue thread; it calls the publisher, the producer (through the job queue) and the consumer, and
+knows nothing of the Trainer: the trainer hands it the collectives, the loader it peeks into and a `publish` callback.
+
+Worked example, `steps_per_generation=2`, `num_iterations=1`, `num_batches_ahead=1` (a round is 2 micro-steps):
+
+```txt
+micro-step 0: round 0 not submitted → publish v0 ─▶ submit r0 (this batch), r1 (loader.batch_at(2)) ─▶ wait r0
+              ─▶ consumer(r0) → micro-batches [a, b] → train a
+micro-step 1: train b
+micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (loader.batch_at(4)) ─▶ consumer(r1) → train a'
+```
+Round r + k is generated from the weights the trainer had when round r started (staleness ≤ k rounds).
+
+Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .aggregation import reuse_order
+from .consumer import RoundConsumer
+from .job_queue import AsyncBatchGenerator, BatchRequest
+from .producer import RoundProducer
+from .types import MicroBatch, Round, RoundRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Collectives:
+    """How the processes talk: `gather(list) -> list` (every rank's items, rank order, on every rank) and
+    `broadcast(obj) -> obj` (the main process's object, on every rank)."""
+
+    is_main: bool
+    gather: Callable[[list], list]
+    broadcast: Callable[[Any], Any]
+
+
+@dataclass
+class SchedulerSettings:
+    steps_per_generation: int  # micro-batches per round (per process)
+    num_iterations: int  # μ: passes over a round
+    num_batches_ahead: int  # rounds generated ahead of the one being trained
+    reuse_order: str  # "epoch" (a b | a b) or "consecutive" (a a b b)
+    max_queue_size: int
+    generation_timeout: float
+
+
+class RoundScheduler:
+    """Feeds the trainer one micro-batch per micro-step.
+
+    Args:
+        settings (`SchedulerSettings`).
+        collectives (`Collectives`).
+        producer (`RoundProducer`): run in the job-queue thread (main process only).
+        consumer (`RoundConsumer`): turns a round into this process's micro-batches.
+        publish (`Callable[[], None]`): publishes the current weights (every process; a no-op when unchanged).
+        log (`Callable[[str, float], None]`): records a metric.
+    """
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        collectives: Collectives,
+        producer: RoundProducer,
+        consumer: RoundConsumer,
+        publish: Callable[[], None],
+        log: Callable[[str, float], None],
+    ):
+        self.s = settings
+        self.dist = collectives
+        self.producer, self.consumer = producer, consumer
+        self.publish, self.log = publish, log
+        self.generate_every = settings.steps_per_generation * settings.num_iterations  # micro-steps per round
+        # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
+        self.order = reuse_order(
+            list(range(settings.steps_per_generation)), settings.num_iterations, settings.reuse_order
+        )
+        self.loader = None  # the AsyncDataLoaderWrapper of the current train() (peeked for rounds ahead)
+        self.generator: AsyncBatchGenerator | None = None
+        self.round = 0  # index of the next round to train (global, across epochs)
+        self.submitted: set[int] = set()  # round ids submitted and not yet trained (tracked on every rank)
+        self._epoch_seen = None
+        self._epoch_call = 0  # micro-steps in the current epoch
+        self._buffered: list[MicroBatch] | None = None
+        self._waited = 0.0  # seconds spent waiting for rounds since the last `take_wait`
+        self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
+
+    # ---- the trainer's calls -------------------------------------------------------------------------------
+    def attach(self, loader) -> None:
+        """The look-ahead loader of the coming `train()`."""
+        self.loader = loader
+
+    def next_micro_batch(self, generation_batch: list[dict], version: int) -> MicroBatch:
+        """The micro-batch of this micro-step; at a round boundary fetches the round (generating it first if it was
+        not submitted ahead), publishes the weights of `version` and submits the rounds ahead."""
+        loader = self.loader
+        if loader is not None and loader.epoch != self._epoch_seen:  # a new epoch (resumed: started `skipped` in)
+            self._epoch_seen, self._epoch_call = loader.epoch, loader.skipped
+        if self._epoch_call % self.generate_every == 0 or self._buffered is None:
+            self._buffered = self._next_round(generation_batch, version)
+        batch = self._buffered[self.order[self._epoch_call % self.generate_every]]
+        self._epoch_call += 1
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds spent waiting for rounds since the last call."""
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def wait_until_idle(self) -> None:
+        """Block until no round is queued or being generated (publishing waits for this, so a round in flight
+        finishes on the weights it started with)."""
+        if self.generator is not None:
+            self.generator.wait_until_idle()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the job-queue thread: rounds still queued are abandoned, the round in progress gets `timeout`
+        seconds; the next `train()` starts a new thread and submits again. Returns whether the thread was still
+        busy after `timeout` (it is a daemon: stuck, e.g. pushing to a dead server)."""
+        busy = False
+        if self.generator is not None:
+            self.generator.stop(timeout)
+            busy = self.generator.is_running()
+            self.generator = None
+        self.submitted.clear()
+        self._buffered = None
+        return busy
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "round": self.round,  # next round to train
+            "submitted_rounds": sorted(self.submitted),  # generated ahead, not trained: generated again on resume
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.round = state["round"]
+        self.submitted.clear()
+        self._buffered = None
+
+    # ---- one round ------------------------------------------------------------------------------------------
+    def _next_round(self, generation_batch: list[dict], version: int) -> list[MicroBatch]:
+        if self.dist.is_main and self.generator is None:
+            self.generator = AsyncBatchGenerator(
+                lambda request: self.producer(request.inputs[0]),
+                max_queue_size=self.s.max_queue_size,
+                generation_timeout=self.s.generation_timeout,
+            ).start()
+        rnd = self._fetch() if self.round in self.submitted else None
+        self.publish()  # the weights of this step, for the rounds submitted next
+        self._submit(generation_batch)
+        if rnd is None:
+            rnd = self._fetch()
+        self.submitted.discard(self.round)
+        self.round += 1
+        return self.consumer(rnd, version)
+
+    def _submit(self, generation_batch: list[dict]) -> None:
+        """Submit the current round if needed and up to `num_batches_ahead` rounds after it (every rank)."""
+        todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
+        for j in range(1, self.s.num_batches_ahead + 1):
+            if self.round + j in self.submitted:
+                continue
+            future = self.loader.batch_at(self._epoch_call + j * self.generate_every) if self.loader else None
+            if future is None:  # end of the epoch: that round is generated when its epoch starts
+                break
+            todo.append((self.round + j, future))
+        for round_id, rows in todo:
+            all_rows = self.dist.gather(list(rows))  # every rank's rows, rank order
+            self.submitted.add(round_id)
+            if self.dist.is_main:
+                self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
+
+    def _fetch(self) -> Round:
+        """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
+        rnd, err = None, None
+        start = time.perf_counter()
+        if self.dist.is_main:
+            try:
+                result = self.generator.get_batch(self.round)
+                rnd = result.processed_results
+                rnd.generation_time = result.generation_time
+            except Exception as e:  # tell the other ranks before raising, so they don't wait in the broadcast
+                err, rnd = e, f"{type(e).__name__}: {e}"
+        wait = time.perf_counter() - start
+        self._waited += wait
+        rnd = self.dist.broadcast(rnd)
+        if err is not None:
+            raise err
+        if isinstance(rnd, str):
+            raise RuntimeError(f"Async generation failed on the main process: {rnd}")
+        for k, v in rnd.metrics.items():
+            self.log(k, v)
+        self.log("timing/generation", rnd.generation_time)
+        self.log("timing/wait_generation", wait)
+        if self.generator is not None:
+            self.log("async/pending", float(self.generator.get_pending_count()))
+            self.log("async/completed", float(self.generator.get_completed_count()))
+        self.last_samples = rnd.samples
+        return rnd
