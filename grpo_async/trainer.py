@@ -49,6 +49,7 @@ from .pipeline.scheduler import Collectives, RoundScheduler
 from .pipeline.types import MicroBatch
 from .rewards import prepare_reward_funcs
 from .trainer_setup import (
+    ProducerAttribute,
     bound_collectives,
     check_dataset,
     consumer_settings,
@@ -58,6 +59,7 @@ from .trainer_setup import (
     peer_failure_error,
     prepare_models,
     producer_settings,
+    reference_scorer,
     reward_weights_tensor,
     scheduler_settings,
 )
@@ -67,19 +69,6 @@ logger = logging.getLogger(__name__)
 
 def _identity(rows):
     return rows
-
-
-class _ProducerAttribute:
-    """A trainer attribute (TRL's name) that reads and writes `trainer.producer.<name>`."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, trainer, owner=None):
-        return self if trainer is None else getattr(trainer.producer, self.name)
-
-    def __set__(self, trainer, value) -> None:
-        setattr(trainer.producer, self.name, value if isinstance(value, torch.Tensor) else list(value))
 
 
 class GRPOTrainer(Trainer):
@@ -190,7 +179,7 @@ class GRPOTrainer(Trainer):
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
             old_logps=LogpsScorer(lambda: self.model, **scoring) if self.compute_old_logps else None,
-            ref_logps=self._reference_scorer(scoring) if a.beta > 0 else None,
+            ref_logps=reference_scorer(self.ref_client, self.ref_model, self, scoring) if a.beta > 0 else None,
             reduce_sum=lambda t: self.accelerator.reduce(t.to(dev), reduction="sum").cpu(),
             gather=lambda t: self.accelerator.gather(t.to(dev)).cpu(),
             log=lambda k, v: self._metrics["train"][k].append(v),
@@ -209,9 +198,9 @@ class GRPOTrainer(Trainer):
         )
 
     # the reward functions belong to the round producer; TRL's attributes read and replace them there
-    reward_funcs = _ProducerAttribute("reward_funcs")
-    reward_func_names = _ProducerAttribute("reward_names")
-    reward_weights = _ProducerAttribute("reward_weights")
+    reward_funcs = ProducerAttribute("reward_funcs")
+    reward_func_names = ProducerAttribute("reward_names")
+    reward_weights = ProducerAttribute("reward_weights")
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
@@ -260,16 +249,6 @@ class GRPOTrainer(Trainer):
         seconds = self.publisher.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
         if seconds:
             self._metrics["train"]["timing/weight_sync"].append(seconds)
-
-    def _reference_scorer(self, scoring: dict):
-        """Reference logps: the frozen server, the frozen copy, or (PEFT) the policy with its adapter disabled."""
-        if self.ref_client is not None:
-            return lambda ids, mask, T: self.ref_client.completion_logps(ids, mask, T, scoring["temperature"])
-        if self.ref_model is not None:
-            return LogpsScorer(lambda: self.ref_model, **scoring)
-        return LogpsScorer(
-            lambda: self.model, **scoring, context=lambda: self.accelerator.unwrap_model(self.model).disable_adapter()
-        )
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:

@@ -206,3 +206,29 @@ def scheduler_settings(a: GRPOConfig):
         max_queue_size=a.async_max_queue_size,
         generation_timeout=a.async_generation_timeout,
     )
+
+
+class ProducerAttribute:
+    """A trainer attribute (TRL's name: `reward_funcs`, ...) that reads and writes `trainer.producer.<name>`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else getattr(trainer.producer, self.name)
+
+    def __set__(self, trainer, value) -> None:
+        setattr(trainer.producer, self.name, value if isinstance(value, torch.Tensor) else list(value))
+
+
+def reference_scorer(ref_client, ref_model, trainer, scoring: dict):
+    """Reference logps `fn(ids, mask, T) -> [b, T]`: the frozen server, the frozen copy, or (PEFT) the policy with its
+    adapter disabled. `trainer` is read lazily (`trainer.model` is wrapped by the Trainer after construction)."""
+    from .algo.logprobs import LogpsScorer
+
+    if ref_client is not None:
+        return lambda ids, mask, T: ref_client.completion_logps(ids, mask, T, scoring["temperature"])
+    if ref_model is not None:
+        return LogpsScorer(lambda: ref_model, **scoring)
+    unwrapped = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
+    return LogpsScorer(lambda: trainer.model, **scoring, context=lambda: unwrapped().disable_adapter())

@@ -254,19 +254,29 @@ def _train_multi_turn(tiny_model_path, args, **kw):
     assert {n for n, p in t.model.named_parameters() if not torch.equal(before[n], p.detach())} == set(before)
     # reward functions got the conversation: assistant turns and the environment's replies
     assert any(len(c) >= 3 and c[1] == {"role": "user", "content": "ok 1"} for c in seen_completions)
-    env_tokens = 0
+    env_turns = 0
     for b in t.seen:
         trained, exists = b["loss_mask"].bool(), b["completion_mask"].bool()
         assert not (trained & ~exists).any()
-        ids = b["completion_ids"]
-        # an environment token is attended to but never trained: "<|user|>ok" is only ever written by Echo
-        for row in range(ids.size(0)):
-            text = [t.processing_class.decode([int(x)]) for x in ids[row]]
-            for j in range(len(text) - 1):
-                if text[j] == "<|user|>" and text[j + 1] == "o" and exists[row, j]:
-                    env_tokens += 1
-                    assert not trained[row, j] and not trained[row, j + 1]
-    assert env_tokens > 0
+        for row, ids in enumerate(b["completion_ids"].tolist()):
+            # every run of attended-but-untrained tokens is one of Echo's turns, as the template renders it (the end
+            # of the assistant's turn when the model did not sample it, the reply, the next generation prompt)
+            last = int(exists[row].nonzero().max())  # the row's last token
+            runs, start = [], None  # (start, end) of each run
+            for j in range(len(ids) + 1):
+                env = j < len(ids) and bool(exists[row, j]) and not bool(trained[row, j])
+                if env and start is None:
+                    start = j
+                elif not env and start is not None:
+                    runs.append((start, j))
+                    start = None
+            turns = [f"{end}<|user|>ok {n}<|end|><|assistant|>" for n in range(1, 4) for end in ("", "<|end|>")]
+            for i, j in runs:
+                text = t.processing_class.decode(ids[i:j])
+                cut = j == last + 1  # a turn reaching the end of the row may be cut by max_completion_length
+                assert text in turns or (cut and any(turn.startswith(text) for turn in turns)), text
+            env_turns += len(runs)
+    assert env_turns > 0
     return t
 
 

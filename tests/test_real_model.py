@@ -21,7 +21,7 @@ from grpo_async.testing import tiny_config
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is 7+5? Answer with just the number."}]
+QUESTION = [{"role": "user", "content": "What is 7+5? Reply with only the number, nothing else."}]  # "7 + 5 = 12."
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_chat_template_renders_real_special_tokens(tok):
 def test_hf_backend_stops_at_im_end(model, tok):
     backend = HFBackend(model, tok)
     torch.manual_seed(0)
-    out = backend.generate([template_ids(tok, QUESTION, True)], SamplingConfig(n=2, max_tokens=24, temperature=0.05))
+    out = backend.generate([template_ids(tok, QUESTION, True)], SamplingConfig(n=2, max_tokens=40, temperature=0.05))
     _check_stops_at_eos(tok, out)
 
 
@@ -71,7 +71,7 @@ def test_vllm_in_process_stops_at_im_end_and_matches_the_trainer(smollm2_path, m
         _check_stops_at_eos(
             tok,
             backend.generate(
-                [template_ids(tok, QUESTION, True)], SamplingConfig(n=1, max_tokens=24, temperature=0.01)
+                [template_ids(tok, QUESTION, True)], SamplingConfig(n=1, max_tokens=40, temperature=0.01)
             ),
         )
         prompts = [
@@ -167,6 +167,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
             generation_backend="scripted_tool_caller",
             per_device_train_batch_size=4,
             gradient_accumulation_steps=1,
+            num_batches_ahead=0,  # exactly one round
             max_completion_length=64,
             max_steps=1,
             learning_rate=1e-6,

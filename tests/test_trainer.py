@@ -323,17 +323,17 @@ def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_
         max_steps=2,
     )
     sizes = {"ref": [], "old": []}
+    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
 
-    class Sizes(Recorder):
-        def _policy_logps(self, ids, mask, T):
-            sizes["old"].append(ids.size(0))
-            return super()._policy_logps(ids, mask, T)
+    def counting(name, scorer):  # observes the rows of each forward pass the consumer asks for
+        def score(ids, mask, T):
+            sizes[name].append(ids.size(0))
+            return scorer(ids, mask, T)
 
-        def _ref_logps(self, ids, mask, T):
-            sizes["ref"].append(ids.size(0))
-            return super()._ref_logps(ids, mask, T)
+        return score
 
-    t = Sizes(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.consumer.old_logps = counting("old", t.consumer.old_logps)
+    t.consumer.ref_logps = counting("ref", t.consumer.ref_logps)
     t.train()
     assert sizes == {"ref": [3] * 8, "old": [6] * 4}  # 2 rounds
     logs = [h for h in t.state.log_history if "chunks/ref_logps" in h]
