@@ -54,8 +54,10 @@ test: install
 test-all: install
 	$(PY) -m pytest -q tests --durations=15
 
+# DEMO_ARGS: extra flags of recipes/demo.py (e.g. DEMO_ARGS="--max_steps 20 --backend hf")
+DEMO_ARGS ?=
 demo: install
-	$(PY) recipes/demo.py
+	$(PY) recipes/demo.py $(DEMO_ARGS)
 
 # a real pretrained model (SmolLM2) on a math task (recipes/real_math.py)
 demo-real: install

@@ -156,7 +156,7 @@ def test_demo_use_peft_saves_the_adapter_and_its_card(tmp_path):
     out = str(tmp_path / "demo")
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "demo.py"), "--backend", "hf", "--output_dir", out]
     cmd += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
-    cmd += ["--max_completion_length", "8", "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
+    cmd += ["--max_completion_length", "8", "--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -164,11 +164,11 @@ def test_demo_use_peft_saves_the_adapter_and_its_card(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= files
     assert "model.safetensors" not in files  # the adapter only, not the full model
     adapter = json.load(open(os.path.join(out, "adapter_config.json")))
-    assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    assert adapter["r"] == 8 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(out, "adapter_model.safetensors"))
     assert weights and all("lora_" in k for k in weights)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at 0: it was trained
     card = open(os.path.join(out, "README.md")).read()
-    assert _front_matter(card)["library_name"] == "peft" and "### PEFT adapter" in card and "r: 4" in card
+    assert _front_matter(card)["library_name"] == "peft" and "### PEFT adapter" in card and "r: 8" in card

@@ -209,9 +209,12 @@ def test_per_stage_micro_batches(tiny_model_path, tmp_path):
 
 def test_conversational_and_peft(tiny_model_path, tmp_path):
     from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
 
-    args = _args(tmp_path, beta=0.05, max_steps=2)
-    t = GRPOTrainer(
+    from grpo_async.algo.logprobs import completion_logps
+
+    args = _args(tmp_path, beta=0.05, max_steps=2, num_batches_ahead=0)
+    t = Recorder(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=args,
@@ -221,7 +224,18 @@ def test_conversational_and_peft(tiny_model_path, tmp_path):
     lora_before = {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_B" in n}
     t.train()
     assert any(not torch.equal(p, dict(t.model.named_parameters())[n]) for n, p in lora_before.items())
-    assert t.ref_model is None  # adapter-disabled base is the reference
+    assert t.ref_model is None  # no copy: the adapter-disabled base is the reference
+    # the reference logps the loss got are the base model's (never trained), not the adapted policy's
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    last = t.seen[-1]
+    ids = torch.cat([last["prompt_ids"], last["completion_ids"]], 1)
+    mask = torch.cat([last["prompt_mask"], last["completion_mask"]], 1)
+    T, trained = last["completion_ids"].size(1), last["loss_mask"].bool()
+    with torch.no_grad():
+        base_logps = completion_logps(base, ids, mask, T)
+        policy_logps = completion_logps(t.model.eval(), ids, mask, T)
+    torch.testing.assert_close(last["ref_logps"][trained], base_logps[trained], atol=1e-5, rtol=0)
+    assert (policy_logps - base_logps)[trained].abs().max() > 1e-3  # the adapter moved the policy away from it
 
 
 def test_generator_error_reaches_the_trainer_within_seconds(tiny_model_path, tmp_path):

@@ -11,7 +11,6 @@ from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, digests, hf_greedy, 
 from grpo_async.weight_sync.buckets import group_by_module
 from grpo_async.weight_sync.transports import (
     BroadcastTransport,
-    CudaIpcTransport,
     ServerClient,
     ShmTransport,
 )
@@ -130,29 +129,25 @@ def test_update_request_validation_and_pickle_refused(client):
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_transport_bit_identical(tiny_model_path):  # pragma: no cover - needs a GPU
-    with running_servers(tiny_model_path, 1) as (s,):
-        c = ServerClient(s.url, api_key=API_KEY)
-        hf_model, sd = perturbed_state_dict(tiny_model_path, 30)
-        tr = CudaIpcTransport(c, 64, device="cuda")
-        out = tr.push(group_by_module({k: v.cuda() for k, v in sd.items()}), version=30, digests=True)
-        assert out["digests"] == digests(sd)
-        check_engine_matches(c, tiny_model_path, hf_model)
+@pytest.mark.parametrize("transport", ["cuda_ipc", "broadcast"])
+def test_publisher_streams_a_cuda_model_into_a_server(tiny_model_path, transport):  # pragma: no cover - needs a GPU
+    """What users run on a GPU: the trainer's publish path (`PolicyPublisher` → `iter_full_params` of the live CUDA
+    model → bucket → CUDA IPC handles or an NCCL broadcast); the engine then matches HF holding the same weights."""
+    from grpo_async.generation.shared import SharedBackend
+    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.pipeline.publisher import PolicyPublisher
 
-
-@pytest.mark.gpu
-def test_nccl_broadcast_transport_bit_identical(tiny_model_path):  # pragma: no cover - needs a GPU
     with running_servers(tiny_model_path, 1) as (s,):
-        c = ServerClient(s.url, api_key=API_KEY)
-        hf_model, sd = perturbed_state_dict(tiny_model_path, 31)
-        tr = BroadcastTransport(c, 64, device="cuda")
+        hf_model, _ = perturbed_state_dict(tiny_model_path, 30)
+        backend = VLLMServerBackend([s.url], api_key=API_KEY, transport=transport, bucket_mb=0.05)
+        shared = SharedBackend(lambda: backend)
         try:
-            assert tr.backend == "nccl"
-            out = tr.push(group_by_module({k: v.cuda() for k, v in sd.items()}), version=31, digests=True)
+            PolicyPublisher(shared).publish(hf_model.cuda(), version=30)
+            c = ServerClient(s.url, api_key=API_KEY)
+            assert c.get("/ws/info")["version"] == 30
+            check_engine_matches(c, tiny_model_path, hf_model.cpu())
         finally:
-            tr.close()
-        assert out["digests"] == digests(sd)
-        check_engine_matches(c, tiny_model_path, hf_model)
+            shared.close()
 
 
 def test_colocate_transport_bit_identical_then_engine_matches_hf(tiny_model_path):

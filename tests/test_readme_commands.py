@@ -1,0 +1,163 @@
+"""Every shell command the README shows runs as written on a 2-core CPU machine, or the README says next to it that
+it needs GPUs. A command added to the README without a test here fails `test_every_readme_command_is_covered`.
+
+Training commands run with `--max_steps 2` (and a temporary `--output_dir`) appended: the same flags, fewer steps.
+"""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+#: README command → how it is proven (a test of this file, another test, or why it cannot run here)
+COVERED = {
+    "make demo": "test_make_demo",
+    "make test": "CI: .ci/run runs it on a clean clone",
+    "accelerate launch --multi_gpu --num_processes 2 recipes/demo.py --output_dir out-ddp": "GPU only ('# 2 GPUs')",
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "recipes/demo.py --output_dir out-ddp": "test_two_cpu_processes_with_the_in_process_vllm_engine",
+    "accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3.yaml --num_processes 8 "
+    "recipes/demo.py": "GPU only (README: '--num_processes = number of GPUs')",
+    "accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3_cpu.yaml recipes/demo.py --backend hf "
+    "--max_steps 2": "tests/test_launch_configs.py::test_deepspeed_cpu_config_trains_two_steps[3]",
+    "python recipes/demo.py --backend hf --use_peft --lora_r 8 --lora_target_modules q_proj v_proj": (
+        "tests/test_model_card.py::test_demo_use_peft_saves_the_adapter_and_its_card (same flags)"
+    ),
+    "grpo-async serve PATH_OR_HUB_ID --port 8000 --api-key SECRET --dtype float32": "test_serve_commands_as_written",
+    "grpo-async serve REF_MODEL --port 8001 --api-key SECRET --max-logprobs -1 --frozen": (
+        "test_serve_commands_as_written"
+    ),
+}
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's ```bash blocks: continuation lines joined, comments dropped."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    out = []
+    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.append(" ".join(line.split()))
+    return out
+
+
+def test_every_readme_command_is_covered():
+    commands = readme_commands()
+    assert len(commands) >= 5
+    missing = [c for c in commands if c not in COVERED]
+    assert not missing, f"README commands no test runs (add them to COVERED with a test): {missing}"
+    for how in COVERED.values():  # every named test of this file exists
+        if how.startswith("test_"):
+            assert how in globals(), how
+
+
+def _env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], timeout: int, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_make_demo(tmp_path):
+    """`make demo`, with the demo's own flags shortened (DEMO_ARGS is the Makefile's hook for that)."""
+    out = str(tmp_path / "demo")
+    proc = _run(["make", "--no-print-directory", "demo", f"DEMO_ARGS=--max_steps 4 --output_dir {out}"], 600)
+    assert "RESULT demo_reward_first10=" in proc.stdout
+    assert "final model (special tokens shown):" in proc.stdout
+    assert os.path.exists(os.path.join(out, "reward_curve.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_two_cpu_processes_with_the_in_process_vllm_engine(tmp_path):
+    """The README's CPU command (the demo's default backend: vLLM in the trainer's process). It used to deadlock:
+    vLLM's start-up joined the trainer's process group on rank 0 while rank 1 waited in a gather."""
+    readme = next(c for c in readme_commands() if "--dynamo_backend no" in c and c.startswith("accelerate launch"))
+    argv = shlex.split(readme)
+    argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "out-ddp")
+    start = time.monotonic()
+    proc = _run([*argv, "--max_steps", "2"], 420)
+    assert "distributed_type=MULTI_CPU" in proc.stdout and "2 process(es)" in proc.stdout, proc.stdout[-2000:]
+    assert "backend=vllm" in proc.stdout
+    assert time.monotonic() - start < 420
+
+
+def _serve(readme_line: str, model: str, port: int) -> subprocess.Popen:
+    argv = shlex.split(readme_line)
+    argv[0] = os.path.join(BIN, "grpo-async")
+    argv[2] = model
+    argv[argv.index("--port") + 1] = str(port)
+    return subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc, url, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"grpo-async serve exited with {proc.returncode}"
+        try:
+            if requests.get(url + "/health", headers={"Authorization": "Bearer SECRET"}, timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_serve_commands_as_written(tiny_model_path):
+    """Both `grpo-async serve` commands of the README, as written (only the model and a free port substituted): the
+    policy server answers a completion; the frozen reference server answers logprobs and refuses weight updates."""
+    policy_line, ref_line = (c for c in readme_commands() if c.startswith("grpo-async serve"))
+    ports = _free_port(), _free_port()
+    procs = [_serve(policy_line, tiny_model_path, ports[0]), _serve(ref_line, tiny_model_path, ports[1])]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for proc, url in zip(procs, urls, strict=True):
+            _wait_healthy(proc, url)
+        auth = {"Authorization": "Bearer SECRET"}
+        r = requests.post(
+            urls[0] + "/v1/completions",
+            json={"model": tiny_model_path, "prompt": [7, 8, 9], "max_tokens": 4},
+            headers=auth,
+            timeout=60,
+        )
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        assert requests.get(urls[0] + "/health", timeout=5).status_code == 401  # the key is required
+        r = requests.post(urls[1] + "/ws/update", json={"version": 1}, headers=auth, timeout=30)
+        assert r.status_code == 403, r.text  # --frozen
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
