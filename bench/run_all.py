@@ -73,6 +73,17 @@ def _rows_weight_sync(data: dict) -> list[dict]:
                     "ratio": r["flat_loaded_s"] / r["bucketed_s"],
                 }
             )
+    if "staging" in data:  # trainer memory during a publish: streamed from the live model vs a staged CPU copy
+        st = data["staging"]
+        rows.append(
+            {
+                "metric": "weight sync: trainer's peak extra memory during a publish, streamed (MB)",
+                "ours": st["peak_extra_mb"],
+                "peer": st["staged_copy_extra_mb"],
+                "peer_name": "a staged full CPU copy",
+                "ratio": st["staged_copy_extra_mb"] / max(st["peak_extra_mb"], 1e-9),
+            }
+        )
     return rows
 
 

@@ -166,9 +166,36 @@ def _rss() -> int:
 
 
 def staging_ratio(path: str, url: str, model_bytes: int) -> dict:
-    """Peak extra memory of the trainer process during one publish through the trainer's own path (PolicyPublisher
-    streaming the live model's groups into VLLMServerBackend, broadcast), ÷ the model's bytes. RSS is sampled every
-    ~0.5 ms in a thread; the baseline is taken right before the publish. Buckets: ~1/10 of the model, so ≥ 8."""
+    """Peak extra memory of a trainer process during a publish through the trainer's own path (`PolicyPublisher`
+    streaming the live model's groups into `VLLMServerBackend`, broadcast, buckets of ~1/10 of the model), ÷ the
+    model's bytes; beside it, what staging a full CPU copy first (`collect_state_dict`, the old path) costs.
+
+    Measured in a child process started with `MALLOC_MMAP_THRESHOLD_=65536`: glibc then maps every block of 64 KiB or
+    more on its own and unmaps it when freed, so the resident set follows live memory (with its default dynamic
+    threshold, buffers freed by a first publish stay in the heap and hide the second one's). RSS is sampled every
+    ~0.5 ms; the baseline is taken right before each measured step. Both the first publish (it also connects the
+    process group) and a second one are measured; the ratio is the larger."""
+    import subprocess
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--staging-child", path, url, str(model_bytes)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STAGING ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"staging measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    out = json.loads(lines[-1][len("STAGING ") :])
+    print(
+        f"staging  publish from the live model ({out['buckets']} buckets of {out['bucket_mb']} MiB): peak extra "
+        f"{out['peak_extra_mb']} MB of {out['model_mb']} MB model = {out['ratio']:.3f} (first publish "
+        f"{out['first_extra_mb']} MB, second {out['second_extra_mb']} MB) | a staged full CPU copy first: "
+        f"{out['staged_copy_extra_mb']} MB = {out['staged_copy_ratio']:.3f}",
+        flush=True,
+    )
+    return out
+
+
+def _staging_child(path: str, url: str, model_bytes: int) -> None:
+    import gc
     import threading
 
     from transformers import AutoModelForCausalLM
@@ -176,44 +203,53 @@ def staging_ratio(path: str, url: str, model_bytes: int) -> dict:
     from grpo_async.generation.shared import SharedBackend
     from grpo_async.generation.vllm_backends import VLLMServerBackend
     from grpo_async.pipeline.publisher import PolicyPublisher
+    from grpo_async.weight_sync.collect import collect_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     bucket_mb = model_bytes / 10 / (1 << 20)
     shared = SharedBackend(lambda: VLLMServerBackend([url], transport="broadcast", bucket_mb=bucket_mb, timeout=300))
+    shared.get()  # connect HTTP before the baseline (the process group is set up by the first publish)
     publisher = PolicyPublisher(shared)
-    publisher.publish(model, 1)  # connects the process group; the measured publish is the second one
-    peak, stop = [0], threading.Event()
 
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.0005)
+    def peak_extra(fn) -> int:
+        gc.collect()
+        peak, stop = [0], threading.Event()
 
-    base = _rss()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    t0 = time.perf_counter()
-    publisher.publish(model, 2)
-    seconds = time.perf_counter() - t0
-    stop.set()
-    thread.join()
-    extra = max(0, peak[0] - base)
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _rss())
+                time.sleep(0.0005)
+
+        base = _rss()
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        result = fn()
+        stop.set()
+        thread.join()
+        del result
+        return max(0, peak[0] - base)
+
+    first = peak_extra(lambda: publisher.publish(model, 1))
+    second = peak_extra(lambda: publisher.publish(model, 2))
+    staged = peak_extra(lambda: collect_state_dict(model, device="cpu"))
     shared.close()
+    extra = max(first, second)
     out = {
         "bucket_mb": round(bucket_mb, 2),
         "buckets": len(list(iter_buckets(group_by_module(dict(model.state_dict())), bucket_mb))),
+        "first_extra_mb": round(first / 1e6, 2),
+        "second_extra_mb": round(second / 1e6, 2),
         "peak_extra_mb": round(extra / 1e6, 2),
         "model_mb": round(model_bytes / 1e6, 2),
         "ratio": extra / model_bytes,
-        "publish_s": round(seconds, 3),
+        "staged_copy_extra_mb": round(staged / 1e6, 2),
+        "staged_copy_ratio": staged / model_bytes,
     }
-    print(
-        f"staging  publish from the live model ({out['buckets']} buckets of {out['bucket_mb']} MiB): peak extra "
-        f"{out['peak_extra_mb']} MB of {out['model_mb']} MB model = {out['ratio']:.3f} in {seconds:.2f} s",
-        flush=True,
-    )
-    return out
+    print("STAGING " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--staging-child":
+        _staging_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()

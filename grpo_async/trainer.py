@@ -76,8 +76,10 @@ class GRPOTrainer(Trainer):
 
     Args:
         model (`str` or `PreTrainedModel`): a model id/path (loaded with `args.model_init_kwargs`) or a model.
-        reward_funcs (`callable` or `list[callable]`): `f(prompts, completions, completion_ids, **columns)`
-            returning one float (or `None`) per completion; see `grpo_async.rewards`.
+        reward_funcs (`callable`, `str`, `PreTrainedModel` or a list of them): `f(prompts, completions,
+            completion_ids, **columns)` returning one float (or `None`) per completion (`grpo_async.rewards`), or, as
+            in TRL, a sequence-classification reward model (id, path or model), tokenizer from
+            `reward_processing_classes`.
         args (`GRPOConfig`, *optional*): configuration; a default one writing to `<model>-GRPO` if omitted.
         train_dataset (`datasets.Dataset`): rows with a `prompt` column (text or chat messages) plus any columns
             the reward functions read.
@@ -105,6 +107,7 @@ class GRPOTrainer(Trainer):
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
@@ -119,7 +122,9 @@ class GRPOTrainer(Trainer):
             check_dataset(train_dataset, args, "train_dataset")
         if eval_dataset is not None:
             check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
-        funcs, names = prepare_reward_funcs(reward_funcs)
+        funcs, names = prepare_reward_funcs(
+            reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device
+        )
         weights = reward_weights_tensor(args.reward_weights, len(funcs))
         self.environment = make_environment(environment, tools, train_dataset, eval_dataset)
 
@@ -267,9 +272,8 @@ class GRPOTrainer(Trainer):
         return self.sampler.built if self.sampler is not None else None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the job-queue thread and shut the generation backend down (an in-process vLLM engine frees its
-        memory); `train()` can run again (a new backend is built then). A thread still stuck after `timeout` seconds
-        (e.g. pushing to a dead server) is a daemon: the backend is then left to the process's exit."""
+        """Stop the job-queue thread and shut the backend down (`train()` can run again); a thread still stuck after
+        `timeout` seconds (e.g. pushing to a dead server) is a daemon: the backend is left to the process exit."""
         generator_busy = self.rounds.stop(timeout)
         if self.sampler is not None:
             if generator_busy:
@@ -355,11 +359,8 @@ class GRPOTrainer(Trainer):
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Generate G completions per eval prompt once with the current weights, score them, log the means.
-
-        Logs `<prefix>_reward`, `<prefix>_reward_std`, `<prefix>_rewards/<func>`, `<prefix>_completions/mean_length`.
-        The current weights are published first (after any round in flight), as the next round would get them.
-        """
+        """G completions per eval prompt with the current weights (published first, after any round in flight),
+        scored; logs `<prefix>_reward`, `_reward_std`, `_rewards/<func>`, `_completions/mean_length`."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (none was given to the trainer or to evaluate)")

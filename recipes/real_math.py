@@ -80,7 +80,7 @@ def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output_dir", default="real_output")
-    p.add_argument("--max_steps", type=int, default=24)
+    p.add_argument("--max_steps", type=int, default=20)
     p.add_argument("--train_problems", type=int, default=2000)
     p.add_argument("--eval_problems", type=int, default=128)
     p.add_argument("--num_generations", type=int, default=4)

@@ -4,6 +4,7 @@ it needs GPUs. A command added to the README without a test here fails `test_eve
 Training commands run with `--max_steps 2` (and a temporary `--output_dir`) appended: the same flags, fewer steps.
 """
 
+import json
 import os
 import re
 import shlex
@@ -50,6 +51,25 @@ def readme_commands() -> list[str]:
             if line and not line.startswith("#"):
                 out.append(" ".join(line.split()))
     return out
+
+
+def readme_python_block(heading: str) -> str:
+    """The first ```python block after the README heading `heading`."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index(heading) :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_offline_quick_start_runs_as_written(tmp_path):
+    """The README's offline quick start, exactly as written, in a fresh folder and a fresh interpreter."""
+    code = readme_python_block("## Quick start, offline")
+    (tmp_path / "quick_start.py").write_text(code)
+    proc = _run([sys.executable, "quick_start.py"], 600, cwd=str(tmp_path))
+    assert (tmp_path / "tiny-llama" / "config.json").exists()
+    logs = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs if "reward" in r] == [10, 20], proc.stdout[-2000:]  # logging_steps=10
 
 
 def test_every_readme_command_is_covered():

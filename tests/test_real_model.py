@@ -5,6 +5,8 @@ What a random character-level model cannot show: generation stopping at the real
 text going through the real tokenizer, and how closely vLLM's log-probs match the trainer's on a real model.
 """
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -17,6 +19,8 @@ from grpo_async.envs import calculator as _calculator
 from grpo_async.generation import BACKENDS, register_backend
 from grpo_async.generation.base import Completion, SamplingConfig
 from grpo_async.generation.hf import HFBackend
+from grpo_async.generation.shared import SharedBackend
+from grpo_async.pipeline.publisher import PolicyPublisher
 from grpo_async.testing import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -79,15 +83,34 @@ def test_vllm_in_process_stops_at_im_end_and_matches_the_trainer(smollm2_path, m
             for a, b in [(12, 35), (47, 18)]
         ]
         out = backend.generate(prompts, SamplingConfig(n=4, max_tokens=40, temperature=0.7))
+        _check_logps(model, prompts, out, 0.7)
+        # after a weight push through the trainer's publish path the sampler still matches the trainer. SmolLM2 ties
+        # its input and output embeddings: vLLM's reload used to leave the LM head on the old embedding (logprobs
+        # off by up to 1.7 after one push, every step of a real run)
+        pushed = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in pushed.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        PolicyPublisher(SharedBackend(lambda: backend)).publish(pushed, version=1)
+        assert pushed.lm_head.weight is pushed.model.embed_tokens.weight  # tied: only the embedding is sent
+        _check_logps(
+            pushed, prompts, backend.generate(prompts, SamplingConfig(n=4, max_tokens=40, temperature=0.7)), 0.7
+        )
     finally:
         backend.close()
+
+
+def _check_logps(model, prompts, out, temperature):
     diffs = []
     for padding_free in (False, True):
         for i, c in enumerate(out):
             p, ids = prompts[i // 4], c.completion_ids
             full = torch.tensor([p + ids])
-            logps = completion_logps(model, full, torch.ones_like(full), len(ids), 0.7, padding_free=padding_free)[0]
-            diffs.append((logps - torch.tensor(c.logprobs)).abs())
+            logps = completion_logps(
+                model, full, torch.ones_like(full), len(ids), temperature, padding_free=padding_free
+            )
+            diffs.append((logps[0] - torch.tensor(c.logprobs)).abs())
     d = torch.cat(diffs)
     assert d.numel() > 100
     assert d.max().item() < 1e-3, f"max {d.max().item():.2e}"

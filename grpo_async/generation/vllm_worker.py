@@ -156,6 +156,7 @@ class WeightSyncWorker:
         try:
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
+            _retie_embeddings(self._ws_model())
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 fn = getattr(self.model_runner, reset, None)
                 if fn is not None:
@@ -388,3 +389,27 @@ class WeightSyncWorker:
         for layout, handle in zip(layouts, handles):
             bufs = {dt: decode_cuda_ipc(handle[dt], device) for dt in layout["buffers"]}
             yield unpack_bucket(layout, bufs)
+
+
+def _retie_embeddings(model) -> None:
+    """Models with tied input and output embeddings (SmolLM2, Gemma, Qwen2.5-0.5B, ...): vLLM's loader drops
+    `lm_head.*` for them (the LM head *is* the embedding), so the layerwise reload sees no weights for the LM head
+    and puts its previous kernel tensors back ("ParallelLMHead: Failed to load weights"): the sampler would score
+    every token with the old output embedding (measured on SmolLM2: logprobs off by up to 1.7 after one push). Tie
+    it to the freshly loaded embedding again and re-prepare its matmul kernel."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or not hasattr(lm_head, "tie_weights"):
+        logger.warning("tied embeddings, but no lm_head / model.embed_tokens to tie again on %s", type(model).__name__)
+        return
+    if getattr(lm_head, "weight", None) is not embed.weight:
+        lm_head = model.lm_head = lm_head.tie_weights(embed)
+    # on CPU the LM head multiplies through a kernel prepared from its weight at load time (`cpu_linear`, oneDNN):
+    # prepare it again from the new weight, or the logits keep using the old one
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)

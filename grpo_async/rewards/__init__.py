@@ -55,11 +55,42 @@ def _is_async(func) -> bool:
     return inspect.iscoroutinefunction(func) or (call is not None and inspect.iscoroutinefunction(call))
 
 
-def prepare_reward_funcs(reward_funcs) -> tuple[list[RewardFunc], list[str]]:
-    """Normalise to a list of callables and their (unique) names; raise on anything else."""
+def prepare_reward_funcs(
+    reward_funcs, reward_processing_classes=None, model_init_kwargs: dict | None = None, device=None
+) -> tuple[list[RewardFunc], list[str]]:
+    """Normalise to a list of callables and their (unique) names; raise on anything else.
+
+    As in TRL, an entry may be a reward model: a model id or path (loaded as a sequence classifier with
+    `model_init_kwargs`) or a `PreTrainedModel`; `reward_processing_classes[i]` is its tokenizer (loaded from the
+    model's name when `None`). Reward models are moved to `device` and scored by `RewardModel`."""
+    from transformers import PreTrainedModel
+
+    from .reward_model import RewardModel
+
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError("reward_funcs is empty: give at least one reward function")
+    tokenizers = reward_processing_classes
+    if tokenizers is None:
+        tokenizers = [None] * len(funcs)
+    elif not isinstance(tokenizers, (list, tuple)):
+        tokenizers = [tokenizers]
+    if len(tokenizers) != len(funcs):
+        raise ValueError(
+            f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward functions; give one "
+            "per reward function (None for plain functions)"
+        )
+    for i, (f, tok) in enumerate(zip(funcs, tokenizers, strict=True)):
+        if isinstance(f, str):
+            funcs[i] = RewardModel.load(f, tok, **dict(model_init_kwargs or {}))
+        elif isinstance(f, PreTrainedModel):
+            if tok is None:
+                from ..loading import load_tokenizer
+
+                tok = load_tokenizer(f.config._name_or_path)
+            funcs[i] = RewardModel(f, tok)
+        if isinstance(funcs[i], RewardModel) and device is not None:
+            funcs[i].model.to(device)
     names = []
     for i, f in enumerate(funcs):
         if not callable(f):
