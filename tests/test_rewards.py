@@ -189,7 +189,7 @@ def test_math_reward_hand_worked():
     completions = [
         "<think>48/2 = 24, 48 + 24 = 72</think><answer>72</answer>",  # right, in the answer tag
         [{"role": "assistant", "content": r"so it is \boxed{\frac{1}{2}}"}],  # right, conversational, LaTeX
-        "The answer is 0.5",  # right: 1/2 == 0.5
+        "The final answer is $0.5$",  # right: 1/2 == 0.5
         "<answer>71</answer>",  # wrong
         "I do not know",  # no answer: wrong
         "<answer>3</answer>",  # gold unparseable: None
@@ -206,6 +206,15 @@ def test_math_reward_hand_worked():
     assert math_reward(completions=completions[:1], solution=["72"]) == [1.0]  # TRL's `solution` column
     with pytest.raises(ValueError, match="`solution` or `answer`"):
         math_reward(completions=completions)
+
+
+def test_math_reward_does_not_pay_for_restating_the_question():
+    """math-verify evaluates any expression it finds: "27 + 82" equals 109. SmolLM2 trained on 2-digit addition found
+    that within 20 steps (answers "27 + 82 = \\boxed{}"): only an answer segment or an anchored answer counts."""
+    hacks = ["27 + 82 = \\boxed{}", "27 + 82 = \\boxed", "27+82", "To add 27 and 82: 27 + 82 = ", "27 + 82 = 109"]
+    assert math_reward(completions=hacks, answer=["109"] * len(hacks)) == [0.0] * len(hacks)
+    right = ["\\boxed{109}", "so \\boxed{27+82}", "<answer>109</answer>", "#### 109", "The final answer is $109$"]
+    assert math_reward(completions=right, answer=["109"] * len(right)) == [1.0] * len(right)
 
 
 def test_format_reward_hand_worked():

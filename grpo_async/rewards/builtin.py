@@ -2,8 +2,10 @@
 
 - `math_reward`: 1.0 when the completion's answer equals the gold answer mathematically (the `math-verify` library:
   `1/2`, `0.5` and `\\frac{1}{2}` agree), 0.0 otherwise, `None` when the gold answer cannot be parsed (like TRL's
-  `accuracy_reward`). The gold answer comes from a `solution` or `answer` column; a GSM8K answer's final
-  `#### 72` is used alone.
+  `accuracy_reward`). The answer is the `<answer>…</answer>` or `####` segment, else an anchored LaTeX answer
+  (`\\boxed{…}`, "final answer is $…$"); an expression elsewhere in the text is not an answer (restating "27 + 82"
+  is not "109"). The gold answer comes from a `solution` or `answer` column; a GSM8K answer's final `#### 72` is
+  used alone.
 - `format_reward` / `make_format_reward(pattern)`: 1.0 when the completion matches a regex, default
   `<think>…</think><answer>…</answer>`.
 - `length_penalty(target_length, scale)`: `-scale · max(0, n − target_length) / target_length` for a completion of
@@ -48,6 +50,19 @@ def extract_answer(text: str) -> str:
     return text
 
 
+def _predicted_answer(text: str, parse, timeout):
+    """What the completion answers: an explicit answer segment (`<answer>…</answer>`, GSM8K's `####`) parsed as it
+    stands, else only an *anchored* LaTeX answer (`\\boxed{…}` first, or a "final answer is" phrase), as TRL's
+    `accuracy_reward` does. Never an expression found anywhere in the text: "27 + 82 = \\boxed{}" restates the
+    question, and math-verify would evaluate "27 + 82" and find it equal to 109."""
+    from math_verify import LatexExtractionConfig
+
+    if ANSWER_TAG.search(text) or "####" in text:
+        return parse(extract_answer(text).strip(), parsing_timeout=timeout)
+    anchored = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    return parse(text, extraction_config=anchored, parsing_timeout=timeout)
+
+
 def math_reward(
     prompts=None, completions=None, completion_ids=None, solution=None, answer=None, **kwargs
 ) -> list[float | None]:
@@ -83,7 +98,7 @@ def math_reward(
         if not gold_parsed:
             out.append(None)
             continue
-        predicted = parse(extract_answer(completion_text(completion)).strip(), parsing_timeout=parse_timeout)
+        predicted = _predicted_answer(completion_text(completion), parse, parse_timeout)
         out.append(float(bool(predicted) and verify(gold_parsed, predicted, timeout_seconds=verify_timeout)))
     return out
 
