@@ -122,10 +122,8 @@ class GRPOTrainer(Trainer):
             check_dataset(train_dataset, args, "train_dataset")
         if eval_dataset is not None:
             check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
-        funcs, names = prepare_reward_funcs(
-            reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device
-        )
-        weights = reward_weights_tensor(args.reward_weights, len(funcs))
+        rewards = prepare_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device)
+        weights = reward_weights_tensor(args.reward_weights, len(rewards[0]))
         self.environment = make_environment(environment, tools, train_dataset, eval_dataset)
 
         super().__init__(
@@ -170,8 +168,7 @@ class GRPOTrainer(Trainer):
         self.producer = RoundProducer(
             self.sampler,
             processing_class,
-            funcs,
-            names,
+            *rewards,
             weights,
             producer_settings(a),
             environment=self.environment,
@@ -179,12 +176,15 @@ class GRPOTrainer(Trainer):
         )
         dev = self.accelerator.device
         scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+        policy, unwrapped = (lambda: self.model), (lambda: self.accelerator.unwrap_model(self.model))  # wrapped later
         self.consumer = RoundConsumer(
             consumer_settings(a),
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
-            old_logps=LogpsScorer(lambda: self.model, **scoring) if self.compute_old_logps else None,
-            ref_logps=reference_scorer(self.ref_client, self.ref_model, self, scoring) if a.beta > 0 else None,
+            old_logps=LogpsScorer(policy, **scoring) if self.compute_old_logps else None,
+            ref_logps=reference_scorer(self.ref_client, self.ref_model, policy, unwrapped, scoring)
+            if a.beta
+            else None,
             reduce_sum=lambda t: self.accelerator.reduce(t.to(dev), reduction="sum").cpu(),
             gather=lambda t: self.accelerator.gather(t.to(dev)).cpu(),
             log=lambda k, v: self._metrics["train"][k].append(v),

@@ -221,14 +221,14 @@ class ProducerAttribute:
         setattr(trainer.producer, self.name, value if isinstance(value, torch.Tensor) else list(value))
 
 
-def reference_scorer(ref_client, ref_model, trainer, scoring: dict):
+def reference_scorer(ref_client, ref_model, policy, unwrapped_policy, scoring: dict):
     """Reference logps `fn(ids, mask, T) -> [b, T]`: the frozen server, the frozen copy, or (PEFT) the policy with its
-    adapter disabled. `trainer` is read lazily (`trainer.model` is wrapped by the Trainer after construction)."""
+    adapter disabled. `policy()` / `unwrapped_policy()` return the training model (wrapped by the Trainer after
+    construction, hence callables)."""
     from .algo.logprobs import LogpsScorer
 
     if ref_client is not None:
         return lambda ids, mask, T: ref_client.completion_logps(ids, mask, T, scoring["temperature"])
     if ref_model is not None:
         return LogpsScorer(lambda: ref_model, **scoring)
-    unwrapped = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
-    return LogpsScorer(lambda: trainer.model, **scoring, context=lambda: unwrapped().disable_adapter())
+    return LogpsScorer(policy, **scoring, context=lambda: unwrapped_policy().disable_adapter())
