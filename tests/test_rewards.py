@@ -213,7 +213,14 @@ def test_math_reward_does_not_pay_for_restating_the_question():
     that within 20 steps (answers "27 + 82 = \\boxed{}"): only an answer segment or an anchored answer counts."""
     hacks = ["27 + 82 = \\boxed{}", "27 + 82 = \\boxed", "27+82", "To add 27 and 82: 27 + 82 = ", "27 + 82 = 109"]
     assert math_reward(completions=hacks, answer=["109"] * len(hacks)) == [0.0] * len(hacks)
-    right = ["\\boxed{109}", "so \\boxed{27+82}", "<answer>109</answer>", "#### 109", "The final answer is $109$"]
+    right = [
+        "\\boxed{109}",
+        "so \\boxed{27+82}",
+        "<answer>109</answer>",
+        "#### 109",
+        "The final answer is $109$",
+        "109",
+    ]
     assert math_reward(completions=right, answer=["109"] * len(right)) == [1.0] * len(right)
 
 

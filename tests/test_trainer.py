@@ -281,8 +281,13 @@ def test_bad_input_errors_at_construction(tiny_model_path, tmp_path):
             train_dataset=make_dataset(64),
             processing_class=tok,
         )
-    with pytest.raises(TypeError, match=r"reward_funcs\[0\] is a str"):
+    # a string is a reward model's id or path (TRL): a name that is neither says so at once, offline
+    with pytest.raises(
+        OSError, match="reward model 'accuracy' is not a local folder and not in the Hugging Face cache"
+    ):
         GRPOTrainer(model=tiny_model_path, reward_funcs="accuracy", args=args, train_dataset=make_dataset(64))
+    with pytest.raises(TypeError, match=r"reward_funcs\[0\] is a int"):
+        GRPOTrainer(model=tiny_model_path, reward_funcs=3, args=args, train_dataset=make_dataset(64))
     with pytest.raises(ValueError, match="reward_weights has 2 values for 1"):
         GRPOTrainer(
             model=tiny_model_path,

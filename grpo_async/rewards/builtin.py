@@ -26,6 +26,8 @@ import threading
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 DEFAULT_FORMAT = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+#: a completion that is nothing but a number ("2", "-0.5", "3/4", "$7$."): an answer as it stands
+PLAIN_NUMBER = re.compile(r"^\s*\$?-?\d+(?:[./]\d+)?\$?\.?\s*$")
 
 
 def completion_text(completion) -> str:
@@ -51,13 +53,13 @@ def extract_answer(text: str) -> str:
 
 
 def _predicted_answer(text: str, parse, timeout):
-    """What the completion answers: an explicit answer segment (`<answer>…</answer>`, GSM8K's `####`) parsed as it
-    stands, else only an *anchored* LaTeX answer (`\\boxed{…}` first, or a "final answer is" phrase), as TRL's
-    `accuracy_reward` does. Never an expression found anywhere in the text: "27 + 82 = \\boxed{}" restates the
-    question, and math-verify would evaluate "27 + 82" and find it equal to 109."""
+    """What the completion answers: an explicit answer segment (`<answer>…</answer>`, GSM8K's `####`) or a completion
+    that is just a number, parsed as it stands; else only an *anchored* LaTeX answer (`\\boxed{…}` first, or a "final
+    answer is" phrase), as TRL's `accuracy_reward` does. Never an expression found anywhere in the text:
+    "27 + 82 = \\boxed{}" restates the question, and math-verify would evaluate "27 + 82" and find it equal to 109."""
     from math_verify import LatexExtractionConfig
 
-    if ANSWER_TAG.search(text) or "####" in text:
+    if ANSWER_TAG.search(text) or "####" in text or PLAIN_NUMBER.match(text):
         return parse(extract_answer(text).strip(), parsing_timeout=timeout)
     anchored = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
     return parse(text, extraction_config=anchored, parsing_timeout=timeout)
