@@ -39,6 +39,7 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.envs import template_ids
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, use_concise_console
+from grpo_async.rewards.builtin import completion_text
 from grpo_async.testing import build_smollm2
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -73,18 +74,17 @@ def stated_sum(text: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _texts(completions) -> list[str]:
-    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-
-
 def sum_reward(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
     """1.0 when the completion's answer (`stated_sum`) is the gold sum."""
-    return [float(stated_sum(t) == int(a)) for t, a in zip(_texts(completions), answer, strict=True)]
+    return [float(stated_sum(t) == int(a)) for t, a in zip(map(completion_text, completions), answer, strict=True)]
 
 
 def boxed_format(prompts, completions, completion_ids, **kwargs) -> list[float]:
     """0.2 when the answer is written as exactly one `\\boxed{N}` holding an integer (an empty box earns nothing)."""
-    return [0.2 if len(BOXED_INT.findall(t)) == 1 and t.count("\\boxed") == 1 else 0.0 for t in _texts(completions)]
+    return [
+        0.2 if len(BOXED_INT.findall(t)) == 1 and t.count("\\boxed") == 1 else 0.0
+        for t in map(completion_text, completions)
+    ]
 
 
 def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
