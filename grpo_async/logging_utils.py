@@ -256,6 +256,8 @@ def completion_columns(samples: dict, step: int) -> dict[str, list]:
     cols["reward"] = [float(v) for v in samples["reward"]]
     cols["advantage"] = [float(v) for v in samples["advantage"]]
     cols["policy_version"] = [int(v) for v in samples.get("policy_version", [-1] * n)]
+    for name, values in samples.get("extra", {}).items():  # reward functions' log_extra columns, as given
+        cols[name if name not in cols else f"extra_{name}"] = list(values)
     return cols
 
 
@@ -311,7 +313,7 @@ def completions_table(samples: dict, step: int, n: int | None):
         table.add_row(
             cut_prompt(cols["prompt"][i], 200),
             cols["completion"][i][:400],
-            *(f"{cols[k][i]:.3f}" for k in reward_cols),
+            *(f"{cols[k][i]:.3f}" if isinstance(cols[k][i], float) else str(cols[k][i])[:40] for k in reward_cols),
             str(cols["policy_version"][i]),
         )
     return table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,7 +66,44 @@ def reward_weights_tensor(weights: list[float] | None, num_funcs: int) -> torch.
     return torch.tensor(weights or [1.0] * num_funcs, dtype=torch.float32)
 
 
+def is_iterable(dataset) -> bool:
+    """A streaming dataset (`datasets.IterableDataset`, or any torch `IterableDataset`): no `len()`, no indexing."""
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
 def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = None) -> None:
+    """The earliest checks of a train/eval set: a 'prompt' column, enough prompts for one round; a streaming train set
+    needs `max_steps` (its length is unknown), `dispatch_batches=False` (each process reads its own slice of the
+    stream, as TRL) and one dataloader worker (several would interleave the stream and split the G copies)."""
+    if isinstance(dataset, dict):  # several eval sets by name (a dict or a `datasets.DatasetDict`, as TRL takes)
+        for key, ds in dataset.items():
+            check_dataset(ds, args, f"{name}[{key!r}]", min_rows)
+        return
+    if is_iterable(dataset):
+        columns = getattr(dataset, "column_names", None)  # None when the stream's features are unknown
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(f"{name} needs a 'prompt' column (text or chat messages); it has {columns}")
+        if name == "train_dataset" and args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset is an IterableDataset (a stream of unknown length): set GRPOConfig.max_steps to a "
+                "positive number of optimizer steps"
+            )
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError(
+                f"{name} is an IterableDataset, which needs accelerator_config.dispatch_batches=False (each process "
+                "reads its own slice of the stream); it is set to True"
+            )
+        args.accelerator_config.dispatch_batches = False
+        if name == "train_dataset" and args.dataloader_num_workers != 0:
+            warnings.warn(
+                f"train_dataset is an IterableDataset: dataloader_num_workers={args.dataloader_num_workers} would "
+                "interleave the stream and split each prompt's num_generations copies; using 0 (as TRL does)",
+                stacklevel=3,
+            )
+            args.dataloader_num_workers = 0
+        return
     columns = getattr(dataset, "column_names", None)
     if columns is None and len(dataset):
         columns = list(dataset[0].keys())
@@ -79,6 +117,23 @@ def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = N
         )
 
 
+def train_stream(dataset, args: GRPOConfig):
+    """What the train dataloader reads: a map-style set as it is (`RepeatSampler` orders it); a stream shuffled
+    (buffered, seeded) and reordered into the sampler's order by `repeat_iterable`."""
+    if not is_iterable(dataset):
+        return dataset
+    from .data.sampler import repeat_iterable
+
+    if args.shuffle_dataset:
+        dataset = dataset.shuffle(seed=args.seed)
+    return repeat_iterable(
+        dataset,
+        mini_repeat_count=args.num_generations,
+        batch_size=args.generation_batch_size // args.num_generations,
+        repeat_count=args.num_iterations * args.steps_per_generation,
+    )
+
+
 def make_environment(environment, tools, *datasets):
     from .envs import ToolEnv, check_environment
 
@@ -89,11 +144,15 @@ def make_environment(environment, tools, *datasets):
     if environment is None:
         return None
     check_environment(environment)
+    datasets = [d for ds in datasets for d in (ds.values() if isinstance(ds, dict) else [ds])]  # eval sets by name
     for ds in datasets:
-        if ds is not None and len(ds) and not is_conversational(ds[0]["prompt"]):
+        if ds is None:
+            continue
+        first = next(iter(ds), None) if is_iterable(ds) else (ds[0] if len(ds) else None)
+        if first is not None and not is_conversational(first["prompt"]):
             raise ValueError(
                 "a multi-turn environment needs conversational prompts (lists of chat messages); the dataset's "
-                f"first prompt is {ds[0]['prompt']!r:.100}"
+                f"first prompt is {first['prompt']!r:.100}"
             )
     return environment
 
@@ -110,6 +169,12 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
     from .algo.packing import check_isolation
     from .loading import load_model, load_tokenizer
 
+    if args.sync_ref_model and peft_config is not None:  # TRL 1.16 refuses it the same way
+        raise NotImplementedError(
+            "GRPOConfig.sync_ref_model=True with a peft_config is not supported (as in TRL): with PEFT the reference "
+            "is the base model with the adapter disabled, so there is no separate reference model to synchronise; "
+            "set sync_ref_model=False, or train without PEFT"
+        )
     model_id = model if isinstance(model, str) else model.config._name_or_path
     if isinstance(model, str):
         kwargs = dict(args.model_init_kwargs or {})
@@ -172,12 +237,20 @@ def producer_settings(a: GRPOConfig):
         prompt_truncation=a.prompt_truncation,
         rollout_micro_batch_size=a.rollout_micro_batch_size,
         scale_rewards=a.scale_rewards,
+        multi_objective_aggregation=a.multi_objective_aggregation,
+        num_generations_eval=a.num_generations_eval or a.num_generations,  # TRL: None means num_generations
         mask_truncated_completions=a.mask_truncated_completions,
         mask_env_responses=a.mask_env_responses,
         reward_timeout=a.reward_timeout,
         syncs_weights=a.syncs_weights,
         seed=None,  # per-request seeds crash vLLM CPU on chunked prefill ("CPU Generator does not use offset")
     )
+
+
+def eval_chunk_prompts(a: GRPOConfig) -> int:
+    """Prompts generated and scored together by `evaluate`: TRL's global eval batch, `per_device_eval_batch_size ×
+    processes` rows, in whole groups of `num_generations_eval` completions (at least one prompt)."""
+    return max(1, a.per_device_eval_batch_size * a.world_size // (a.num_generations_eval or a.num_generations))
 
 
 def consumer_settings(a: GRPOConfig):

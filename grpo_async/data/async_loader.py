@@ -85,7 +85,10 @@ class AsyncDataLoaderWrapper:
             return batch
 
     def __len__(self) -> int:
-        return len(self.dataloader)
+        return len(self.dataloader)  # TypeError for a stream (IterableDataset), as the dataloader's own
+
+    def __bool__(self) -> bool:
+        return True  # a wrapper is always there, even over a stream without a length
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found on the wrapper: delegate to the dataloader.

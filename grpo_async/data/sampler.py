@@ -95,3 +95,40 @@ class RepeatSampler(Sampler):
 
     def __len__(self) -> int:
         return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+def repeat_iterable(dataset, mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1):
+    """The streaming counterpart of `RepeatSampler` for a `datasets.IterableDataset` (which has no indices): the
+    stream itself is reordered into exactly the rows `RepeatSampler(shuffle=False)` would index, an incomplete final
+    chunk dropped. Shuffling is left to an upstream `dataset.shuffle(seed=...)` (buffered); the transform stays
+    chained to it, so `set_epoch` reshuffles each epoch. TRL 1.16's `repeat_iterable_dataset` yields the same order.
+
+    >>> from datasets import IterableDataset
+    >>> ds = IterableDataset.from_generator(lambda: ({"x": i} for i in range(5)))
+    >>> [r["x"] for r in repeat_iterable(ds, mini_repeat_count=2, batch_size=2, repeat_count=2)]
+    [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
+    """
+    import copy
+
+    for name, value in (
+        ("mini_repeat_count", mini_repeat_count),
+        ("batch_size", batch_size),
+        ("repeat_count", repeat_count),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"repeat_iterable: {name} must be a positive int, got {value!r}")
+
+    def repeat_chunk(chunk: dict) -> dict:
+        keys = list(chunk)
+        if len(chunk[keys[0]]) < batch_size:  # the incomplete last chunk, dropped like RepeatSampler drops it
+            return {key: [] for key in keys}
+        rows = list(zip(*(chunk[key] for key in keys), strict=True))
+        out = {key: [] for key in keys}
+        for _ in range(repeat_count):
+            for row in rows:
+                for _ in range(mini_repeat_count):
+                    for key, value in zip(keys, row, strict=True):
+                        out[key].append(copy.deepcopy(value))  # repeats are independent objects, as indexing gives
+        return out
+
+    return dataset.map(repeat_chunk, batched=True, batch_size=batch_size)

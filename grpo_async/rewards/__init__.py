@@ -2,7 +2,8 @@
 
 A reward function is `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, one value per
 completion; dataset columns arrive as keyword lists aligned with the completions (plus `trainer_state` when called
-by the trainer, as in TRL). `None` means "not applicable" (NaN): a completion every function returns None for is
+by the trainer, as in TRL, and TRL's `log_extra(column, values)` / `log_metric(name, value)` callables, collected
+per round by `RewardLogs`). `None` means "not applicable" (NaN): a completion every function returns None for is
 unscorable and gets advantage 0. `async def` functions run concurrently with each other.
 
 What TRL 1.16 leaves undefined is an error here, naming the function: raising, returning the wrong number of values,
@@ -29,6 +30,7 @@ RewardFunc = Callable[..., list]
 
 __all__ = [
     "RewardFunc",
+    "RewardLogs",
     "RewardTimeoutError",
     "format_reward",
     "length_penalty",
@@ -37,6 +39,47 @@ __all__ = [
     "reward_func_name",
     "score_completions",
 ]
+
+
+class RewardLogs:
+    """What the reward functions of one round logged through TRL's keyword arguments: `log_extra(column, values)`
+    adds a column to the completions table (one value per completion), `log_metric(name, value)` a scalar metric
+    (averaged over the round's calls, then over the logging window, as TRL averages it).
+
+    >>> logs = RewardLogs()
+    >>> logs.log_metric("parse_ok", 1.0); logs.log_metric("parse_ok", 0.0); logs.log_extra("answer", ["3", "4"])
+    >>> logs.metric_means(), logs.extra
+    ({'parse_ok': 0.5}, {'answer': ['3', '4']})
+    """
+
+    def __init__(self):
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values) -> None:
+        if not isinstance(column, str):
+            raise TypeError(f"log_extra(column, values): column must be a str, got {type(column).__name__}")
+        self.extra.setdefault(column, []).extend(list(values))
+
+    def log_metric(self, name: str, value) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"log_metric(name, value): name must be a str, got {type(name).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"log_metric({name!r}, {value}): the value must be finite")
+        self.metrics.setdefault(name, []).append(value)
+
+    def metric_means(self) -> dict[str, float]:
+        return {name: sum(v) / len(v) for name, v in self.metrics.items()}
+
+    def check_extra(self, n: int) -> None:
+        """Each extra column has one value per completion of the round (`n`), or the table could not hold it."""
+        for column, values in self.extra.items():
+            if len(values) != n:
+                raise ValueError(
+                    f"log_extra({column!r}, ...) logged {len(values)} values for a round of {n} completions; log one "
+                    "value per completion"
+                )
 
 
 class RewardTimeoutError(TimeoutError):

@@ -1,0 +1,114 @@
+"""TRL 1.16 usage patterns ported by changing the import: streaming train sets, optional reward functions,
+`log_extra` / `log_metric`, `environment_factory`, `rollout_func`, the `padding_free` fallback, eval loss."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset, IterableDataset
+
+from grpo_async import GRPOTrainer
+from grpo_async.data.sampler import RepeatSampler, repeat_iterable
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.testing import tiny_config
+
+
+class PromptLog:
+    """A reward function that records the prompts (with their letter) of every call, in order."""
+
+    __name__ = "prompt_log"
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def __call__(self, prompts, completions, letter, **kwargs):
+        self.calls.append([p[-1]["content"] if isinstance(p, list) else p for p in prompts])
+        return [1.0 if c else 0.0 for c in letter]
+
+
+def _stream(ds: Dataset) -> IterableDataset:
+    rows = ds.to_list()
+    return IterableDataset.from_generator(lambda: (dict(r) for r in rows))
+
+
+def test_repeat_iterable_is_the_sampler_order():
+    ds = Dataset.from_dict({"x": list(range(11))})
+    sampler = RepeatSampler(ds, mini_repeat_count=3, batch_size=4, repeat_count=2, shuffle=False)
+    assert [r["x"] for r in repeat_iterable(_stream(ds), 3, 4, 2)] == list(sampler)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        repeat_iterable(_stream(ds), 3, 0, 2)
+
+
+def test_streaming_train_set_trains_the_prompts_a_map_style_set_would(tiny_model_path, tmp_path):
+    """Same prompts, same rounds, same order: a `datasets.IterableDataset` (unshuffled) against the same rows
+    map-style, one round ahead; the stream needs max_steps and gets dispatch_batches=False, as in TRL."""
+    data = make_dataset(40, seed=3)
+    seen = {}
+    for kind, ds in (("map", data), ("stream", _stream(data))):
+        log = PromptLog()
+        args = tiny_config(tmp_path / kind, shuffle_dataset=False, max_steps=4, num_batches_ahead=1)
+        t = GRPOTrainer(model=tiny_model_path, reward_funcs=[letter_reward, log], args=args, train_dataset=ds)
+        t.train()
+        seen[kind] = log.calls
+        assert t.state.global_step == 4
+    assert seen["stream"] == seen["map"]
+    # each prompt's G = 4 copies are consecutive in every round
+    for call in seen["stream"]:
+        assert all(len(set(call[i : i + 4])) == 1 for i in range(0, len(call), 4))
+    assert len(seen["stream"]) >= 4
+
+
+def test_streaming_train_set_errors_name_what_to_set(tiny_model_path, tmp_path):
+    stream = _stream(make_dataset(40))
+    with pytest.raises(ValueError, match="IterableDataset.*max_steps"):
+        GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=tiny_config(tmp_path / "a", max_steps=-1, num_train_epochs=1),
+            train_dataset=stream,
+        )
+    with pytest.warns(UserWarning, match="dataloader_num_workers=2"):
+        t = GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=tiny_config(tmp_path / "b", dataloader_num_workers=2),
+            train_dataset=stream,
+        )
+    assert t.args.dataloader_num_workers == 0
+
+
+def test_reward_functions_log_extra_columns_and_metrics_as_in_trl(tiny_model_path, tmp_path):
+    """TRL passes `log_extra(column, values)` and `log_metric(name, value)` to reward functions: the metric is
+    averaged into the logs, the column lands in the completions table (parquet) next to the rewards."""
+    from grpo_async.logging_utils import read_completions
+
+    def judged(prompts, completions, letter, log_extra, log_metric, **kwargs):
+        texts = [c[-1]["content"] for c in completions]
+        log_extra("verdict", ["hit" if t.startswith(c) else "miss" for t, c in zip(texts, letter)])
+        log_metric("judge/calls", 1.0)
+        log_metric("judge/mean_chars", sum(map(len, texts)) / len(texts))
+        return [float(t.startswith(c)) for t, c in zip(texts, letter)]
+
+    args = tiny_config(tmp_path / "out", max_steps=2, log_completions=True)
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=judged, args=args, train_dataset=make_dataset(40))
+    t.train()
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert all(h["judge/calls"] == 1.0 for h in logs)
+    assert all(0 <= h["judge/mean_chars"] <= 8 for h in logs)
+    table = read_completions(args.output_dir)
+    assert set(table["verdict"]) <= {"hit", "miss"} and len(table) == 2 * 16
+    assert ((table["verdict"] == "hit") == (table["judged"] == 1.0)).all()
+
+
+def test_log_extra_with_the_wrong_length_is_named(tiny_model_path, tmp_path):
+    def bad(prompts, completions, log_extra, **kwargs):
+        log_extra("note", ["x"])
+        return [0.0] * len(completions)
+
+    t = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=bad,
+        args=tiny_config(tmp_path / "out", max_steps=1),
+        train_dataset=make_dataset(40),
+    )
+    with pytest.raises(RuntimeError, match=r"log_extra\('note', ...\) logged 1 values for a round of 16"):
+        t.train()
