@@ -112,3 +112,109 @@ def test_log_extra_with_the_wrong_length_is_named(tiny_model_path, tmp_path):
     )
     with pytest.raises(RuntimeError, match=r"log_extra\('note', ...\) logged 1 values for a round of 16"):
         t.train()
+
+
+def _tiny_opt(tiny_model_path, path):
+    """A tiny OPT (its attention ignores restarting position ids: packed rows would attend to each other) with the
+    tiny model's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    torch.manual_seed(0)
+    config = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=2,
+        ffn_dim=128,
+        vocab_size=len(tok),
+        word_embed_proj_dim=64,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    OPTForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_padding_free_default_falls_back_to_padding_for_a_model_that_cannot_pack(tiny_model_path, tmp_path, caplog):
+    """TRL's default pads; ours packs when the model isolates packed rows. A model that cannot (OPT here) trains
+    padded with a warning under the default, and an explicit padding_free=True is still refused, naming the model's
+    attention."""
+    opt = _tiny_opt(tiny_model_path, tmp_path / "opt")
+    with caplog.at_level("WARNING", logger="grpo_async.trainer_setup"):
+        t = GRPOTrainer(
+            model=opt,
+            reward_funcs=letter_reward,
+            args=tiny_config(tmp_path / "a", max_steps=1),
+            train_dataset=make_dataset(40),
+        )
+    assert t.args.padding_free is False
+    assert "does not isolate packed sequences" in caplog.text and "Falling back to padded" in caplog.text
+    t.train()
+    assert t.state.global_step == 1
+    with pytest.raises(ValueError, match="padding_free: this model's attention does not isolate"):
+        GRPOTrainer(
+            model=opt,
+            reward_funcs=letter_reward,
+            args=tiny_config(tmp_path / "b", padding_free=True),
+            train_dataset=make_dataset(40),
+        )
+    llama = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=tiny_config(tmp_path / "c"),
+        train_dataset=make_dataset(40),
+    )
+    assert llama.args.padding_free is True  # the default packs a model that isolates packed rows
+
+
+def _vocab_id(tiny_model_path, char):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    (i,) = tok(char, add_special_tokens=False)["input_ids"]
+    return i, tok
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_generation_kwargs_reach_the_sampler(tiny_model_path, tmp_path, backend):
+    """TRL's `generation_kwargs` go to the backend's own sampling arguments: a token the extra arguments forbid
+    is never sampled (hf: GenerationConfig.suppress_tokens; vLLM: SamplingParams.logit_bias)."""
+    from grpo_async.testing import tiny_config as cfg
+
+    banned, tok = _vocab_id(tiny_model_path, "a")
+    extra = {"suppress_tokens": [banned]} if backend == "hf" else {"logit_bias": {banned: -100.0}}
+    seen = []
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return [0.0] * len(completions)
+
+    args = cfg(
+        tmp_path / "out", max_steps=2, generation_backend=backend, generation_kwargs=extra, max_completion_length=16
+    )
+    GRPOTrainer(model=tiny_model_path, reward_funcs=spy, args=args, train_dataset=make_dataset(40)).train()
+    counted = sum(len(c) for c in seen)
+    assert counted > 50 and not any(banned in c for c in seen)
+    # the same run without the extra arguments samples that token (the tiny model's letters are near-uniform)
+    seen.clear()
+    args = cfg(tmp_path / "plain", max_steps=2, generation_backend=backend, max_completion_length=16)
+    GRPOTrainer(model=tiny_model_path, reward_funcs=spy, args=args, train_dataset=make_dataset(40)).train()
+    assert any(banned in c for c in seen)
+
+
+def test_repetition_penalty_changes_what_the_sampler_samples_from(tiny_model_path, tmp_path):
+    """With repetition_penalty the sampler's distribution is no longer π/T: the sampler/trainer logprob gap the
+    trainer logs grows from float noise to the penalty's size."""
+    gaps = {}
+    for penalty in (1.0, 5.0):
+        args = tiny_config(tmp_path / str(penalty), max_steps=1, repetition_penalty=penalty, max_completion_length=16)
+        t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(40))
+        t.train()
+        gaps[penalty] = next(h for h in t.state.log_history if "sampling/logp_diff/max" in h)["sampling/logp_diff/max"]
+    assert gaps[1.0] < 1e-4 and gaps[5.0] > 0.1, gaps
+    with pytest.raises(ValueError, match="GRPOConfig.repetition_penalty: must be a number > 0"):
+        tiny_config(tmp_path / "bad", repetition_penalty=0)

@@ -39,6 +39,10 @@ class SamplingConfig:
     min_p: float = 0.0
     stop: list[str] | None = None
     seed: int | None = None
+    repetition_penalty: float = 1.0  # > 1 penalises tokens already in the prompt or completion; 1.0 is off
+    #: backend-native extras (TRL's `generation_kwargs`): `GenerationConfig` fields for hf, `SamplingParams` fields
+    #: for the in-process engine, `/v1/completions` body fields for servers; they override the fields above
+    extra: dict | None = None
 
 
 @dataclass

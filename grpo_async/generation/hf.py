@@ -90,6 +90,9 @@ class HFBackend:
         )
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
+        if s.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = s.repetition_penalty
+        kwargs.update(s.extra or {})  # generation_kwargs: GenerationConfig fields
         gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
         seqs = gen.sequences[:, P:].cpu()  # [b*n, T]
         # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step

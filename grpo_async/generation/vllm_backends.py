@@ -60,6 +60,10 @@ def validate_sampling(s: SamplingConfig) -> SamplingConfig:
         raise ValueError(f"SamplingConfig.min_p must be in [0, 1], got {s.min_p!r}")
     if s.stop is not None and not (isinstance(s.stop, list) and all(isinstance(x, str) for x in s.stop)):
         raise ValueError(f"SamplingConfig.stop must be a list of strings or None, got {s.stop!r}")
+    if not s.repetition_penalty > 0:
+        raise ValueError(f"SamplingConfig.repetition_penalty must be > 0 (1.0 = off), got {s.repetition_penalty!r}")
+    if s.extra is not None and not (isinstance(s.extra, dict) and all(isinstance(k, str) for k in s.extra)):
+        raise ValueError(f"SamplingConfig.extra (generation_kwargs) must be a dict keyed by name, got {s.extra!r}")
     return s
 
 
@@ -110,7 +114,9 @@ def to_vllm_sampling_params(s: SamplingConfig):
         min_p=s.min_p,
         stop=s.stop,
         seed=s.seed,
+        repetition_penalty=s.repetition_penalty,
         logprobs=0,
+        **(s.extra or {}),
     )
 
 
@@ -136,6 +142,9 @@ def to_completions_body(model: str, prompt: list[int], s: SamplingConfig) -> dic
         body["stop"] = s.stop
     if s.seed is not None:
         body["seed"] = s.seed
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty  # vLLM extension
+    body.update(s.extra or {})
     return body
 
 
