@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
 from .pipeline.producer import is_conversational
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import GRPOConfig
@@ -134,9 +137,63 @@ def train_stream(dataset, args: GRPOConfig):
     )
 
 
-def make_environment(environment, tools, *datasets):
-    from .envs import ToolEnv, check_environment
+def check_datasets(train_dataset, eval_dataset, args: GRPOConfig, environment_factory=None):
+    """`check_dataset` on both sets; without a train set but with an `environment_factory`, TRL's placeholder: one
+    round of empty user prompts (the environment's `reset` writes the prompt), cycled for `max_steps`. Returns the
+    train set."""
+    if train_dataset is None and environment_factory is not None:
+        if isinstance(environment_factory, dict):
+            raise ValueError(
+                "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+                "single environment factory."
+            )
+        if args.max_steps <= 0:
+            raise ValueError(
+                "When training without a `train_dataset` (the environment owns the data and returns the prompt "
+                "from `reset()`), `max_steps` must be set to a positive value to define the training length. Set "
+                "it via `GRPOConfig(max_steps=...)`."
+            )
+        from datasets import Dataset
 
+        rows = args.generation_batch_size // args.num_generations
+        train_dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+    if train_dataset is not None:
+        check_dataset(train_dataset, args, "train_dataset")
+    if eval_dataset is not None:
+        check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
+    return train_dataset
+
+
+def _all_datasets(datasets) -> list:
+    return [d for ds in datasets if ds is not None for d in (ds.values() if isinstance(ds, dict) else [ds])]
+
+
+def make_environment(
+    environment, tools, *datasets, environment_factory=None, rollout_func=None, processing_class=None, args=None
+):
+    """The trainer's one environment: `environment=`, TRL's `tools=` (a `ToolEnv`), or TRL's `environment_factory`
+    (a `FactoryEnvironment`, with `tools=` as extra tools; `args.max_tool_calling_iterations` bounds its turns).
+    Checks the datasets' prompts are conversational (and, for a dict of factories, their `environment` column)."""
+    from .envs import FactoryEnvironment, ToolEnv, check_environment
+
+    given = [k for k, v in (("environment", environment), ("environment_factory", environment_factory)) if v]
+    if len(given) > 1:
+        raise ValueError("give either environment= or environment_factory=, not both")
+    if rollout_func is not None and (given or tools):
+        raise ValueError(
+            "rollout_func generates the completions itself: it cannot be combined with environment=, "
+            "environment_factory= or tools= here (run the environment or the tools inside the rollout function)"
+        )
+    if environment_factory is not None:
+        iterations = getattr(args, "max_tool_calling_iterations", None)
+        environment = FactoryEnvironment(
+            environment_factory,
+            tools=tools,
+            tokenizer=processing_class,
+            max_turns=None if iterations is None else iterations + 1,
+        )
+        tools = None
     if tools is not None:
         if environment is not None:
             raise ValueError("give either environment= or tools= (tools=[...] is environment=ToolEnv([...]))")
@@ -144,29 +201,67 @@ def make_environment(environment, tools, *datasets):
     if environment is None:
         return None
     check_environment(environment)
-    datasets = [d for ds in datasets for d in (ds.values() if isinstance(ds, dict) else [ds])]  # eval sets by name
-    for ds in datasets:
-        if ds is None:
-            continue
+    for ds in _all_datasets(datasets):  # eval sets by name too
         first = next(iter(ds), None) if is_iterable(ds) else (ds[0] if len(ds) else None)
         if first is not None and not is_conversational(first["prompt"]):
             raise ValueError(
                 "a multi-turn environment needs conversational prompts (lists of chat messages); the dataset's "
                 f"first prompt is {first['prompt']!r:.100}"
             )
+        if isinstance(environment, FactoryEnvironment) and environment.multi and hasattr(ds, "unique"):
+            names = ds.unique("environment") if "environment" in ds.column_names else [None]
+            for name in names:
+                environment.environment_name({"environment": name})  # TRL's error for a name it does not know
     return environment
 
 
-def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
-    """Load what was named, check the tokenizer, build the reference (a frozen copy; none with PEFT, whose base
+def trainer_environment(
+    environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
+):
+    """`make_environment` with the trainer's arguments."""
+    return make_environment(
+        environment,
+        tools,
+        train_dataset,
+        eval_dataset,
+        environment_factory=environment_factory,
+        rollout_func=rollout_func,
+        processing_class=processing_class,
+        args=args,
+    )
+
+
+def prepare_rewards(reward_funcs, reward_processing_classes, args: GRPOConfig, environment):
+    """The reward functions, their names and weights: the trainer's (`prepare_reward_funcs`, `args.reward_weights`),
+    then the environment's own (`environment.reward_funcs`: `get_reward` of an `environment_factory` environment),
+    weight 1 each, named after the function (the environment class), as in TRL. At least one reward source is
+    required, as TRL requires. Returns `((funcs, names), weights)`."""
+    from .rewards import prepare_reward_funcs
+
+    rewards = prepare_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device)
+    weights = reward_weights_tensor(args.reward_weights, len(rewards[0]))
+    funcs, names = list(rewards[0]), list(rewards[1])
+    extra = list(getattr(environment, "reward_funcs", None) or [])
+    for f in extra:
+        name = getattr(f, "__name__", type(f).__name__)
+        names.append(name if name not in names else f"{name}_{len(names)}")
+        funcs.append(f)
+    if not funcs:
+        raise ValueError(
+            "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
+            "defines a `get_reward` method."
+        )
+    return (funcs, names), torch.cat([weights, torch.ones(len(extra))])
+
+
+def prepare_models(model, args: GRPOConfig, processing_class, peft_config, quantization_config=None):
+    """Load what was named (`quantization_config` joins `model_init_kwargs` there, as in TRL; ignored with a warning
+    for a model object), check the tokenizer, build the reference (a frozen copy; none with PEFT, whose base
     model with the adapter disabled is the reference, or with a reference server), wrap PEFT, drop dropout, prove
     packed rows stay isolated, and refuse a model the in-process vLLM engine cannot serve.
 
     Returns `(model, processing_class, ref_model or None)`.
     """
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    from .algo.packing import check_isolation
     from .loading import load_model, load_tokenizer
 
     if args.sync_ref_model and peft_config is not None:  # TRL 1.16 refuses it the same way
@@ -178,17 +273,34 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
     model_id = model if isinstance(model, str) else model.config._name_or_path
     if isinstance(model, str):
         kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            if "quantization_config" in kwargs:
+                raise ValueError(
+                    "You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`. "
+                    "Please set it in only one place, preferably as a trainer argument."
+                )
+            kwargs["quantization_config"] = quantization_config
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
         model = load_model(model, **kwargs)
-    elif args.model_init_kwargs:
-        raise ValueError("GRPOConfig.model_init_kwargs only applies when `model` is a name or path")
+    else:
+        if args.model_init_kwargs:
+            raise ValueError("GRPOConfig.model_init_kwargs only applies when `model` is a name or path")
+        if quantization_config is not None:
+            warnings.warn(
+                "You passed `quantization_config` to the trainer, but your model is already instantiated. The "
+                "`quantization_config` will be ignored.",
+                stacklevel=3,
+            )
     if processing_class is None:
         processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
     if getattr(processing_class, "pad_token", None) is None:
-        raise ValueError(
-            f"The tokenizer of {model_id!r} has no pad token. Set one before creating the trainer, e.g. "
-            "`tokenizer.pad_token = tokenizer.eos_token`."
-        )
+        if getattr(processing_class, "eos_token", None) is None:
+            raise ValueError(
+                f"The tokenizer of {model_id!r} has neither a pad token nor an EOS token to pad with. Set "
+                "`tokenizer.pad_token` before creating the trainer."
+            )
+        processing_class.pad_token = processing_class.eos_token  # TRL's fallback
+        logger.info("the tokenizer of %r has no pad token: padding with its EOS token, as TRL does", model_id)
     processing_class.padding_side = "left"
 
     is_peft = peft_config is not None
@@ -202,6 +314,10 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
         from peft import get_peft_model
 
         model = get_peft_model(model, peft_config)
+    if args.cast_lm_head_to_fp32:
+        for m in (model, ref_model):
+            if m is not None:
+                cast_lm_head_to_fp32(m)
     if args.disable_dropout:
         for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
             if isinstance(m, torch.nn.Dropout):
@@ -209,16 +325,61 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config):
     # packed rows must not attend to each other: prove it on this model once (not under ZeRO-3, whose parameters
     # are partitioned from `from_pretrained` on: a forward needs the DeepSpeed engine, and gathering them whole
     # on every rank would defeat ZeRO-3)
-    if args.padding_free and not is_deepspeed_zero3_enabled():
-        was_training = model.training
-        check_isolation(model.eval())
-        model.train(was_training)
+    if args.padding_free is not False:
+        args.padding_free = packing_isolates(model, args.padding_free)
 
     if args.generation_backend == "vllm":  # the in-process engine starts later: refuse what it cannot serve now
         from .generation.vllm_backends import check_vllm_can_serve
 
         check_vllm_can_serve(model.config, "GRPOConfig.generation_backend='vllm'")
     return model, processing_class, ref_model
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """TRL's `cast_lm_head_to_fp32`: the LM head's weights and its matmul in float32 (logits in float32 for a bf16 or
+    fp16 model); with tied embeddings the embedding output keeps the model's dtype. An adapter on the head is
+    refused, as in TRL."""
+    import torch.nn.functional as F
+
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError("GRPOConfig.cast_lm_head_to_fp32: this model has no output embedding (LM head) to cast")
+    if hasattr(head, "base_layer"):
+        raise ValueError(
+            "GRPOConfig.cast_lm_head_to_fp32=True is not supported when the LM head carries a PEFT adapter; remove "
+            "lm_head from the adapter's target modules or set cast_lm_head_to_fp32=False"
+        )
+    dtype = head.weight.dtype
+    head.float()
+    head.forward = lambda hidden: F.linear(
+        hidden.float(), head.weight.float(), None if head.bias is None else head.bias
+    )
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.to(dtype))
+
+
+def packing_isolates(model, padding_free: bool | None) -> bool:
+    """Whether the training passes run packed (`GRPOConfig.padding_free`): True when the model's attention isolates
+    packed rows (checked once on this model); otherwise an error if the user asked for packing, padded with a warning
+    for the default (None). Under DeepSpeed ZeRO-3 the check cannot run (the parameters are partitioned from
+    `from_pretrained` on) and the user's choice, or packing, stands."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from .algo.packing import check_isolation
+
+    if is_deepspeed_zero3_enabled():
+        return True
+    was_training = model.training
+    try:
+        check_isolation(model.eval())
+        return True
+    except ValueError as e:
+        if padding_free:
+            raise
+        logger.warning("%s Falling back to padded forward passes (GRPOConfig.padding_free=None, the default).", e)
+        return False
+    finally:
+        model.train(was_training)
 
 
 def producer_settings(a: GRPOConfig):
@@ -229,6 +390,8 @@ def producer_settings(a: GRPOConfig):
         max_tokens=a.max_completion_length, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p
     )
     sampling.stop = a.stop
+    sampling.repetition_penalty = a.repetition_penalty
+    sampling.extra = dict(a.generation_kwargs) if a.generation_kwargs else None
     return ProducerSettings(
         num_generations=a.num_generations,
         sampling=sampling,

@@ -41,7 +41,7 @@ NON_DEFAULT = {
     "num_generations_eval": 2,
     "ds3_gather_for_generation": False,
     "pad_to_multiple_of": 64,
-    "generation_kwargs": {"num_beams": 2},
+    "generation_kwargs": {"suppress_tokens": [5]},
     "chat_template_kwargs": {"enable_thinking": False},
     "repetition_penalty": 1.1,
     "cache_implementation": "static",
@@ -133,6 +133,14 @@ HONOURED = {
     "vllm_importance_sampling_cap",  # deprecated: sets importance_sampling_clip_max
     "use_bias_correction_kl",  # False is what the loss does
     "log_multimodal",  # text-only trainer: nothing multimodal to log either way
+    "num_generations_eval",  # completions per eval prompt (tests/test_trl_features.py)
+    "multi_objective_aggregation",  # GDPO advantages (tests/test_trl_features.py)
+    "sync_ref_model",  # TR-DPO reference updates (tests/test_trl_features.py)
+    "ref_model_mixup_alpha",  # used by sync_ref_model, as in TRL
+    "ref_model_sync_steps",
+    "generation_kwargs",  # passed to the sampler (tests/test_trl_dropin.py)
+    "cast_lm_head_to_fp32",  # float32 LM head (tests/test_trl_dropin.py)
+    "repetition_penalty",  # passed to the sampler (tests/test_trl_dropin.py)
     "learning_rate",
     "logging_steps",
     "gradient_checkpointing",
@@ -224,6 +232,8 @@ def _probe_kwargs(name):
     extra = {}
     if name in ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_base_url"):
         extra = {"use_vllm": True, "vllm_mode": "server"}
+    if name == "sync_ref_model":  # TRL refuses it with beta=0 (no reference model to synchronize)
+        extra = {"beta": 0.04}
     return {name: value, **extra}
 
 

@@ -218,3 +218,41 @@ def test_repetition_penalty_changes_what_the_sampler_samples_from(tiny_model_pat
     assert gaps[1.0] < 1e-4 and gaps[5.0] > 0.1, gaps
     with pytest.raises(ValueError, match="GRPOConfig.repetition_penalty: must be a number > 0"):
         tiny_config(tmp_path / "bad", repetition_penalty=0)
+
+
+def test_tokenizer_without_pad_token_pads_with_eos_as_trl(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.pad_token = None
+    assert tok.pad_token is None
+    args = tiny_config(tmp_path / "out", max_steps=1)
+    t = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=make_dataset(40),
+        processing_class=tok,
+    )
+    assert t.processing_class.pad_token == t.processing_class.eos_token
+    t.train()
+    assert t.state.global_step == 1
+
+
+def test_cast_lm_head_to_fp32_gives_float32_logits_for_a_bf16_model(tiny_model_path, tmp_path):
+    """TRL's `cast_lm_head_to_fp32`: a bf16 model's head computes in float32, the body stays bf16, and the policy
+    trains; the head's float32 weights reach the sampler."""
+    import torch
+
+    args = tiny_config(
+        tmp_path / "out", max_steps=1, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": "bfloat16"}
+    )
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(40))
+    ids = torch.tensor([[3, 4, 5]])
+    out = t.model(input_ids=ids)
+    assert out.logits.dtype == torch.float32
+    assert t.model.get_output_embeddings().weight.dtype == torch.float32
+    assert t.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    head_before = t.model.get_output_embeddings().weight.detach().clone()
+    t.train()
+    assert not torch.equal(head_before, t.model.get_output_embeddings().weight.detach())
