@@ -7,7 +7,14 @@ generated. Each run is its own process so that an engine's threads, memory and p
 Spec keys: `trainer` ("ours" | "trl"), `mode` ("colocate" | "server"), `num_batches_ahead`, `model`, `steps`,
 `prompts` (per step), `G`, `T` (completion tokens, forced: EOS is ignored so every completion has T tokens),
 `device` ("cpu" | "cuda"), `pin` (CPU only: server on core 0 and trainer on core 1, one thread each),
-`server_args` (extra `grpo-async serve` flags).
+`server_args` (extra `grpo-async serve` flags), `task` ("letter": the demo letter task, the default; "add": 2-digit
+addition as chat messages with `recipes/real_math.py`'s problems and `sum_reward`, for a real pretrained model),
+`max_prompt_length` (ours; default 32, the letter task's prompts are shorter).
+
+Both trainers also get bench-only timers around the same named methods (`Phases`): `compute_loss` (the training
+forward: the policy's log-probs and the loss, before the backward) in both; TRL's old-logps pass (its
+`_get_per_token_logps_and_entropies` called inside `_generate_and_score_completions`), its LM-head rows per call
+(`lm_head_rows`: how many positions go through the fused LM head) and its other phases (see `run_trl`).
 """
 
 from __future__ import annotations
@@ -61,12 +68,15 @@ class StepClock:
                 clock.t0 = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
+                for hook in clock.on_step:
+                    hook()
                 clock.ends.append(time.perf_counter())
 
             def on_log(self, args, state, control, logs=None, **kw):
                 clock.logs.append(dict(logs or {}))
 
         self.callback, self.t0, self.ends, self.logs = _CB(), None, [], []
+        self.on_step: list = []  # called at each step end (e.g. `Phases.close_step`)
 
     def step_times(self) -> list[float]:
         edges = [self.t0] + self.ends
@@ -74,40 +84,67 @@ class StepClock:
 
 
 class Phases:
-    """Bench-only wrappers that add the seconds spent in named methods of an object to a per-step record."""
+    """Bench-only wrappers that add the seconds spent in named methods of an object to a per-step record.
+
+    `key` is a name or a function of the record so far returning one (e.g. one name inside another phase, another
+    outside it); while a wrapped method runs, `record["_in_" + key]` is set."""
 
     def __init__(self):
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
 
-    def wrap(self, obj, method: str, key: str) -> None:
+    def wrap(self, obj, method: str, key) -> None:
         fn = getattr(obj, method)
 
         def timed(*a, **kw):
+            k = key(self.current) if callable(key) else key
+            self.current["_in_" + k] = 1.0
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - t0
+                self.current[k] = self.current.get(k, 0.0) + time.perf_counter() - t0
+                self.current.pop("_in_" + k, None)
 
         setattr(obj, method, timed)
+
+    def add(self, key: str, value: float) -> None:
+        self.current[key] = self.current.get(key, 0.0) + value
 
     def close_step(self) -> None:
         self.steps.append(self.current)
         self.current = {}
 
 
-def dataset(prompts_needed: int):
+def dataset(spec: dict):
+    """The prompts of `spec["task"]` (seeded, generated here: nothing downloads), at least 4096 of them."""
+    n = max(4096, spec["prompts"] * spec["steps"])
+    if spec.get("task", "letter") == "add":
+        from datasets import Dataset
+
+        from recipes.real_math import as_rows, make_problems
+
+        return Dataset.from_dict(as_rows(make_problems(n, seed=0)))  # 10 ≤ a, b ≤ 99: 8,100 distinct pairs
     from grpo_async.demo_task import make_dataset
 
-    return make_dataset(max(4096, prompts_needed), seed=0)
+    return make_dataset(n, seed=0)
+
+
+def reward(spec: dict):
+    """The task's reward: cheap and deterministic (a regex or a character count), so it never decides a ratio."""
+    if spec.get("task", "letter") == "add":
+        from recipes.real_math import sum_reward
+
+        return sum_reward  # 1.0 when the completion's last \\boxed{N} (else last integer) is a + b
+    from grpo_async.demo_task import letter_reward
+
+    return letter_reward
 
 
 def run_ours(spec: dict) -> dict:
     import torch
 
     from grpo_async import GRPOConfig, GRPOTrainer
-    from grpo_async.demo_task import letter_reward
 
     force_full_length()
     server = None
@@ -131,8 +168,9 @@ def run_ours(spec: dict) -> dict:
             per_device_train_batch_size=P * G,
             gradient_accumulation_steps=1,
             num_generations=G,
-            max_prompt_length=32,
+            max_prompt_length=spec.get("max_prompt_length", 32),
             max_completion_length=spec["T"],
+            vllm_max_model_length=256,
             rollout_micro_batch_size=P * G,  # one generate call per round
             padding_free=spec.get("padding_free", True),  # the product default
             vllm_enforce_eager=False,  # let vLLM compile the in-process engine, as TRL's does (0.79 → 0.65 s/round)
@@ -153,16 +191,21 @@ def run_ours(spec: dict) -> dict:
         clock = StepClock()
         trainer = GRPOTrainer(
             model=spec["model"],
-            reward_funcs=[letter_reward],
+            reward_funcs=[reward(spec)],
             args=args,
-            train_dataset=dataset(P * spec["steps"]),
+            train_dataset=dataset(spec),
             callbacks=[clock.callback],
         )
+        ph = Phases()
+        ph.wrap(trainer, "compute_loss", "train_forward")  # forward + loss; the backward follows in training_step
+        clock.on_step.append(ph.close_step)
         trainer.train()
         trainer.close()
         keys = ("timing/generation", "timing/rollout", "timing/weight_sync", "timing/rewards", "timing/train_step")
         keys += ("timing/wait_generation", "timing/old_logps", "completions/mean_length")
         phases = [{k: log[k] for k in keys if k in log} for log in clock.logs if "loss" in log]
+        for p, extra in zip(phases, ph.steps):
+            p.update(extra)
         lengths = [p["completions/mean_length"] for p in phases if "completions/mean_length" in p]
         del trainer
         gc.collect()
@@ -200,10 +243,44 @@ def make_trl_sync_work_on_vllm_cpu(vg) -> None:
     vg.sync_weights = sync_weights
 
 
+def count_trl_lm_head_rows(ph: Phases) -> None:
+    """Record in `ph` how many positions each call of TRL's fused LM head projects (`lm_head_rows`) against how many
+    it scores (`lm_head_scored`: labels != -100, the completion tokens). TRL projects only the scored positions where
+    Triton runs (CUDA/XPU); elsewhere, CPU included, every position of every row, prompt and padding too."""
+    import functools
+
+    import trl.trainer.utils as trl_utils
+
+    fused = trl_utils._ChunkedLogProbFunction
+
+    class Counted:
+        @staticmethod
+        def apply(hidden, weight, bias, targets, *rest):
+            ph.add("lm_head_rows", float(hidden.shape[0]))
+            return fused.apply(hidden, weight, bias, targets, *rest)
+
+    trl_utils._ChunkedLogProbFunction = Counted
+    add = trl_utils.add_fused_lm_head
+
+    def labels_seen(model, *a, **kw):  # count the scored positions from the labels each fused forward gets
+        add(model, *a, **kw)
+        fwd = model.forward
+
+        @functools.wraps(fwd)
+        def forward(*fa, fused_lm_head=False, labels=None, **fkw):
+            if fused_lm_head and labels is not None:
+                ph.add("lm_head_scored", float((labels[:, 1:] != -100).sum()))
+            return fwd(*fa, fused_lm_head=fused_lm_head, labels=labels, **fkw)
+
+        model.forward = forward
+
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    trl_grpo.add_fused_lm_head = labels_seen
+
+
 def run_trl(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
-
-    from grpo_async.demo_task import letter_reward
 
     G, P = spec["G"], spec["prompts"]
     cpu = spec["device"] == "cpu"
@@ -215,6 +292,8 @@ def run_trl(spec: dict) -> dict:
         import trl.generation.vllm_generation as trl_vllm
 
         trl_vllm.LLM = functools.partial(trl_vllm.LLM, dtype=spec["vllm_dtype"])
+    ph = Phases()
+    count_trl_lm_head_rows(ph)
     args = GRPOConfig(
         output_dir=os.path.join(spec["workdir"], "trl"),
         use_cpu=cpu,
@@ -242,26 +321,25 @@ def run_trl(spec: dict) -> dict:
     clock = StepClock()
     trainer = GRPOTrainer(
         model=spec["model"],
-        reward_funcs=[letter_reward],
+        reward_funcs=[reward(spec)],
         args=args,
-        train_dataset=dataset(P * spec["steps"]),
+        train_dataset=dataset(spec),
         callbacks=[clock.callback],
     )
     make_trl_sync_work_on_vllm_cpu(trainer.vllm_generation)
-    ph = Phases()
     ph.wrap(trainer.vllm_generation, "sync_weights", "weight_sync")
     ph.wrap(trainer.vllm_generation, "generate", "generate")
     ph.wrap(trainer, "_calculate_rewards", "rewards")
     ph.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
     ph.wrap(trainer, "training_step", "training_step")
-    ph.wrap(trainer, "_get_per_token_logps_and_entropies", "logps_forwards")
-    orig_end = clock.callback.on_step_end
-
-    def on_step_end(*a, **kw):
-        ph.close_step()
-        return orig_end(*a, **kw)
-
-    clock.callback.on_step_end = on_step_end
+    ph.wrap(trainer, "compute_loss", "train_forward")
+    # the log-probs forward: the old-policy pass inside `_generate_and_score_completions`, else the training one
+    ph.wrap(
+        trainer,
+        "_get_per_token_logps_and_entropies",
+        lambda rec: "old_logps" if "_in_generate_and_score" in rec else "logps_forward",
+    )
+    clock.on_step.append(ph.close_step)
     trainer.train()
     del trainer
     gc.collect()

@@ -2,7 +2,7 @@
 
 ```
 grpo-async serve --model PATH [vLLM server flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-grpo-async plot OUTPUT_DIR            # PNG plots of reward, KL, length and timings from OUTPUT_DIR/metrics.jsonl
+grpo-async plot OUTPUT_DIR            # PNG plots of reward, KL, length, timings, overlap from OUTPUT_DIR/metrics.jsonl
 ```
 """
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .algo.advantages import SCALE_REWARDS
-from .algo.loss import IS_MODES, LOSS_TYPES
+from .algo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from .algo.loss import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, combination_warnings
 from .pipeline.aggregation import REUSE_ORDERS, service_target_bs
 
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
@@ -47,7 +47,7 @@ SYNC_WHY = {
     "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
     "it can only reload a shared checkpoint folder",
 }
-#: loss types TRL 1.16 has; those missing from `LOSS_TYPES` raise `NotImplementedError` (not a typo's `ValueError`)
+#: loss types TRL 1.16 has (all in `LOSS_TYPES`; one missing would raise `NotImplementedError`, not a typo's `ValueError`)
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 #: TRL 1.16 field name → the field of this config that holds the same knob (same values, same meaning). Accepted as
@@ -74,25 +74,13 @@ DEFAULT_DIFFERENCES = {
     "trainer's logps match the sampler's; bf16=None is accepted with TRL's meaning.",
     "min_p": "0.0 here (TRL: None); both mean off. None is accepted and read back as 0.0.",
     "num_completions_to_print": "4 here (TRL: None = every completion of the round). None prints them all.",
-    "use_bias_correction_kl": "False here (TRL: True). The KL term is not multiplied by the ratio π/π_old; with "
-    "beta=0 (the default, no KL term) the setting changes nothing and True is accepted, with beta > 0 True is "
-    "refused (NotImplementedError).",
 }
 
 #: TRL 1.16 fields this trainer accepts only at TRL's default: field → what to do instead (see `_unsupported`)
 _UNSUPPORTED = {
-    "router_aux_loss_coef": "the Mixture-of-Experts load-balancing loss is not added to the GRPO loss; leave it None",
-    "cast_lm_head_to_fp32": "the language-model head is not cast; load the model in float32 "
-    "(model_init_kwargs={'dtype': 'float32'}) for float32 logits",
-    "num_generations_eval": "evaluation samples num_generations completions per prompt; leave it None",
     "ds3_gather_for_generation": "the policy weights are always gathered for generation under DeepSpeed ZeRO-3; "
     "leave it True",
     "pad_to_multiple_of": "rows are packed without padding (padding_free); leave it 'auto' or None",
-    "generation_kwargs": "pass the sampling knobs this config has (temperature, top_p, top_k, min_p, stop, "
-    "max_completion_length) instead",
-    "chat_template_kwargs": "the tokenizer's chat template is applied without extra arguments; pre-render the "
-    "prompts as text to control it",
-    "repetition_penalty": "no sampler applies a repetition penalty here; leave it 1.0",
     "cache_implementation": "the hf backend uses the model's default cache; leave it None",
     "vllm_model_impl": "the vllm backend uses vLLM's own model implementation; leave it 'vllm'",
     "vllm_enable_sleep_mode": "the in-process engine stays resident; lower vllm_gpu_memory_utilization or generate "
@@ -101,32 +89,6 @@ _UNSUPPORTED = {
     "vllm_group_port": "the broadcast weight sync picks a free port itself; leave it 51216",
     "vllm_tensor_parallel_size": "the in-process engine runs on one device; for tensor parallelism start "
     "`grpo-async serve` with it and use generation_backend='vllm_server'",
-    "delta": "two-sided clipping (INTELLECT-2) is not implemented; leave it None",
-    "sapo_temperature_neg": "needs loss_type='sapo', which this trainer does not implement",
-    "sapo_temperature_pos": "needs loss_type='sapo', which this trainer does not implement",
-    "vespo_k_pos": "needs loss_type='vespo', which this trainer does not implement",
-    "vespo_lambda_pos": "needs loss_type='vespo', which this trainer does not implement",
-    "vespo_k_neg": "needs loss_type='vespo', which this trainer does not implement",
-    "vespo_lambda_neg": "needs loss_type='vespo', which this trainer does not implement",
-    "importance_sampling_level": "the π/π_old ratio is per token (GRPO); sequence-level ratios (GSPO) are not "
-    "implemented; leave it 'token'",
-    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalised (TRL's default); "
-    "leave it 'sum_then_normalize'",
-    "sync_ref_model": "the reference model stays frozen (TR-DPO updates are not implemented); leave it False",
-    "ref_model_mixup_alpha": "only used by sync_ref_model, which is not implemented; leave it 0.6",
-    "ref_model_sync_steps": "only used by sync_ref_model, which is not implemented; leave it 512",
-    "top_entropy_quantile": "every completion token is trained on (no entropy masking); leave it 1.0",
-    "entropy_coef": "no entropy bonus is added to the loss; leave it 0.0",
-    "use_adaptive_entropy": "no entropy bonus is added to the loss; leave it False",
-    "entropy_coef_min": "only used by the entropy bonus, which is not implemented; leave it 0.0",
-    "entropy_coef_max": "only used by the entropy bonus, which is not implemented; leave it 1.0",
-    "entropy_coef_delta": "only used by the entropy bonus, which is not implemented; leave it 0.005",
-    "entropy_target": "only used by the entropy bonus, which is not implemented; leave it 0.2",
-    "max_tool_calling_iterations": "tool-calling agents run as multi-turn environments here; bound them with the "
-    "environment's max_turns",
-    "off_policy_mask_threshold": "off-policy sequence masking (DeepSeek-V3.2) is not implemented; bound stale "
-    "samples with max_staleness and the importance_sampling_* knobs",
-    "log_unique_prompts": "completions are logged one row per completion; leave it False",
     "log_completions_hub_repo": "completions are written to output_dir/completions/ as parquet; upload that folder",
     "use_transformers_continuous_batching": "use generation_backend='vllm' (or use_vllm=True) for batched generation",
     "transformers_continuous_batching_config": "use generation_backend='vllm' (or use_vllm=True) for batched "
@@ -137,11 +99,6 @@ _UNSUPPORTED = {
 }
 #: TRL 1.16 fields accepted only at TRL's default (`NotImplementedError` otherwise): the README's table
 UNSUPPORTED_TRL_FIELDS = tuple(_UNSUPPORTED)
-#: loss types whose knobs are only usable once the loss type is implemented (`LOSS_TYPES`)
-_KNOBS_OF_LOSS = {
-    "sapo": ("sapo_temperature_neg", "sapo_temperature_pos"),
-    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
-}
 _STAGES = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
 
 
@@ -253,6 +210,15 @@ class GRPOConfig(TrainingArguments):
 
     # ---- generation --------------------------------------------------------------------------------------
     num_generations: int | None = field(default=8, metadata={"help": "Completions per prompt (G)."})
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={
+            "help": "Number of generations to sample during evaluation. This allows using fewer generations during "
+            "evaluation to save computation. If `None`, uses the value of `num_generations`. Evaluation generates "
+            "and scores per_device_eval_batch_size × processes rows at a time, which must then be a multiple of it "
+            "when evaluating during training (as in TRL)."
+        },
+    )
     max_completion_length: int | None = field(default=512, metadata={"help": "Most tokens generated per completion."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also divides trainer logits)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling; 1.0 disables it."})
@@ -338,6 +304,16 @@ class GRPOConfig(TrainingArguments):
             "weights it started with. Samples record the version their round started with."
         },
     )
+    vllm_lora_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "With a PEFT LoRA adapter (peft_config), what a weight sync sends to vLLM: 'adapter' (only the "
+            "adapter's lora_A/lora_B tensors; the sampler serves base + LoRA with a new adapter per policy version "
+            "and its base weights never move; a vllm_server must run with --enable-lora --max-lora-rank R), "
+            "'merged' (merge the adapter, push every full weight, unmerge) or 'auto' ('adapter' for the in-process "
+            "vllm backend when vLLM can serve the adapter (LoRA, no DoRA, bias or modules_to_save), else 'merged')."
+        },
+    )
 
     # ---- per-stage micro-batches -------------------------------------------------------------------------
     rollout_micro_batch_size: int | None = field(
@@ -398,9 +374,18 @@ class GRPOConfig(TrainingArguments):
     num_iterations: int = field(default=1, metadata={"help": "Passes over each generation round (μ)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range ε."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range; defaults to epsilon."})
-    loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES}."})
+    loss_type: str = field(default="dapo", metadata={"help": f"One of {LOSS_TYPES} (TRL 1.16's)."})
     scale_rewards: str = field(
         default="group", metadata={"help": f"One of {SCALE_REWARDS}; True means 'group', False 'none' (as in TRL)."}
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "How several reward functions become one advantage: 'sum_then_normalize' (default): weighted sum "
+            "of the rewards, then normalised as `scale_rewards` says. 'normalize_then_sum' (GDPO): each reward "
+            "normalised within its group (mean, std), then the weighted sum, then normalised over the whole batch; "
+            "`scale_rewards` does not apply (as in TRL)."
+        },
     )
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
     reward_timeout: float | None = field(
@@ -446,22 +431,82 @@ class GRPOConfig(TrainingArguments):
         },
     )
     use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "Multiply the KL term by the ratio π/π_old, so its gradient is the unbiased reverse-KL gradient "
+            "(DeepSeek-V3.2); changes the gradient whenever beta > 0, on-policy too."
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": f"One of {IMPORTANCE_SAMPLING_LEVELS}: the ratio π/π_old per token, or per sequence as the exp of "
+            "the mean log-ratio over its tokens (GSPO; use it with loss_type='grpo' or 'luspo')."
+        },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={"help": "Two-sided clipping (INTELLECT-2): cap the ratio at delta (> 1; recommended > 1 + ε_high)."},
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Off-policy sequence masking (DeepSeek-V3.2): drop sequences with A < 0 whose mean per-token "
+            "log π_sampler − log π_θ exceeds this (>= 0); None: off."
+        },
+    )
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "loss_type='sapo': τ for A <= 0 (> 0)."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "loss_type='sapo': τ for A > 0 (> 0)."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "loss_type='vespo': power k for A >= 0 (>= 0)."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "loss_type='vespo': decay λ for A >= 0 (>= 0)."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "loss_type='vespo': power k for A < 0 (>= 0)."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "loss_type='vespo': decay λ for A < 0 (>= 0)."})
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "ρ in [0, 1]: train only the top-ρ tokens by entropy, the quantile taken over every process's "
+            "trained tokens of the micro-step (1.0: all tokens)."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Entropy bonus: subtract coef × the mean per-token entropy (of the entropy-masked tokens) from "
+            "the loss; the initial coefficient with use_adaptive_entropy."
+        },
+    )
+    use_adaptive_entropy: bool = field(
         default=False,
         metadata={
-            "help": "TRL: multiply the KL term by π/π_old. Not implemented: True is accepted only with beta=0 "
-            "(no KL term)."
+            "help": "Adaptive entropy bonus (Skywork-OR1): each optimizer step entropy_coef moves by "
+            "entropy_coef_delta up when the step's mean entropy is <= entropy_target, down otherwise, and is applied "
+            "only while the entropy is <= entropy_target. Saved in checkpoints."
+        },
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy: lower bound of entropy_coef."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy: upper bound of entropy_coef."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy: step of entropy_coef."})
+    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy: target mean entropy (nats)."})
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-Experts models (a config with output_router_logits): weight of the load-balancing "
+            "loss added to the loss; None: the model config's router_aux_loss_coef; 0.0: off. An error for "
+            "other models."
         },
     )
 
     # ---- memory: packing, reference model ----------------------------------------------------------------
-    padding_free: bool = field(
-        default=True,
+    padding_free: bool | None = field(
+        default=None,
         metadata={
             "help": "Run the logps and training forward passes without padding: each micro-batch's rows packed, "
             "longest first, into bins no longer than its longest row (position ids reset per row; logits only at "
             "completion tokens). Same numbers as the padded path, never more attention work; much less memory and "
-            "time when lengths are skewed (one long completion among short ones), as in RL. Needs "
-            "a model whose attention honours restarting position ids (transformers 5 models do; checked at start)."
+            "time when lengths are skewed (one long completion among short ones), as in RL. Needs a model whose "
+            "attention isolates packed rows (restarting position ids); the trainer checks this at start. None "
+            "(default): packed when the model isolates packed rows, else padded with a warning (e.g. OPT, Bloom, "
+            "Falcon); True: packed, or an error naming the model; False: padded."
         },
     )
     ref_server_url: str | None = field(
@@ -474,6 +519,29 @@ class GRPOConfig(TrainingArguments):
     ref_server_api_key: str | None = field(
         default=None, metadata={"help": "API key of the reference server. Default: vllm_api_key."}
     )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Whether to synchronize the reference model with the active model every `ref_model_sync_steps` "
+            "steps, using the `ref_model_mixup_alpha` parameter (TR-DPO). Needs beta > 0 and a reference model "
+            "in this process: not with PEFT or ref_server_url."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={
+            "help": "α parameter from the TR-DPO paper, which controls the mix between the current policy and the "
+            "previous reference policy during updates. The reference policy is updated according to the equation: "
+            "`π_ref = α * π_θ + (1 - α) * π_ref_prev`. To use this parameter, you must set `sync_ref_model=True`."
+        },
+    )
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={
+            "help": "τ parameter from the TR-DPO paper, which determines how frequently the current policy is "
+            "synchronized with the reference policy. To use this parameter, you must set `sync_ref_model=True`."
+        },
+    )
 
     # ---- logging -----------------------------------------------------------------------------------------
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
@@ -485,44 +553,57 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- TRL 1.16 fields accepted only at TRL's default (UNSUPPORTED_TRL_FIELDS) ---------------------------
-    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
-    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
-    num_generations_eval: int | None = field(default=None, metadata={"help": "TRL field; not implemented."})
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "As TRL: the LM head in float32 (its weights and matmul), so a bf16/fp16 model computes float32 "
+            "logits and logps; with tied embeddings the embedding output keeps the model's dtype."
+        },
+    )
     ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL field; always gathered here."})
     pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": "TRL field; rows are packed."})
-    generation_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
-    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra sampling arguments for the backend, as TRL: GenerationConfig fields (hf) or vLLM "
+            "SamplingParams fields (vllm; for servers, /v1/completions body fields). They override the fields this "
+            "config sets (temperature, top_p, ...): the trainer's logps still use `temperature`."
+        },
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra arguments of the tokenizer's apply_chat_template for conversational prompts and every "
+            "environment turn (e.g. {'enable_thinking': False}), as TRL."
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "Penalise tokens already in the prompt or completion (> 1) or favour them (< 1); 1.0 is off. The "
+            "sampler's distribution then differs from π/T the trainer scores: the importance-sampling correction sees "
+            "that gap (sampling/logp_diff)."
+        },
+    )
     cache_implementation: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
     vllm_model_impl: str = field(default="vllm", metadata={"help": "TRL field; vLLM's implementation only."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
     vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
     vllm_group_port: int = field(default=51216, metadata={"help": "TRL field; the port is picked automatically."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "TRL field; use a server for TP."})
-    delta: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "TRL field (loss_type='sapo')."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "TRL field (loss_type='sapo')."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "TRL field (loss_type='vespo')."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "TRL field (loss_type='vespo')."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "TRL field (loss_type='vespo')."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "TRL field (loss_type='vespo')."})
-    importance_sampling_level: str = field(default="token", metadata={"help": "TRL field; 'token' only."})
-    multi_objective_aggregation: str = field(
-        default="sum_then_normalize", metadata={"help": "TRL field; 'sum_then_normalize' only."}
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "tools= / environment_factory: most tool-calling turns of a rollout (TRL); None: until "
+            "max_completion_length. An environment= object sets its own max_turns."
+        },
     )
-    sync_ref_model: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TRL field; not implemented."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TRL field; not implemented."})
-    top_entropy_quantile: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "TRL field; not implemented."})
-    use_adaptive_entropy: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "TRL field; not implemented."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "TRL field; not implemented."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "TRL field; not implemented."})
-    entropy_target: float = field(default=0.2, metadata={"help": "TRL field; not implemented."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "TRL field; see max_turns."})
-    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "TRL field; not implemented."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "TRL field; not implemented."})
+    log_unique_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Print one completion per distinct prompt in the completions table (the parquet keeps all)."
+        },
+    )
     log_completions_hub_repo: str | None = field(default=None, metadata={"help": "TRL field; not implemented."})
     use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "TRL field; use vllm."})
     transformers_continuous_batching_config: dict | str | None = field(
@@ -644,18 +725,11 @@ class GRPOConfig(TrainingArguments):
                 value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "null"))
             ):
                 continue  # TRL: 'auto' pads only on Neuron; None never pads
-            if any(name in knobs and loss in LOSS_TYPES for loss, knobs in _KNOBS_OF_LOSS.items()):
-                continue  # the loss type exists: its knobs are the loss's business
             if value != default:
                 raise NotImplementedError(
                     f"GRPOConfig.{name}={value!r} is a TRL GRPOConfig option this trainer does not implement: "
                     f"{instead}."
                 )
-        if self.use_bias_correction_kl and self.beta != 0:
-            raise NotImplementedError(
-                f"GRPOConfig.use_bias_correction_kl=True with beta={self.beta}: the KL term is not multiplied by the "
-                "ratio π/π_old here; set use_bias_correction_kl=False (the KL term is then the plain k3 estimate)."
-            )
         if self.loss_type in TRL_LOSS_TYPES and self.loss_type not in LOSS_TYPES:
             raise NotImplementedError(
                 f"GRPOConfig.loss_type={self.loss_type!r} is a TRL loss type this trainer does not implement; "
@@ -729,6 +803,15 @@ class GRPOConfig(TrainingArguments):
             raise _err("num_generations", f"must be an int >= 2 (GRPO compares completions of a prompt), got {G!r}")
         if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
             raise _err("num_iterations", f"must be an int >= 1, got {self.num_iterations!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
+            raise _err("repetition_penalty", f"must be a number > 0 (1.0 = off), got {self.repetition_penalty!r}")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise _err("chat_template_kwargs", f"must be a dict (or its JSON text), got {self.chat_template_kwargs!r}")
+        it = self.max_tool_calling_iterations
+        if it is not None and not (isinstance(it, int) and not isinstance(it, bool) and it >= 0):
+            raise _err("max_tool_calling_iterations", f"must be an int >= 0 or None, got {it!r}")
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            raise _err("generation_kwargs", f"must be a dict (or its JSON text), got {self.generation_kwargs!r}")
         gbs = self.generation_batch_size
         if gbs % G != 0:
             blame, how = self._round_description()
@@ -799,6 +882,7 @@ class GRPOConfig(TrainingArguments):
             )
         if self.loss_type not in LOSS_TYPES:
             raise _err("loss_type", f"unknown loss type {self.loss_type!r}; choose one of {LOSS_TYPES}")
+        self._validate_loss()
         if self.scale_rewards not in SCALE_REWARDS:
             raise _err("scale_rewards", f"must be one of {SCALE_REWARDS} (or True/False), got {self.scale_rewards!r}")
         if self.reward_timeout is not None and not self.reward_timeout > 0:
@@ -809,6 +893,59 @@ class GRPOConfig(TrainingArguments):
             raise _err("epsilon", f"epsilon and epsilon_high must be > 0, got {self.epsilon!r}, {self.epsilon_high!r}")
         self._validate_generation()
         self._validate_staleness()
+        self._validate_eval_and_reference()
+
+    def _validate_loss(self) -> None:
+        """The loss family's knobs (TRL 1.16's meanings); TRL's warnings about known-bad combinations."""
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise _err(
+                "importance_sampling_level",
+                f"must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {self.importance_sampling_level!r}",
+            )
+        if self.delta is not None and not self.delta > 1:
+            raise _err(
+                "delta", f"must be > 1 (the ratio's cap; recommended > 1 + epsilon_high) or None, got {self.delta!r}"
+            )
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise _err(
+                "off_policy_mask_threshold", f"must be >= 0 (a KL) or None, got {self.off_policy_mask_threshold!r}"
+            )
+        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):
+            if not getattr(self, name) > 0:
+                raise _err(name, f"must be > 0 (the loss divides by it), got {getattr(self, name)!r}")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) >= 0:
+                raise _err(name, f"must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise _err(
+                "top_entropy_quantile", f"must be in [0, 1] (1.0: every token), got {self.top_entropy_quantile!r}"
+            )
+        if not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
+            raise _err(
+                "entropy_coef_min",
+                f"need 0 <= entropy_coef_min <= entropy_coef_max, got {self.entropy_coef_min!r}, "
+                f"{self.entropy_coef_max!r}",
+            )
+        if not self.entropy_coef_delta >= 0:
+            raise _err("entropy_coef_delta", f"must be >= 0, got {self.entropy_coef_delta!r}")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise _err(
+                "router_aux_loss_coef", f"must be >= 0 or None (the model's own), got {self.router_aux_loss_coef!r}"
+            )
+        if (
+            self.loss_type == "vespo"
+            and self.importance_sampling_correction
+            and self.importance_sampling_mode.startswith("sequence")
+        ):
+            raise _err(
+                "importance_sampling_mode",
+                "loss_type='vespo' folds the importance-sampling ratio π_old / π_sampler into its sequence weights "
+                "token by token (TRL refuses sequence modes with VESPO too), got "
+                f"{self.importance_sampling_mode!r}; set importance_sampling_mode='token_mask' or 'token_truncate', "
+                "or importance_sampling_correction=False",
+            )
+        for message in combination_warnings(self.loss_type, self.importance_sampling_level):
+            warnings.warn(f"GRPOConfig: {message}", UserWarning, stacklevel=6)
 
     def _validate_stages(self) -> None:
         """Every chunk of every stage is full: the rollout runs on the main process over the whole round, the
@@ -869,6 +1006,17 @@ class GRPOConfig(TrainingArguments):
                 f"pause running requests and resume them); got generation_backend={self.generation_backend!r}, "
                 f"weight_sync_transport={self.weight_sync_transport!r}",
             )
+        if self.vllm_lora_sync not in ("auto", "adapter", "merged"):
+            raise _err("vllm_lora_sync", f"must be 'auto', 'adapter' or 'merged', got {self.vllm_lora_sync!r}")
+        if self.vllm_lora_sync == "adapter" and (
+            self.generation_backend not in ("vllm", "vllm_server") or self.weight_sync_transport == "none"
+        ):
+            raise _err(
+                "vllm_lora_sync",
+                "'adapter' sends a LoRA adapter to a vLLM sampler: it needs generation_backend 'vllm' or "
+                f"'vllm_server' with a weight sync; got generation_backend={self.generation_backend!r}, "
+                f"weight_sync_transport={self.weight_sync_transport!r}",
+            )
         allowed = SYNC_BY_BACKEND[self.generation_backend]
         if self.weight_sync_transport not in allowed:
             raise _err(
@@ -889,6 +1037,48 @@ class GRPOConfig(TrainingArguments):
                     f"{self.ref_server_url} is also a generation server: it receives the policy's weight updates, so "
                     "it cannot hold the frozen reference; start a separate server for it",
                 )
+
+    def _validate_eval_and_reference(self) -> None:
+        """`num_generations_eval`, `multi_objective_aggregation`, and the TR-DPO reference updates (TRL's rules)."""
+        g_eval = self.num_generations_eval
+        if g_eval is not None and (not isinstance(g_eval, int) or isinstance(g_eval, bool) or g_eval < 1):
+            raise _err("num_generations_eval", f"must be an int >= 1 or None (= num_generations), got {g_eval!r}")
+        rows = self.per_device_eval_batch_size * self.world_size
+        if self.do_eval and self.eval_strategy != "no" and rows % (g_eval or self.num_generations) != 0:
+            g = g_eval or self.num_generations
+            raise _err(
+                "num_generations_eval",
+                f"the global eval batch (per_device_eval_batch_size={self.per_device_eval_batch_size} × processes="
+                f"{self.world_size} = {rows} rows) must be a multiple of the completions sampled per eval prompt "
+                f"({g}{'' if g_eval else ', num_generations since num_generations_eval is None'}), as in TRL: set "
+                f"num_generations_eval to a divisor of {rows} ({_divisors(rows)}) or per_device_eval_batch_size to a "
+                f"multiple of {g}",
+            )
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise _err(
+                "multi_objective_aggregation",
+                f"must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got {self.multi_objective_aggregation!r}",
+            )
+        if not self.sync_ref_model:
+            return
+        if self.beta == 0:  # TRL raises the same (at trainer construction)
+            raise _err(
+                "sync_ref_model",
+                "is True but beta=0: no reference model is loaded (the KL term is off), so there is nothing to "
+                "synchronize; set sync_ref_model=False, or beta > 0",
+            )
+        if self.ref_server_url is not None:
+            raise NotImplementedError(
+                f"GRPOConfig.sync_ref_model=True with GRPOConfig.ref_server_url={self.ref_server_url!r}: the "
+                "reference server holds frozen weights that this trainer cannot mix the policy into; leave "
+                "ref_server_url unset (the reference model is then loaded in this process and synchronized) or set "
+                "sync_ref_model=False"
+            )
+        alpha, tau = self.ref_model_mixup_alpha, self.ref_model_sync_steps
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise _err("ref_model_mixup_alpha", f"must be in [0, 1] (the policy's share of the mix), got {alpha!r}")
+        if not isinstance(tau, int) or isinstance(tau, bool) or tau < 1:
+            raise _err("ref_model_sync_steps", f"must be an int >= 1 (optimizer steps), got {tau!r}")
 
     def _validate_staleness(self) -> None:
         s = self.max_staleness

@@ -164,6 +164,22 @@ PANELS = (
             ("timing/wait_generation", "trainer waiting for a round"),
         ],
     ),
+    (
+        "overlap of generation and training",
+        "fraction",
+        [
+            ("async/overlap", "overlap: max(T_gen, T_train) / step time"),
+            ("async/bottleneck", "share of steps bound by generation"),
+        ],
+    ),
+    (
+        "idle time per step",
+        "seconds",
+        [
+            ("async/trainer_wait", "trainer waiting for the generator"),
+            ("async/generator_idle", "generator idle"),
+        ],
+    ),
 )
 PLOT_FILE = "metrics.png"
 
@@ -182,8 +198,10 @@ def metric_panels(rows: list[dict]) -> list[tuple[str, str, list[tuple[str, str]
 
 
 def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> str:
-    """One PNG with a panel each for reward (and each reward function), KL, completion length and the time per
-    step of generation and training, from the JSONL that `MetricsJsonlCallback` writes; x = optimizer step."""
+    """One PNG with a panel each for reward (and each reward function), KL, completion length, the time per
+    step of generation and training, and (when logged) how well they overlapped (`async/overlap`, the share of
+    generation-bound steps) and the seconds each side sat idle per step (`async/trainer_wait`,
+    `async/generator_idle`), from the JSONL that `MetricsJsonlCallback` writes; x = optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +216,8 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.4 * nrows), squeeze=False)
     for ax, (panel_title, ylabel, series) in zip(axes.flat, panels, strict=False):
         for i, (key, label) in enumerate(series):
-            secondary = i > 0 and panel_title in ("reward", "completion length")  # per-function rewards, min/max
+            # per-function rewards, min/max lengths, the bottleneck share
+            secondary = i > 0 and panel_title in ("reward", "completion length", "overlap of generation and training")
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             ax.plot(
                 [p[0] for p in pts],
@@ -212,6 +231,8 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
         ax.set_title(panel_title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
+        if ylabel == "fraction":
+            ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend(fontsize=8)
@@ -296,9 +317,9 @@ def cut_prompt(text: str, limit: int) -> str:
     return "…" + tail
 
 
-def completions_table(samples: dict, step: int, n: int | None):
+def completions_table(samples: dict, step: int, n: int | None, unique_prompts: bool = False):
     """A rich `Table` of the first `n` samples: prompt, completion, each reward function, reward, advantage,
-    policy version."""
+    policy version. `unique_prompts`: only the first completion of each prompt (TRL's `log_unique_prompts`)."""
     from rich.table import Table
 
     cols = completion_columns(samples, step)
@@ -309,7 +330,10 @@ def completions_table(samples: dict, step: int, n: int | None):
     for k in reward_cols:
         table.add_column(k, justify="right", no_wrap=True)
     table.add_column("policy_version", justify="right", no_wrap=True)
-    for i in range(len(cols["prompt"]) if n is None else min(n, len(cols["prompt"]))):  # None: all (as TRL)
+    rows = list(range(len(cols["prompt"])))
+    if unique_prompts:
+        rows = [i for i in rows if cols["prompt"][i] not in cols["prompt"][:i]]
+    for i in rows if n is None else rows[:n]:  # None: all (as TRL)
         table.add_row(
             cut_prompt(cols["prompt"][i], 200),
             cols["completion"][i][:400],
@@ -319,14 +343,15 @@ def completions_table(samples: dict, step: int, n: int | None):
     return table
 
 
-def log_completions(samples: dict, output_dir: str, step: int, n: int | None) -> str:
-    """Prints the first `n` samples as a table (at least 160 columns wide when stdout is not a terminal) and
-    writes all of them to `output_dir/completions/step_<step>.parquet`; returns the parquet path."""
+def log_completions(samples: dict, output_dir: str, step: int, n: int | None, unique_prompts: bool = False) -> str:
+    """Prints the first `n` samples (of distinct prompts with `unique_prompts`) as a table (at least 160 columns wide
+    when stdout is not a terminal) and writes all of them to `output_dir/completions/step_<step>.parquet`; returns
+    the parquet path."""
     import sys
 
     from rich.console import Console
 
     path = write_completions_parquet(samples, output_dir, step)
     width = None if sys.stdout.isatty() else max(160, Console().width)
-    Console(width=width).print(completions_table(samples, step, n))
+    Console(width=width).print(completions_table(samples, step, n, unique_prompts))
     return path

@@ -31,8 +31,10 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import PreTrainedModel, Trainer
 
-from .algo.logprobs import LogpsScorer, completion_logps
-from .algo.loss import LossContext, grpo_loss
+from .algo.logprobs import LogpsScorer, score_tokens
+from .algo.loss import LossContext
+from .algo.objective import PolicyObjective, ProcessOps
+from .algo.ref_sync import RefModelSyncCallback
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
@@ -44,24 +46,25 @@ from .pipeline import checkpointing as ckpt
 from .pipeline.consumer import RoundConsumer
 from .pipeline.metrics import loss_metrics, window_summary
 from .pipeline.producer import RoundProducer
-from .pipeline.publisher import PolicyPublisher
+from .pipeline.publisher import PolicyPublisher, lora_sync_mode
 from .pipeline.scheduler import Collectives, RoundScheduler
 from .pipeline.types import MicroBatch
-from .rewards import prepare_reward_funcs
 from .trainer_setup import (
     ProducerAttribute,
     bound_collectives,
-    check_dataset,
+    check_datasets,
     consumer_settings,
     default_args,
+    eval_chunk_prompts,
     is_peer_failure,
-    make_environment,
     peer_failure_error,
     prepare_models,
+    prepare_rewards,
     producer_settings,
     reference_scorer,
-    reward_weights_tensor,
     scheduler_settings,
+    train_stream,
+    trainer_environment,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,23 +79,24 @@ class GRPOTrainer(Trainer):
 
     Args:
         model (`str` or `PreTrainedModel`): a model id/path (loaded with `args.model_init_kwargs`) or a model.
-        reward_funcs (`callable`, `str`, `PreTrainedModel` or a list of them): `f(prompts, completions,
+        reward_funcs (`callable`, `str`, `PreTrainedModel` or a list of them, *optional*): `f(prompts, completions,
             completion_ids, **columns)` returning one float (or `None`) per completion (`grpo_async.rewards`), or, as
             in TRL, a sequence-classification reward model (id, path or model), tokenizer from
-            `reward_processing_classes`.
+            `reward_processing_classes`. Optional when the environment brings a reward (`get_reward`).
         args (`GRPOConfig`, *optional*): configuration; a default one writing to `<model>-GRPO` if omitted.
         train_dataset (`datasets.Dataset`): rows with a `prompt` column (text or chat messages) plus any columns
             the reward functions read.
         eval_dataset (`datasets.Dataset`, *optional*): same format.
-        processing_class (`PreTrainedTokenizerBase`, *optional*): loaded from the model if omitted; must have a
-            pad token.
-        callbacks, optimizers: as for `Trainer`.
+        processing_class (`PreTrainedTokenizerBase`, *optional*): loaded from the model if omitted; needs a pad token.
+        callbacks, optimizers, quantization_config: as for TRL (the last one loads `model` when it is a name).
         peft_config (`peft.PeftConfig`, *optional*): train a PEFT adapter; the reference model is then the base
             model with the adapter disabled.
+        tools (`list[callable]`, *optional*): TRL-style shortcut for `environment=ToolEnv(tools)`.
+        rollout_func, environment_factory (*optional*): TRL's: `rollout_func(prompts, trainer)` generates
+            (`grpo_async.envs.rollout.run_rollout_func`); one environment per rollout (`grpo_async.envs.factory`).
         environment (`grpo_async.envs.Environment`, *optional*): multi-turn rollouts: the model and the environment
             take turns (`grpo_async.envs`); prompts must be chat messages. Reward functions get the completion's
             messages (assistant and environment turns).
-        tools (`list[callable]`, *optional*): TRL-style shortcut for `environment=ToolEnv(tools)`.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by gradient accumulation
@@ -102,7 +106,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs,
+        reward_funcs=None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -110,21 +114,24 @@ class GRPOTrainer(Trainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
-        environment=None,
         tools=None,
+        rollout_func=None,
+        environment_factory=None,
+        environment=None,
     ):
         args = default_args(model, args)
         self._model_source = model if isinstance(model, str) else None  # what engines that load a model read
-        model, processing_class, ref_model = prepare_models(model, args, processing_class, peft_config)
+        model, processing_class, ref_model = prepare_models(
+            model, args, processing_class, peft_config, quantization_config
+        )
         self.is_peft = peft_config is not None
-        if train_dataset is not None:
-            check_dataset(train_dataset, args, "train_dataset")
-        if eval_dataset is not None:
-            check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
-        rewards = prepare_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device)
-        weights = reward_weights_tensor(args.reward_weights, len(rewards[0]))
-        self.environment = make_environment(environment, tools, train_dataset, eval_dataset)
+        train_dataset = check_datasets(train_dataset, eval_dataset, args, environment_factory)
+        self.environment = trainer_environment(
+            environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
+        )
+        rewards, weights = prepare_rewards(reward_funcs, reward_processing_classes, args, self.environment)
 
         super().__init__(
             model=model,
@@ -149,6 +156,8 @@ class GRPOTrainer(Trainer):
 
         a = args
         self.num_generations = a.num_generations
+        unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
+        self.objective = PolicyObjective.from_config(a, unwrapped_config, ProcessOps.of(self.accelerator))
         self.compute_old_logps = (
             a.num_iterations > 1
             or a.steps_per_generation > a.gradient_accumulation_steps
@@ -164,6 +173,7 @@ class GRPOTrainer(Trainer):
             enabled=a.syncs_weights,
             wait_idle=lambda: self.rounds.wait_until_idle(),
             inflight=a.weight_sync_inflight,
+            adapter=lora_sync_mode(a, model) == "adapter",  # PEFT LoRA: send the adapter only (vllm_lora_sync)
         )
         self.producer = RoundProducer(
             self.sampler,
@@ -173,10 +183,13 @@ class GRPOTrainer(Trainer):
             producer_settings(a),
             environment=self.environment,
             extra_columns=lambda: {"trainer_state": self.state},  # as TRL: reward shaping by training progress
+            rollout_func=(lambda prompts: rollout_func(prompts, self)) if rollout_func is not None else None,
         )
         dev = self.accelerator.device
         scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
         policy, unwrapped = (lambda: self.model), (lambda: self.accelerator.unwrap_model(self.model))  # wrapped later
+        if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
+            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, unwrapped))
         self.consumer = RoundConsumer(
             consumer_settings(a),
             num_processes=self.accelerator.num_processes,
@@ -227,7 +240,7 @@ class GRPOTrainer(Trainer):
         """The generation-batch dataloader (per device: `per_device_train_batch_size × steps_per_generation`
         rows), wrapped so the pipeline can peek at the rounds ahead."""
         dataloader = self._get_dataloader(
-            dataset=self.train_dataset,
+            dataset=train_stream(self.train_dataset, self.args),  # a stream: reordered like the sampler would
             description="Training",
             batch_size=self._train_batch_size * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,
@@ -286,30 +299,18 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return outputs")
-        a = self.args
+        a, T = self.args, inputs.completion_ids.size(1)
         ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, P+T]
-        attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)  # [B, P+T]
-        T = inputs.completion_ids.size(1)
-        logps = completion_logps(model, ids, attention_mask, T, a.temperature, padding_free=a.padding_free)  # [B, T]
-        out = grpo_loss(
-            logps,
-            inputs.advantages,
-            inputs.loss_mask,
-            loss_type=a.loss_type,
-            old_per_token_logps=inputs.old_logps,
-            ref_per_token_logps=inputs.ref_logps,
-            beta=a.beta,
-            epsilon_low=a.epsilon,
-            epsilon_high=a.epsilon_high,
-            importance_weights=inputs.is_weights,
-            ctx=LossContext(
-                grad_accum_steps=self.current_gradient_accumulation_steps,
-                max_completion_length=a.max_completion_length,
-                num_items_in_batch=inputs.num_items_in_batch,
-                num_processes=self.accelerator.num_processes,
-                steps_per_generation=a.steps_per_generation,
-            ),
+        mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)  # [B, P+T]
+        scores = score_tokens(model, ids, mask, T, a.temperature, None, a.padding_free, **self.objective.scoring)
+        ctx = LossContext(
+            grad_accum_steps=self.current_gradient_accumulation_steps,
+            max_completion_length=a.max_completion_length,
+            num_items_in_batch=inputs.num_items_in_batch,
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=a.steps_per_generation,
         )
+        out = self.objective(scores, inputs, ctx, end_of_window=self.accelerator.sync_gradients)  # algo/objective.py
         self._log_loss(out, inputs)
         return out.loss
 
@@ -327,6 +328,7 @@ class GRPOTrainer(Trainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["timing/train_step"].append(self._train_step_time)
             self._train_step_time = 0.0
+            self.rounds.end_step()  # logs async/overlap, async/trainer_wait, async/generator_idle of this step
         return loss
 
     # ---- metrics -------------------------------------------------------------------------------------------------
@@ -349,6 +351,7 @@ class GRPOTrainer(Trainer):
                 self.args.output_dir,
                 self.state.global_step,
                 self.args.num_completions_to_print,
+                self.args.log_unique_prompts,
             )
             self.rounds.last_samples = None  # each round's samples are logged once
 
@@ -359,9 +362,10 @@ class GRPOTrainer(Trainer):
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """G completions per eval prompt with the current weights (published first, after any round in flight),
-        scored; logs `<prefix>_reward`, `_reward_std`, `_rewards/<func>`, `_completions/mean_length`."""
+        """`num_generations_eval` completions per eval prompt on the current weights (published first, after any round
+        in flight), scored; logs `<prefix>_reward`, `_reward_std`, `_rewards/<func>`, `_completions/mean_length`."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset  # Trainer: an eval set's name
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (none was given to the trainer or to evaluate)")
         if isinstance(dataset, dict):
@@ -373,7 +377,7 @@ class GRPOTrainer(Trainer):
         self._publish()
         metrics = None
         if self.accelerator.is_main_process:
-            metrics = self.producer.evaluate(dataset, max(1, self.args.generation_batch_size // self.num_generations))
+            metrics = self.producer.evaluate(dataset, eval_chunk_prompts(self.args))
             metrics["runtime"] = time.perf_counter() - start
         metrics = broadcast_object_list([metrics], from_process=0)[0]
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
@@ -392,6 +396,7 @@ class GRPOTrainer(Trainer):
             saved = ckpt.read_pipeline_state(resume_from_checkpoint, self._pipeline_state()["geometry"])
             self._step = saved["micro_steps"]
             self.rounds.load_state_dict(saved)
+            self.objective.load_state_dict(saved.get("objective"))
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except KeyboardInterrupt:
@@ -406,6 +411,7 @@ class GRPOTrainer(Trainer):
         return {
             "micro_steps": self._step,  # training_step calls so far
             "policy_version": self.state.global_step,
+            "objective": self.objective.state_dict(),  # the adaptive entropy coefficient
             **self.rounds.state_dict(),
             "geometry": ckpt.batch_geometry(self.args, self.accelerator.num_processes),
         }

@@ -197,7 +197,11 @@ def make_environment(
     if tools is not None:
         if environment is not None:
             raise ValueError("give either environment= or tools= (tools=[...] is environment=ToolEnv([...]))")
-        environment = ToolEnv(tools)
+        iterations = getattr(args, "max_tool_calling_iterations", None)
+        # TRL: at most max_tool_calling_iterations tool calls, None = until max_completion_length (every assistant
+        # turn samples at least one token, so max_completion_length turns is no bound at all)
+        turns = iterations + 1 if iterations is not None else getattr(args, "max_completion_length", None) or 4
+        environment = ToolEnv(tools, max_turns=turns)
     if environment is None:
         return None
     check_environment(environment)
@@ -404,6 +408,7 @@ def producer_settings(a: GRPOConfig):
         num_generations_eval=a.num_generations_eval or a.num_generations,  # TRL: None means num_generations
         mask_truncated_completions=a.mask_truncated_completions,
         mask_env_responses=a.mask_env_responses,
+        chat_template_kwargs=dict(a.chat_template_kwargs) if a.chat_template_kwargs else None,
         reward_timeout=a.reward_timeout,
         syncs_weights=a.syncs_weights,
         seed=None,  # per-request seeds crash vLLM CPU on chunked prefill ("CPU Generator does not use offset")
@@ -411,9 +416,12 @@ def producer_settings(a: GRPOConfig):
 
 
 def eval_chunk_prompts(a: GRPOConfig) -> int:
-    """Prompts generated and scored together by `evaluate`: TRL's global eval batch, `per_device_eval_batch_size ×
-    processes` rows, in whole groups of `num_generations_eval` completions (at least one prompt)."""
-    return max(1, a.per_device_eval_batch_size * a.world_size // (a.num_generations_eval or a.num_generations))
+    """Prompts generated and scored together by `evaluate`, in whole groups of `num_generations_eval` completions:
+    as many rows as a training round or TRL's global eval batch (`per_device_eval_batch_size × processes`), whichever
+    is larger. The results do not depend on it; larger calls are what keeps a vLLM engine busy (TRL's default eval
+    batch of 8 rows with G = 8 would be one prompt per call)."""
+    rows = max(a.generation_batch_size, a.per_device_eval_batch_size * a.world_size)
+    return max(1, rows // (a.num_generations_eval or a.num_generations))
 
 
 def consumer_settings(a: GRPOConfig):

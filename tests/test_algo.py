@@ -88,6 +88,78 @@ def test_k3_kl_hand_worked():
     assert kl.item() == pytest.approx(0.306853, abs=1e-6)
 
 
+def test_new_loss_types_hand_worked():
+    from grpo_async.algo.loss import gamma_weights, off_policy_mask
+
+    one = torch.ones(1, 1)
+    # δ = 1.3 caps the ratio e^{0.5} = 1.6487 for A = -1: -min(-1.3, -1.2) = 1.3, and no gradient (capped)
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    out = grpo_loss(logp, torch.tensor([-1.0]), one, loss_type="bnpo", old_per_token_logps=-0.5 * one, delta=1.3)
+    assert out.loss.item() == pytest.approx(1.3)
+    out.loss.backward()
+    assert logp.grad.item() == 0.0
+    # cispo: -sg[min(w, ε_high)]·A·logp; w = e^{0.5} capped at ε_high = 1.2, logp = -1, A = 2 → 2.4; d/dlogp = -2.4
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    ctx = LossContext(num_items_in_batch=1)
+    out = grpo_loss(
+        logp, torch.tensor([2.0]), one, loss_type="cispo", old_per_token_logps=-1.5 * one, epsilon_high=1.2, ctx=ctx
+    )
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(2.4) and logp.grad.item() == pytest.approx(-2.4)
+    assert out.cispo_clipped.item() and out.is_low_clipped is None
+    # sapo on-policy: σ(0)·4/τ = 2/τ → loss -2A/τ; its slope at w = 1 is 1, so the gradient is -A (like plain PG)
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    out = grpo_loss(logp, torch.tensor([3.0]), one, loss_type="sapo", sapo_temperature_pos=0.5)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-12.0) and logp.grad.item() == pytest.approx(-3.0)
+    # GSPO: w = exp(mean of the masked log-ratios) = exp((0.2 + 0.4) / 2), one per sequence
+    logp, old = torch.zeros(1, 3), -torch.tensor([[0.2, 0.4, 9.0]])
+    out = grpo_loss(
+        logp,
+        torch.ones(1),
+        torch.tensor([[1, 1, 0]]),
+        old_per_token_logps=old,
+        importance_sampling_level="sequence",
+        ctx=ctx,
+    )
+    assert out.ratio.shape == (1, 1) and out.ratio.item() == pytest.approx(math.exp(0.3))
+    # luspo: a sequence's loss summed over its tokens: A = 1, on-policy, lengths 2 and 1 → (-2 - 1) / 2
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = grpo_loss(torch.zeros(2, 3), torch.ones(2), mask, loss_type="luspo", importance_sampling_level="sequence")
+    assert out.loss.item() == pytest.approx(-1.5)
+    # vespo: φ(1) = e^λ · 1^k · e^{-λ} = 1 on-policy; φ(e) = e^{λ + k - λe} for A ≥ 0 (k = 2, λ = 3)
+    adv = torch.tensor([[1.0], [-1.0]])
+    phi = gamma_weights(adv, torch.tensor([[0.0, 0.0], [0.5, 0.5]]), torch.ones(2, 2), None)
+    assert phi[0].item() == pytest.approx(1.0) and phi[1].item() == pytest.approx(math.exp(2 + 3 - 2 * math.e))
+    # off-policy mask: drop A < 0 rows whose mean log π_sampler − log π exceeds the threshold
+    keep = off_policy_mask(
+        torch.tensor([[-1.0], [-1.0], [1.0]]),
+        torch.zeros(3, 2),
+        torch.tensor([[0.3, 0.3], [0.05, 0.05], [0.3, 0.3]]),
+        torch.ones(3, 2),
+        0.1,
+    )
+    assert keep.squeeze(1).tolist() == [0.0, 1.0, 1.0]
+
+
+def test_bias_corrected_kl_is_weighted_by_the_ratio():
+    logp, old, ref = torch.zeros(1, 1), -0.5 * torch.ones(1, 1), torch.tensor([[math.log(2)]])
+    kw = dict(old_per_token_logps=old, ref_per_token_logps=ref, beta=0.1, loss_type="bnpo")
+    plain = grpo_loss(logp, torch.zeros(1), torch.ones(1, 1), use_bias_correction_kl=False, **kw).per_token_kl
+    corrected = grpo_loss(logp, torch.zeros(1), torch.ones(1, 1), **kw).per_token_kl  # TRL's default: corrected
+    assert plain.item() == pytest.approx(0.306853, abs=1e-6)
+    assert corrected.item() == pytest.approx(0.306853 * math.exp(0.5), abs=1e-6)
+
+
+def test_unknown_loss_knobs_are_refused():
+    with pytest.raises(ValueError, match="Unknown loss_type 'ppo'"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), loss_type="ppo")
+    with pytest.raises(ValueError, match="Unknown importance_sampling_level 'seq'"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), importance_sampling_level="seq")
+    with pytest.raises(TypeError, match="epsilon"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), epsilon=0.2)  # TRL's name is epsilon_low here
+
+
 # ---------------------------------------------------------------------------------------------- TRL parity
 def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_len, is_correction=False):
     """Run TRL 1.16's own GRPOTrainer._compute_loss; only its model forward and collectives are stood in for."""
@@ -107,7 +179,7 @@ def _trl_loss(loss_type, logps, inputs, beta, eps_low, eps_high, ga, spg, max_le
         _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         model=SimpleNamespace(training=True),
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=spg),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=True, steps_per_generation=spg),  # TRL's default
         # single process: reduce/gather are the identity
         accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),

@@ -167,6 +167,38 @@ def test_plot_written_at_the_end_of_training(run):
         "completions/max_length",
     ]
     assert panels["time per step"] == ["timing/generation", "timing/train_step", "timing/wait_generation"]
+    assert panels["overlap of generation and training"] == ["async/overlap", "async/bottleneck"]
+    assert panels["idle time per step"] == ["async/trainer_wait", "async/generator_idle"]
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG_MAGIC
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")  # IHDR width, height
+
+
+def test_plot_draws_the_overlap_panels_when_logged(tmp_path):
+    """`async/overlap` (and the idle seconds) get their own panels; a metrics file without them draws none."""
+    path = str(tmp_path / METRICS_FILE)
+    with open(path, "w") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "reward": 0.1 * step}) + "\n")
+    assert [t for t, _, _ in metric_panels(read_metrics(path))] == ["reward"]
+    without = _png_size(plot_metrics(path, str(tmp_path / "without.png")))
+    with open(path, "w") as f:
+        for step in (1, 2, 3):
+            row = {"step": step, "reward": 0.1 * step, "async/overlap": 0.9, "async/bottleneck": 1.0}
+            f.write(json.dumps({**row, "async/trainer_wait": 0.3, "async/generator_idle": 0.05}) + "\n")
+    rows = read_metrics(path)
+    assert [t for t, _, _ in metric_panels(rows)] == [
+        "reward",
+        "overlap of generation and training",
+        "idle time per step",
+    ]
+    with_overlap = _png_size(plot_metrics(path, str(tmp_path / "with.png")))
+    # 1 panel: one 6-inch column and one row; 3 panels: two columns and two rows (110 dpi)
+    assert without == (660, 374) and with_overlap == (1320, 748)
 
 
 def test_grpo_async_plot_command(run, tmp_path):

@@ -131,7 +131,24 @@ HONOURED = {
     "vllm_importance_sampling_clip_max",
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_cap",  # deprecated: sets importance_sampling_clip_max
-    "use_bias_correction_kl",  # False is what the loss does
+    "use_bias_correction_kl",  # the loss family (tests/test_loss_trl_parity.py)
+    "router_aux_loss_coef",
+    "delta",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "importance_sampling_level",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "entropy_coef_min",
+    "entropy_coef_max",
+    "entropy_coef_delta",
+    "entropy_target",
+    "off_policy_mask_threshold",
     "log_multimodal",  # text-only trainer: nothing multimodal to log either way
     "num_generations_eval",  # completions per eval prompt (tests/test_trl_features.py)
     "multi_objective_aggregation",  # GDPO advantages (tests/test_trl_features.py)
@@ -140,6 +157,9 @@ HONOURED = {
     "ref_model_sync_steps",
     "generation_kwargs",  # passed to the sampler (tests/test_trl_dropin.py)
     "cast_lm_head_to_fp32",  # float32 LM head (tests/test_trl_dropin.py)
+    "log_unique_prompts",  # one console row per prompt (tests/test_trl_dropin.py)
+    "chat_template_kwargs",  # every apply_chat_template call (tests/test_trl_dropin.py)
+    "max_tool_calling_iterations",  # tools= / environment_factory turn bound (tests/test_trl_dropin.py)
     "repetition_penalty",  # passed to the sampler (tests/test_trl_dropin.py)
     "learning_rate",
     "logging_steps",
@@ -260,10 +280,6 @@ def test_trl_non_default_works_or_raises_not_implemented(name, tmp_path):
 
 @pytest.mark.parametrize("name", UNSUPPORTED_TRL_FIELDS)
 def test_unsupported_fields_say_what_to_do(name, tmp_path):
-    if name in ("sapo_temperature_neg", "sapo_temperature_pos") and "sapo" in LOSS_TYPES:
-        pytest.skip("sapo is implemented")
-    if name.startswith("vespo_") and "vespo" in LOSS_TYPES:
-        pytest.skip("vespo is implemented")
     with pytest.raises(NotImplementedError, match=rf"GRPOConfig\.{name}=.*does not implement: \S"):
         GRPOConfig(output_dir=str(tmp_path), **BASE, **{name: NON_DEFAULT[name]})
 
@@ -273,16 +289,20 @@ def test_use_liger_kernel_is_refused_not_ignored(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), **BASE, use_liger_kernel=True)
 
 
-def test_bias_corrected_kl_only_without_kl(tmp_path):
-    GRPOConfig(output_dir=str(tmp_path), **BASE, use_bias_correction_kl=True)  # beta=0: nothing to correct
-    with pytest.raises(NotImplementedError, match="use_bias_correction_kl"):
-        GRPOConfig(output_dir=str(tmp_path), **BASE, use_bias_correction_kl=True, beta=0.1)
+def test_bias_corrected_kl_is_trls_default_with_and_without_kl(tmp_path):
+    assert GRPOConfig(output_dir=str(tmp_path), **BASE, beta=0.1).use_bias_correction_kl is True
+    assert not GRPOConfig(
+        output_dir=str(tmp_path), **BASE, use_bias_correction_kl=False, beta=0.1
+    ).use_bias_correction_kl
 
 
-@pytest.mark.parametrize("loss", [t for t in TRL_LOSS_TYPES if t not in LOSS_TYPES])
-def test_trl_loss_types_we_lack_raise_not_implemented(loss, tmp_path):
-    with pytest.raises(NotImplementedError, match=f"loss_type='{loss}'"):
-        GRPOConfig(output_dir=str(tmp_path), **BASE, loss_type=loss)
+@pytest.mark.parametrize("loss", TRL_LOSS_TYPES)
+def test_every_trl_loss_type_is_implemented(loss, tmp_path):
+    assert loss in LOSS_TYPES
+    mode = "token_mask" if loss == "vespo" else "sequence_mask"  # VESPO takes token-level IS ratios (as TRL)
+    assert (
+        GRPOConfig(output_dir=str(tmp_path), **BASE, loss_type=loss, importance_sampling_mode=mode).loss_type == loss
+    )
 
 
 # ---- TRL's names of our knobs ------------------------------------------------------------------------------

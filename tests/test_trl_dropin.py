@@ -256,3 +256,65 @@ def test_cast_lm_head_to_fp32_gives_float32_logits_for_a_bf16_model(tiny_model_p
     head_before = t.model.get_output_embeddings().weight.detach().clone()
     t.train()
     assert not torch.equal(head_before, t.model.get_output_embeddings().weight.detach())
+
+
+def test_log_unique_prompts_prints_one_completion_per_prompt():
+    from rich.console import Console
+
+    from grpo_async.logging_utils import completions_table
+
+    samples = {
+        "prompt": ["say a", "say a", "say b", "say b"],
+        "completion": ["first-a", "second-a", "first-b", "second-b"],
+        "rewards": {"r": [1.0, 0.0, 1.0, 0.0]},
+        "reward": [1.0, 0.0, 1.0, 0.0],
+        "advantage": [0.7, -0.7, 0.7, -0.7],
+        "policy_version": [1] * 4,
+        "round": 1,
+    }
+    for unique, shown in ((False, ["first-a", "second-a", "first-b"]), (True, ["first-a", "first-b"])):
+        console = Console(record=True, width=200)
+        console.print(completions_table(samples, step=1, n=3, unique_prompts=unique))
+        text = console.export_text()
+        assert [c for c in samples["completion"] if c in text] == shown
+
+
+def test_chat_template_kwargs_reach_every_template_call(tiny_model_path, tmp_path):
+    """TRL's `chat_template_kwargs` are arguments of apply_chat_template: the prompts a round is generated from are
+    rendered with them (here a template variable switches a system line on)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.chat_template = (
+        "{% if terse %}<|system|>be terse{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "Say a"}]
+    ids = {}
+    for terse in (None, {"terse": True}):
+        args = tiny_config(tmp_path / str(terse), chat_template_kwargs=terse)
+        t = GRPOTrainer(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=args,
+            train_dataset=make_dataset(40),
+            processing_class=tok,
+        )
+        (ids[bool(terse)],), _ = t.producer.tokenize_prompts([messages])
+    assert tok.decode(ids[True]).startswith("<|system|>be terse")
+    assert ids[True][-len(ids[False]) :] == ids[False] and len(ids[True]) > len(ids[False])
+    with pytest.raises(ValueError, match="GRPOConfig.chat_template_kwargs: must be a dict"):
+        tiny_config(tmp_path / "bad", chat_template_kwargs=["terse"])
+
+
+def test_max_tool_calling_iterations_bounds_tool_turns(tiny_model_path, tmp_path):
+    from grpo_async.envs.tools import calculator
+
+    data = make_dataset(40)
+    for iterations, turns in ((2, 3), (None, 8)):  # None: until max_completion_length (8 tokens here)
+        args = tiny_config(tmp_path / str(iterations), max_tool_calling_iterations=iterations)
+        t = GRPOTrainer(
+            model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=data, tools=[calculator]
+        )
+        assert t.environment.max_turns == turns

@@ -1,18 +1,24 @@
 """GRPO-family per-token losses and their reductions (TRL 1.16 semantics). Pure functions of tensors.
 
-Shapes: `B` completions in the micro-batch, `T` completion tokens (right-padded).
+Shapes: `B` completions in the micro-batch, `T` completion tokens (right-padded). `[B, T']` is `[B, T]` with
+`importance_sampling_level="token"` and `[B, 1]` with `"sequence"` (then it broadcasts over the tokens).
 
 ```
-ratio  = exp(logp - old_logp)                                        # [B, T]
-pg     = -min(ratio · A, clip(ratio, 1-ε_low, 1+ε_high) · A)         # [B, T]
-kl     = exp(ref - logp) - (ref - logp) - 1          (k3, if β > 0)  # [B, T]
-loss_t = pg + β · kl                                                 # [B, T]
-loss   = REDUCTIONS[loss_type](loss_t, mask) / accumulation normaliser
+log_r  = logp - old_logp                                                        # [B, T]
+w      = exp(log_r)  (token)   or   exp(Σ_t log_r·m / Σ_t m)  (sequence)        # [B, T']
+policy term, by loss type:
+  grpo, bnpo, dr_grpo, dapo, luspo:  -min(min(w, δ)·A, clip(w, 1-ε_low, 1+ε_high)·A)    (δ: two-sided clipping)
+  cispo:                             -sg[min(w, ε_high)]·A·logp
+  sapo:                              -σ(τ·(w - 1))·4/τ·A          (τ = τ_pos if A > 0 else τ_neg)
+  vespo:                             -sg[φ(w_seq)]·A·logp          (φ: gamma weights, `gamma_weights`)
+loss_t = policy · off-policy mask [B, 1] · entropy mask [B, T] · IS weights (not vespo) + β·kl·(w if bias-corrected)
+loss   = REDUCTIONS[loss_type](loss_t, mask) scaled to one gradient-accumulation window
 ```
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +33,8 @@ class LossContext:
     Args:
         grad_accum_steps: micro-batches per optimizer step (1 in eval).
         max_completion_length: `dr_grpo` divides by `B · max_completion_length`.
-        num_items_in_batch: loss tokens in the whole generation round across all processes (`dapo`).
+        num_items_in_batch: loss tokens in the whole generation round across all processes (`dapo`, `cispo`,
+            `vespo`).
         num_processes: training processes.
         steps_per_generation: micro-steps one generation round is split into.
     """
@@ -39,28 +46,62 @@ class LossContext:
     steps_per_generation: int = 1
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's knobs, with TRL 1.16's names (`epsilon_low` is TRL's `epsilon`) and defaults."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None  # two-sided clipping: the ratio is capped at δ (INTELLECT-2)
+    importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO)
+    use_bias_correction_kl: bool = True  # KL term × the ratio w (DeepSeek-V3.2)
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL(π_sampler‖π) exceeds it
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def from_config(cls, args) -> LossSettings:
+        """The knobs of a `GRPOConfig` (or TRL's: the same field names)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"epsilon_low"}
+        return cls(epsilon_low=args.epsilon, **{n: getattr(args, n) for n in names})
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+# Each returns the loss of the micro-batch before gradient accumulation is accounted for, except the global token
+# mean, whose normaliser already spans one accumulation window (`_PER_WINDOW`).
 def _seq_mean_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
-    # grpo: average each sequence over its own tokens, then over sequences
-    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ctx.grad_accum_steps
+    # grpo, sapo: average each sequence over its own tokens, then over sequences
+    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # bnpo: average over all tokens of the micro-batch
-    return (x * mask).sum() / mask.sum().clamp(min=1.0) / ctx.grad_accum_steps
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _fixed_length(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # dr_grpo: sum over tokens / (B · max_completion_length)
-    return (x * mask).sum() / (x.size(0) * ctx.max_completion_length) / ctx.grad_accum_steps
+    return (x * mask).sum() / (x.size(0) * ctx.max_completion_length)
 
 
 def _global_token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
-    # dapo: sum over tokens / (tokens of the whole round per process, rescaled to one accumulation window)
+    # dapo, cispo, vespo: sum over tokens / (tokens of the round per process, rescaled to one accumulation window)
     if ctx.num_items_in_batch is None:
-        raise ValueError("loss_type='dapo' needs num_items_in_batch (loss tokens of the generation round)")
+        raise ValueError("this loss_type needs num_items_in_batch (loss tokens of the generation round)")
     n = torch.as_tensor(ctx.num_items_in_batch, dtype=x.dtype, device=x.device).clamp(min=1.0)
     normaliser = n / ctx.num_processes * ctx.grad_accum_steps / ctx.steps_per_generation
     return (x * mask).sum() / normaliser
+
+
+def _seq_sum_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+    # luspo: each sequence's loss summed over its tokens (a [B, 1] loss is scaled by the length), mean over sequences
+    return (x * mask).sum(-1).mean()
 
 
 REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossContext], torch.Tensor]] = {
@@ -68,18 +109,54 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossContext], torch.
     "bnpo": _token_mean,
     "dr_grpo": _fixed_length,
     "dapo": _global_token_mean,
+    "cispo": _global_token_mean,
+    "sapo": _seq_mean_then_mean,
+    "luspo": _seq_sum_then_mean,
+    "vespo": _global_token_mean,
 }
+_PER_WINDOW = ("dapo", "cispo", "vespo")  # the normaliser already covers the accumulation window
 LOSS_TYPES = tuple(REDUCTIONS)
+#: loss types with the clipped surrogate `-min(w·A, clip(w)·A)` (clip_ratio/* metrics)
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+#: loss types that sum token terms, so a sequence-level ratio weights each sequence by its length
+TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def combination_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
+    """TRL 1.16's warnings about known-bad combinations of `loss_type` and `importance_sampling_level`."""
+    out = []
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        out.append(
+            "loss_type='luspo' with importance_sampling_level='token': LUSPO is a sequence-level loss; set "
+            "importance_sampling_level='sequence' to mirror the paper's setup."
+        )
+    if loss_type == "vespo" and importance_sampling_level != "token":
+        out.append(
+            "loss_type='vespo' computes sequence-level importance weights itself; importance_sampling_level should "
+            "be 'token' (the default)."
+        )
+    if importance_sampling_level == "sequence" and loss_type in TOKEN_SUMMED_LOSS_TYPES:
+        out.append(
+            f"importance_sampling_level='sequence' with loss_type={loss_type!r}: this loss sums per-token terms, "
+            "which weights each sequence by its completion length instead of optimizing the per-sequence objective; "
+            "set loss_type='grpo' for the GSPO paper's setup."
+        )
+    return out
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # [] scaled for gradient accumulation
-    per_token_loss: torch.Tensor  # [B, T]
-    ratio: torch.Tensor  # [B, T] exp(logp - old_logp)
-    per_token_kl: torch.Tensor | None  # [B, T]
-    is_low_clipped: torch.Tensor  # [B, T] bool
-    is_high_clipped: torch.Tensor  # [B, T] bool
+    policy_loss: torch.Tensor  # [] detached, the reduced loss before gradient-accumulation scaling (TRL's metric)
+    per_token_loss: torch.Tensor  # [B, T] (or [B, 1]: a sequence-level loss with nothing per token added)
+    ratio: torch.Tensor  # [B, T'] the importance ratio w (after two-sided clipping)
+    per_token_kl: torch.Tensor | None  # [B, T] (β > 0; × w when bias-corrected)
+    is_low_clipped: torch.Tensor | None  # [B, T'] bool (clipped loss types)
+    is_high_clipped: torch.Tensor | None  # [B, T'] bool (clipped loss types)
+    cispo_clipped: torch.Tensor | None = None  # [B, T'] bool (cispo: w > ε_high with A > 0)
+    phi_seq: torch.Tensor | None = None  # [B, 1] (vespo: the gamma weights)
+    off_policy_mask: torch.Tensor | None = None  # [B, 1] 1 = kept (off_policy_mask_threshold)
 
 
 def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:
@@ -88,59 +165,171 @@ def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> t
     return torch.exp(d) - d - 1
 
 
+def off_policy_mask(
+    advantages: torch.Tensor,
+    per_token_logps: torch.Tensor,
+    sampler_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Off-policy sequence mask (DeepSeek-V3.2, TRL's `get_off_policy_mask`): keep a sequence when A ≥ 0 or its mean
+    per-token KL `log π_sampler − log π_θ` over the masked tokens is at most `threshold` (NaN tokens count 0).
+
+    advantages `[B, 1]`, logps `[B, T]`, mask `[B, T]` → `[B, 1]` of 1.0 (kept) / 0.0 (dropped), in `mask`'s dtype.
+    """
+    kl = torch.nan_to_num(sampler_per_token_logps - per_token_logps.detach(), nan=0.0)  # [B, T]
+    avg_seq_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    return ((advantages >= 0) | (avg_seq_kl <= threshold)).to(dtype=mask.dtype)
+
+
+@torch.no_grad()
+def gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    importance_weights: torch.Tensor | None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's gamma weights φ(w) = e^λ · w^k · e^{−λw} (φ(1) = 1) of the sequence ratio w = Π_t π/π_old (times the
+    token-level IS weights π_old/π_sampler when given), computed in log space, without gradient (TRL's
+    `get_gamma_weights`). k, λ by the sign of A (A ≥ 0: pos).
+
+    advantages `[B, 1]`, log_ratio `[B, T]` (log π − log π_old), mask `[B, T]`, importance_weights `[B, T]` → `[B, 1]`.
+    """
+    lower = math.log(1e-8)
+    seq_log_ratio = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)  # [B, 1]
+    if importance_weights is not None:
+        seq_log_ratio += torch.sum(torch.clamp(torch.log(importance_weights), lower, 20.0), dim=-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, lower, 20.0)  # [B, 1]
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, 1]
+
+
+def _importance_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """w: `exp(log_ratio)` per token `[B, T]`, or the exp of its masked mean per sequence `[B, 1]` (GSPO)."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        return torch.exp(((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1))
+    raise ValueError(f"Unknown importance_sampling_level {level!r}; choose one of {IMPORTANCE_SAMPLING_LEVELS}")
+
+
 def grpo_loss(
     per_token_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    loss_type: str = "dapo",
+    settings: LossSettings | None = None,
     old_per_token_logps: torch.Tensor | None = None,
     ref_per_token_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
     importance_weights: torch.Tensor | None = None,
+    sampler_per_token_logps: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
     ctx: LossContext | None = None,
+    **knobs,
 ) -> LossOutput:
-    """Clipped-surrogate GRPO loss.
+    """The GRPO family's policy loss (TRL 1.16's `_compute_loss` without the forward pass, entropy bonus and MoE
+    auxiliary loss).
 
     Args:
         per_token_logps (`[B, T]`): log π_θ of the completion tokens (with gradient).
         advantages (`[B]` or `[B, T]`): one advantage per completion (or per token).
         mask (`[B, T]`): 1 for tokens that are trained on (the loss mask, not the attention mask).
-        loss_type (`str`): key of `REDUCTIONS`.
+        settings (`LossSettings`): the knobs; `**knobs` (e.g. `loss_type="bnpo", beta=0.04`) replace its fields.
         old_per_token_logps (`[B, T]`, *optional*): log π_old; `None` means π_old = π_θ (detached), ratio = 1.
         ref_per_token_logps (`[B, T]`, *optional*): log π_ref, required when `beta > 0`.
-        importance_weights (`[B, T]` or `[B, 1]`, *optional*): off-policy correction multiplied into the loss.
+        importance_weights (`[B, T]` or `[B, 1]`, *optional*): π_old / π_sampler correction, multiplied into the
+            loss (vespo: folded into its gamma weights; token-level only).
+        sampler_per_token_logps (`[B, T]`, *optional*): the sampler's logps, for the off-policy mask (else π_old).
+        token_mask (`[B, T]`, *optional*): tokens whose policy term is kept (the high-entropy mask).
         ctx (`LossContext`): normalisation scalars.
     """
-    if loss_type not in REDUCTIONS:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    s = dataclasses.replace(settings or LossSettings(), **knobs)
+    if s.loss_type not in REDUCTIONS:
+        raise ValueError(f"Unknown loss_type {s.loss_type!r}; choose one of {LOSS_TYPES}")
     ctx = ctx or LossContext()
     mask = mask.to(per_token_logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # [B, 1]
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)  # [B, T]
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [B, T]
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)  # [B, T]
-    if importance_weights is not None:
-        per_token_loss = per_token_loss * importance_weights
+    keep = None
+    if s.off_policy_mask_threshold is not None:
+        sampled = old if sampler_per_token_logps is None else sampler_per_token_logps
+        keep = off_policy_mask(advantages, per_token_logps, sampled, mask, s.off_policy_mask_threshold)  # [B, 1]
+    log_ratio = per_token_logps - old  # [B, T]
+    ratio = _importance_ratio(log_ratio, mask, s.importance_sampling_level)  # [B, T']
+
     per_token_kl = None
-    if beta != 0.0:
+    if s.beta != 0.0:
         if ref_per_token_logps is None:
             raise ValueError("beta > 0 needs ref_per_token_logps")
         per_token_kl = k3_kl(per_token_logps, ref_per_token_logps)  # [B, T]
-        per_token_loss = per_token_loss + beta * per_token_kl
-    loss = REDUCTIONS[loss_type](per_token_loss, mask, ctx)
+        if s.use_bias_correction_kl:
+            per_token_kl = per_token_kl * ratio  # [B, T]
+
+    low = high = cispo_clipped = phi_seq = None
+    if s.loss_type == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=s.epsilon_high).detach() * advantages * per_token_logps  # [B, T]
+        cispo_clipped = (ratio > s.epsilon_high) & (advantages > 0)
+    elif s.loss_type == "sapo":
+        tau = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * advantages  # [B, T']
+    elif s.loss_type == "vespo":
+        phi_seq = gamma_weights(
+            advantages,
+            log_ratio,
+            mask,
+            importance_weights,
+            s.vespo_k_pos,
+            s.vespo_lambda_pos,
+            s.vespo_k_neg,
+            s.vespo_lambda_neg,
+        )  # [B, 1]
+        per_token_loss = -phi_seq * advantages * per_token_logps  # [B, T]
+    else:  # the clipped surrogate
+        clipped = torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)  # [B, T']
+        if s.delta is not None:
+            ratio = torch.clamp(ratio, max=s.delta)
+        per_token_loss = -torch.min(ratio * advantages, clipped * advantages)  # [B, T']
+        low = (ratio < 1 - s.epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + s.epsilon_high) & (advantages > 0)
+
+    if keep is not None:
+        per_token_loss = per_token_loss * keep
+    if token_mask is not None:
+        per_token_loss = per_token_loss * token_mask
+    if importance_weights is not None and s.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_weights
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + s.beta * per_token_kl
+    loss = REDUCTIONS[s.loss_type](per_token_loss, mask, ctx)
+    policy_loss = loss.detach()
+    if s.loss_type not in _PER_WINDOW:
+        loss = loss / ctx.grad_accum_steps
     return LossOutput(
         loss=loss,
+        policy_loss=policy_loss,
         per_token_loss=per_token_loss,
         ratio=ratio,
         per_token_kl=per_token_kl,
-        is_low_clipped=(ratio < 1 - epsilon_low) & (advantages < 0),
-        is_high_clipped=(ratio > 1 + epsilon_high) & (advantages > 0),
+        is_low_clipped=low,
+        is_high_clipped=high,
+        cispo_clipped=cispo_clipped,
+        phi_seq=phi_seq,
+        off_policy_mask=keep,
     )
+
+
+def mean_entropy(entropies: torch.Tensor, mask: torch.Tensor, grad_accum_steps: int = 1) -> torch.Tensor:
+    """The entropy bonus's H: mean per-token entropy over `mask`'s tokens `[B, T]`, scaled for gradient accumulation
+    only (never by a loss type's normaliser, as in TRL). Returns `[]`."""
+    return (entropies * mask).sum() / mask.sum().clamp(min=1.0) / grad_accum_steps
 
 
 # ---------------------------------------------------------------------------------------------- importance sampling

@@ -41,6 +41,7 @@ class PackedRows:
         target_ids (`[N]`): the completion tokens those logits score.
         rows (`[N]`), cols (`[N]`): where each completion token sits in the `[B, T]` completion block.
         shape (`(B, T)`): the completion block's shape.
+        real (`[K, W]` bool): bin positions holding a real token (not filler).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +53,7 @@ class PackedRows:
     rows: torch.Tensor
     cols: torch.Tensor
     shape: tuple[int, int]
+    real: torch.Tensor | None = None
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
@@ -117,6 +119,8 @@ def pack_rows(
     free = torch.arange(W, device=device).unsqueeze(0) - torch.tensor(fill, device=device).unsqueeze(1)  # [K, W]
     position_ids = free.clamp(min=0)  # [K, W] past a bin's fill: filler positions 0, 1, ...
     position_ids[tok_bin, tok_at] = position[tok_rows, tok_cols]
+    real_in_bin = torch.zeros(K, W, dtype=torch.bool, device=device)  # [K, W]
+    real_in_bin[tok_bin, tok_at] = True
     before = offset_t[rows] + position[:, -T:][rows, cols] - 1  # [N] bin column whose logits score the token
     keep, logits_pos = torch.unique(before, sorted=True, return_inverse=True)  # [M], [N]
     return PackedRows(
@@ -129,6 +133,7 @@ def pack_rows(
         rows=rows,
         cols=cols,
         shape=(B, T),
+        real=real_in_bin,
     )
 
 
@@ -139,20 +144,47 @@ def unpack_completion(values: torch.Tensor, packed: PackedRows, fill: float = 0.
     return out.index_put((packed.rows, packed.cols), values)  # [B, T]
 
 
-def packed_completion_logps(model, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:
-    """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch. Returns `[N]`."""
-    from .logprobs import selective_log_softmax
+def packed_token_scores(
+    model,
+    packed: PackedRows,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    router: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch `[N]`, their
+    entropies `[N]` (float32, with `entropy`; differentiable with `entropy_grad`) and, with `router =
+    (num_experts, top_k)`, the MoE load-balancing loss `[]` over the real tokens (filler left out)."""
+    from .logprobs import entropy_from_logits, selective_log_softmax
 
     device = packed.input_ids.device
-    logits = model(
+    out = model(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
         attention_mask=None,  # None + restarting position ids: transformers builds the block-diagonal mask
         use_cache=False,  # with a cache, the packed-sequence detection is skipped
         logits_to_keep=packed.keep.to(device),
-    ).logits  # [K, M, V]
-    logits = logits[packed.logits_bin.to(device), packed.logits_pos.to(device)] / temperature  # [N, V]
-    return selective_log_softmax(logits.unsqueeze(0), packed.target_ids.to(device).unsqueeze(0)).squeeze(0)  # [N]
+        **({"output_router_logits": True} if router is not None else {}),
+    )
+    raw = out.logits[packed.logits_bin.to(device), packed.logits_pos.to(device)]  # [N, V]
+    target = packed.target_ids.to(device).unsqueeze(0)  # [1, N]
+    logps = selective_log_softmax((raw / temperature).unsqueeze(0), target).squeeze(0)  # [N]
+    entropies = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(raw, temperature)  # [N]
+    aux_loss = None
+    if router is not None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        num_experts, top_k = router
+        aux_loss = load_balancing_loss_func(out.router_logits, num_experts, top_k, packed.real.to(device))
+    return logps, entropies, aux_loss
+
+
+def packed_completion_logps(model, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:
+    """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch. Returns `[N]`."""
+    return packed_token_scores(model, packed, temperature)[0]
 
 
 @torch.no_grad()

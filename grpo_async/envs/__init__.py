@@ -5,7 +5,7 @@ from grpo_async import GRPOTrainer
 from grpo_async.envs import ToolEnv, calculator
 
 trainer = GRPOTrainer(model, reward_funcs=math_reward, args=args, train_dataset=ds, environment=ToolEnv([calculator]))
-# or, TRL style: GRPOTrainer(..., tools=[calculator])
+# or, TRL style: GRPOTrainer(..., tools=[calculator]), or GRPOTrainer(..., environment_factory=MyEnv) (factory.py)
 ```
 
 Environment tokens are part of each completion (the model attends to them) but carry loss mask 0 when
@@ -13,13 +13,15 @@ Environment tokens are part of each completion (the model attends to them) but c
 """
 
 from .base import Environment, EnvironmentProtocol, check_environment
+from .factory import FactoryEnvironment
 from .rollout import ChatTemplatePrefixError, RolloutResult, env_turn_ids, run_rollouts, template_ids
-from .tools import ToolCallError, ToolEnv, calculator, parse_tool_call
+from .tools import ToolCallError, ToolEnv, calculator, parse_tool_call, parse_tool_calls, tools_system_prompt
 
 __all__ = [
     "ChatTemplatePrefixError",
     "Environment",
     "EnvironmentProtocol",
+    "FactoryEnvironment",
     "RolloutResult",
     "ToolCallError",
     "ToolEnv",
@@ -27,6 +29,8 @@ __all__ = [
     "check_environment",
     "env_turn_ids",
     "parse_tool_call",
+    "parse_tool_calls",
     "run_rollouts",
     "template_ids",
+    "tools_system_prompt",
 ]

@@ -17,6 +17,16 @@ An environment is any object with these members (subclass `Environment` for the 
   a user reply), e.g. `[{"role": "tool", "content": "42"}]`.
 
 `messages` is the whole conversation so far (prompt messages first); the last one is the assistant's turn.
+
+Optional members (`FactoryEnvironment`, TRL's `environment_factory`, uses them all):
+
+- `prompt_messages(messages, state) -> messages`: the rollout's own prompt (e.g. an observation appended); rollouts
+  of one prompt whose prompts render alike are still generated together.
+- `chat_template_kwargs(state) -> dict`: extra `apply_chat_template` arguments for the rollout (e.g. `tools=`).
+- `reward_columns(state) -> dict`: values passed to the reward functions for the rollout (e.g. `environments`).
+- `release(states)`: called with the rollouts' final states once their rewards are computed.
+- `reward_funcs` (`list[callable]`): reward functions the environment brings (weight 1 each, after the trainer's
+  `reward_funcs`, which then may be omitted).
 """
 
 from __future__ import annotations

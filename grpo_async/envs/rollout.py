@@ -4,6 +4,8 @@ For G rollouts of each prompt (prompt-major, like single-turn generation):
 
 ```txt
 turn 0      backend.generate(unique prompt ids, n=G)                     every rollout's first assistant turn
+            (an environment with `prompt_messages` / `chat_template_kwargs` may give each rollout its own prompt:
+            the rollouts of a prompt whose prompts render identically share one call, n = how many they are)
             ▼ append the sampled ids (env_mask 1, sampler logprobs)
             is_completed? max_turns? budget spent? → done
 env turn    env_response(messages, state) → new messages; their tokens are the chat template's rendering of the
@@ -23,9 +25,10 @@ do not fit are cut). An assistant turn cut at the environment's `max_tokens_per_
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..generation.base import Completion, SamplingConfig
+from ..generation.base import Completion, SamplingConfig, derive_seed
 from .base import check_env_messages
 
 
@@ -41,6 +44,9 @@ class RolloutResult:
     logprobs: list[float] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # the completion's messages (assistant and environment)
+    prompt: list[dict] = field(default_factory=list)  # the rollout's prompt messages (as the environment set them)
+    prompt_ids: list[int] = field(default_factory=list)  # their token ids: what the completion continues
+    columns: dict = field(default_factory=dict)  # extra reward-function columns (`reward_columns(state)`)
     state: dict = field(default_factory=dict)
     turns: int = 0  # assistant turns
     clipped_turns: int = 0  # assistant turns cut by a token limit (max_tokens_per_turn or the completion's room)
@@ -57,14 +63,20 @@ class RolloutResult:
                 "turns": self.turns,
                 "clipped_turns": self.clipped_turns,
                 "state": self.state,
+                "prompt": self.prompt,
+                "prompt_ids": self.prompt_ids,
+                "columns": self.columns,
             },
         )
 
 
-def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template (the trainer tokenizes prompts the same
-    way: render to text, then tokenize without adding special tokens)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    way: render to text, then tokenize without adding special tokens); `template_kwargs` (e.g. `tools=[...]`) go to
+    `apply_chat_template`."""
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -94,13 +106,15 @@ def _unsampled_turn_end(assistant_part: list[int], sampled: list[int]) -> list[i
     return []
 
 
-def env_turn_ids(tokenizer, messages: list[dict], new_messages: list[dict], sampled: list[int], turn: int):
+def env_turn_ids(
+    tokenizer, messages: list[dict], new_messages: list[dict], sampled: list[int], turn: int, **template_kwargs
+):
     """Token ids the environment's `new_messages` add after the assistant turn that ends `messages` (whose sampled
     ids are `sampled`), including the generation prompt for the next assistant turn. Raises
     `ChatTemplatePrefixError` when the template is not prefix-consistent."""
-    head = template_ids(tokenizer, messages[:-1], add_generation_prompt=True)
-    before = template_ids(tokenizer, messages, add_generation_prompt=False)
-    after = template_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
+    head = template_ids(tokenizer, messages[:-1], True, **template_kwargs)
+    before = template_ids(tokenizer, messages, False, **template_kwargs)
+    after = template_ids(tokenizer, messages + new_messages, True, **template_kwargs)
     _check_prefix(tokenizer, head, before, turn, "adding the assistant's message")
     _check_prefix(tokenizer, before, after, turn, "adding the environment's messages")
     return _unsampled_turn_end(before[len(head) :], sampled) + after[len(before) :]
@@ -116,6 +130,8 @@ def run_rollouts(
     sampling: SamplingConfig,
     num_generations: int,
     max_completion_length: int,
+    tokenize: Callable[[list[dict], dict], list[int]] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[RolloutResult]:
     """Run `len(prompts) × num_generations` rollouts (prompt-major, rows aligned) to completion.
 
@@ -129,6 +145,9 @@ def run_rollouts(
         sampling (`SamplingConfig`): sampling parameters; `n` and `max_tokens` are set per call.
         num_generations (`int`): G.
         max_completion_length (`int`): most completion tokens (model and environment) of a rollout.
+        tokenize (`Callable[[messages, template_kwargs], list[int]]`, *optional*): token ids of a rollout's prompt
+            that the environment changed (`prompt_messages`, `chat_template_kwargs`); default: the chat template,
+            untruncated.
     """
     G = num_generations
     per_turn = getattr(env, "max_tokens_per_turn", None) or max_completion_length
@@ -144,26 +163,29 @@ def run_rollouts(
             )
     R = len(rows)
     results = [RolloutResult(state=env.initial_state(rows[i])) for i in range(R)]
-    conversations = [copy.deepcopy(prompts[i // G]) for i in range(R)]
+    template_kwargs = _rollout_prompts(env, results, prompts, prompt_ids, G, tokenizer, tokenize, chat_template_kwargs)
+    conversations = [copy.deepcopy(r.prompt) for r in results]
     live = list(range(R))
     turn = 0
     while live:
-        # one generate call per distinct remaining budget (turn 0: the unique prompts with n = G)
+        # one generate call per distinct remaining budget (turn 0: each prompt once, n = its rollouts)
         outputs: dict[int, Completion] = {}
         if turn == 0:
-            s = copy.copy(sampling)
-            s.n, s.max_tokens = G, min(per_turn, max_completion_length)
-            for i, c in enumerate(backend.generate(prompt_ids, s)):
-                outputs[i] = c
+            for call, (size, groups) in enumerate(_turn0_groups(results, G).items()):
+                s = _call_sampling(sampling, turn, call)
+                s.n, s.max_tokens = size, min(per_turn, max_completion_length)
+                completions = backend.generate([results[g[0]].prompt_ids for g in groups], s)
+                for i, c in zip([i for g in groups for i in g], completions, strict=True):
+                    outputs[i] = c
         else:
             by_budget: dict[int, list[int]] = {}
             for i in live:
                 room = max_completion_length - len(results[i].completion_ids)
                 by_budget.setdefault(min(per_turn, room), []).append(i)
-            for budget, idx in sorted(by_budget.items()):
-                s = copy.copy(sampling)
+            for call, (budget, idx) in enumerate(sorted(by_budget.items())):
+                s = _call_sampling(sampling, turn, call)
                 s.n, s.max_tokens = 1, budget
-                inputs = [prompt_ids[i // G] + results[i].completion_ids for i in idx]
+                inputs = [results[i].prompt_ids + results[i].completion_ids for i in idx]
                 for i, c in zip(idx, backend.generate(inputs, s), strict=True):
                     outputs[i] = c
         turn += 1
@@ -189,7 +211,7 @@ def run_rollouts(
             else:
                 new, r.state = env.env_response(conversations[i], r.state)
                 new = check_env_messages(env, new, turn)
-                ids = env_turn_ids(tokenizer, conversations[i], new, sampled, turn)
+                ids = env_turn_ids(tokenizer, conversations[i], new, sampled, turn, **template_kwargs[i])
                 room = max_completion_length - len(r.completion_ids)
                 r.messages += new
                 conversations[i] += new
@@ -201,4 +223,137 @@ def run_rollouts(
                 if r.finish_reason != "length":
                     still.append(i)
         live = still
+    columns = getattr(env, "reward_columns", None)
+    for r in results:
+        r.columns = dict(columns(r.state)) if columns is not None else {}
     return results
+
+
+def _call_sampling(sampling: SamplingConfig, turn: int, call: int) -> SamplingConfig:
+    """A copy of `sampling` for generate call `call` of assistant turn `turn`: a seeded round's first call keeps its
+    seed (single-turn numbering: completion k samples with seed + k), every other call gets its own seed derived from
+    (seed, turn, call), so a rollout's turns do not reuse a seed and the same round samples the same turns."""
+    s = copy.copy(sampling)
+    if s.seed is not None and (turn, call) != (0, 0):
+        s.seed = derive_seed(sampling.seed, turn, call)
+    return s
+
+
+def _rollout_prompts(env, results, prompts, prompt_ids, G, tokenizer, tokenize, chat_template_kwargs=None) -> list:
+    """Set each rollout's prompt messages and ids: the dataset's, or what the environment's optional
+    `prompt_messages(messages, state)` and `chat_template_kwargs(state)` make of them. Returns each rollout's
+    template kwargs: the run's `chat_template_kwargs` (`GRPOConfig.chat_template_kwargs`, already applied to
+    `prompt_ids`), then the environment's."""
+    reprompt = getattr(env, "prompt_messages", None)
+    kwargs_of = getattr(env, "chat_template_kwargs", None)
+    if tokenize is None:
+        tokenize = lambda messages, kw: template_ids(tokenizer, messages, True, **kw)  # noqa: E731
+    cache: dict[str, list[int]] = {}
+    out = []
+    for i, r in enumerate(results):
+        base = prompts[i // G]
+        messages = reprompt(copy.deepcopy(base), r.state) if reprompt is not None else base
+        own = dict(kwargs_of(r.state) or {}) if kwargs_of is not None else {}
+        if messages is not base and not (
+            isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)
+        ):
+            raise TypeError(f"{type(env).__name__}.prompt_messages returned {messages!r:.200}; expected chat messages")
+        r.prompt = copy.deepcopy(messages)
+        kwargs = {**(chat_template_kwargs or {}), **own}
+        if messages == base and not own:
+            r.prompt_ids = list(prompt_ids[i // G])
+        else:
+            key = repr((messages, sorted(kwargs.items())))
+            if key not in cache:
+                cache[key] = list(tokenize(messages, kwargs))
+            r.prompt_ids = list(cache[key])
+        out.append(kwargs)
+    return out
+
+
+def _turn0_groups(results: list[RolloutResult], G: int) -> dict[int, list[list[int]]]:
+    """Rollouts generated together at turn 0: those of one dataset prompt with the same prompt ids, by group size
+    (each size is one generate call, n = the size)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(results):
+        groups.setdefault((i // G, tuple(r.prompt_ids)), []).append(i)
+    by_size: dict[int, list[list[int]]] = {}
+    for g in groups.values():
+        by_size.setdefault(len(g), []).append(g)
+    return dict(sorted(by_size.items(), reverse=True))
+
+
+ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def _rollout_list(output: dict, key: str, n: int) -> list:
+    value = output[key]
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # a tensor / array
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        got = f"{len(value)} values" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+        raise ValueError(
+            f"rollout_func returned {got} for {key!r} but was given {n} prompts; return one entry per prompt (the "
+            "prompts hold num_generations copies of each, one per completion)"
+        )
+    return list(value)
+
+
+def _token_row(value, what: str, cast, allow=None) -> list:
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"rollout_func: {what} is a {type(value).__name__}, not a list")
+    out = []
+    for j, v in enumerate(value):
+        if v is None or isinstance(v, (str, bytes)) or (allow is not None and v not in allow):
+            raise ValueError(f"rollout_func: {what}[{j}] is {v!r}" + (f"; expected one of {allow}" if allow else ""))
+        out.append(cast(v))
+    return out
+
+
+def run_rollout_func(rollout_func: Callable[[list], dict], prompts: list, stop_ids: set[int]) -> list[Completion]:
+    """Completions from a TRL-style rollout function: `rollout_func(prompts)` (the trainer binds its second argument)
+    generates one completion per prompt given (the round's rows: `num_generations` adjacent copies of each prompt, as
+    TRL passes a process's rows) and returns a dict with `prompt_ids`, `completion_ids`, `logprobs` (the sampler's
+    per-token log-probabilities, temperature applied), optionally `env_mask` (1: a sampled token, 0: one the rollout
+    wrote, not trained on), and any other fields: reward-function columns (a list: one value per completion; anything
+    else: the same value for all). A completion that does not end with an EOS / pad token (`stop_ids`) counts as
+    truncated, as in TRL."""
+    n = len(prompts)
+    output = rollout_func(copy.deepcopy(prompts))
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}")
+    missing = sorted(set(ROLLOUT_FUNC_KEYS) - output.keys())
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+    prompt_ids, completion_ids, logprobs = (_rollout_list(output, k, n) for k in ROLLOUT_FUNC_KEYS)
+    env_mask = _rollout_list(output, "env_mask", n) if "env_mask" in output else None
+    columns = {}
+    for key, value in output.items():
+        if key in ROLLOUT_FUNC_KEYS or key == "env_mask":
+            continue
+        columns[key] = _rollout_list(output, key, n) if isinstance(value, (list, tuple)) else [value] * n
+    completions = []
+    for i in range(n):
+        ids = _token_row(completion_ids[i], f"completion_ids[{i}]", int)
+        logps = _token_row(logprobs[i], f"logprobs[{i}]", float)
+        if len(logps) != len(ids):
+            raise ValueError(
+                f"rollout_func: logprobs[{i}] has {len(logps)} values for {len(ids)} completion_ids[{i}]; give the "
+                "sampler's log-probability of each completion token"
+            )
+        extra = {"prompt_ids": _token_row(prompt_ids[i], f"prompt_ids[{i}]", int)}
+        if not extra["prompt_ids"]:
+            raise ValueError(f"rollout_func: prompt_ids[{i}] is empty")
+        if env_mask is not None:
+            extra["env_mask"] = _token_row(env_mask[i], f"env_mask[{i}]", int, allow=(0, 1))
+            if len(extra["env_mask"]) != len(ids):
+                raise ValueError(
+                    f"rollout_func: env_mask[{i}] has {len(extra['env_mask'])} values for {len(ids)} "
+                    f"completion_ids[{i}]; give one per completion token"
+                )
+        extra["columns"] = {key: values[i] for key, values in columns.items()}
+        finish = "stop" if ids and ids[-1] in stop_ids else "length"
+        completions.append(Completion(ids, logps, finish, extra=extra))
+    return completions

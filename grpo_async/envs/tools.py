@@ -50,6 +50,32 @@ def parse_tool_call(text: str) -> tuple[str, dict] | None:
     return call["name"], arguments
 
 
+def parse_tool_calls(text: str) -> list[tuple[str, dict] | ToolCallError]:
+    """Every `<tool_call>{...}</tool_call>` of `text` in order: `(name, arguments)`, or the `ToolCallError` saying why
+    that one cannot be run (an empty list: no tool call)."""
+    calls = []
+    for match in TOOL_CALL.finditer(text):
+        try:
+            calls.append(parse_tool_call(match.group(0)))
+        except ToolCallError as e:
+            calls.append(e)
+    return calls
+
+
+def tools_system_prompt(tools: dict[str, Callable]) -> str:
+    """A description of `tools` (name → callable) and of the call format, for a system message."""
+    lines = ["You can call these tools:"]
+    for name, fn in tools.items():
+        doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        try:
+            signature = inspect.signature(fn, eval_str=True)
+        except (NameError, TypeError, ValueError):
+            signature = inspect.signature(fn)
+        lines.append(f"- {name}{signature}: {doc}")
+    lines.append('Call one with <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>.')
+    return "\n".join(lines)
+
+
 def run_with_timeout(fn: Callable, kwargs: dict, timeout: float | None):
     """`fn(**kwargs)` (awaited when it is `async def`) in a daemon thread; `TimeoutError` after `timeout` seconds
     (the thread cannot be stopped and is abandoned)."""
@@ -138,16 +164,7 @@ class ToolEnv(Environment):
 
     def system_prompt(self) -> str:
         """A description of the tools and the call format, for the dataset's system message."""
-        lines = ["You can call these tools:"]
-        for name, fn in self.tools.items():
-            doc = (inspect.getdoc(fn) or "").split("\n")[0]
-            try:
-                signature = inspect.signature(fn, eval_str=True)
-            except (NameError, TypeError, ValueError):
-                signature = inspect.signature(fn)
-            lines.append(f"- {name}{signature}: {doc}")
-        lines.append('Call one with <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>.')
-        return "\n".join(lines)
+        return tools_system_prompt(self.tools)
 
 
 _OPS = {

@@ -50,6 +50,13 @@ def _server_transport(args, urls: list[str]) -> str:
     return ipc if name == "ipc" else name
 
 
+def _lora_rank(args, model) -> int | None:
+    """The adapter's rank when the policy reaches vLLM as a LoRA adapter (`GRPOConfig.vllm_lora_sync`), else None."""
+    from ..weight_sync.lora import adapter_max_rank, lora_sync_mode
+
+    return adapter_max_rank(model) if lora_sync_mode(args, model) == "adapter" else None
+
+
 def _make_vllm_colocate(args, model, tokenizer, model_path: str):
     from .vllm_backends import VLLMColocateBackend
 
@@ -63,6 +70,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str):
         bucket_mb=args.weight_sync_bucket_mb,
         trust_remote_code=args.trust_remote_code,  # off unless the user asked for it
         enforce_eager=args.vllm_enforce_eager,
+        lora_rank=_lora_rank(args, model),  # adapter sync: the engine serves base + LoRA
     )
 
 
@@ -142,7 +150,8 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None):
 
     Under ZeRO-3 the `hf` backend generates on an unpartitioned twin of the architecture (a forward of the
     partitioned policy needs every rank); it receives whole weights, gathered group by group, before its first round.
-    An in-process vLLM engine needs a folder: when the model was given as an object it is saved to a temporary one.
+    An in-process vLLM engine needs a folder: when the model was given as an object it is saved to a temporary one
+    (under PEFT: the base weights with their plain names, the adapter left out).
     """
     import copy
     import tempfile
@@ -155,8 +164,14 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None):
         model.generation_config = copy.deepcopy(base.generation_config)
     folder = None
     if model_source is None and args.generation_backend == "vllm":
+        from ..weight_sync.collect import hf_name
+
         folder = model_source = tempfile.mkdtemp(prefix="grpo_async_sampler_")
-        base_model(model).save_pretrained(folder)
+        state = None
+        if hasattr(model, "peft_config"):  # unmerged base weights, without PEFT's base_layer / lora names
+            named = ((hf_name(k, True), v) for k, v in base_model(model).state_dict().items())
+            state = {k: v for k, v in named if k is not None}
+        base_model(model).save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
     return make_backend(args, model, tokenizer, model_source), folder
 

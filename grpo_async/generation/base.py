@@ -18,7 +18,8 @@ submit round r    ────────────────────�
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -38,11 +39,29 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     stop: list[str] | None = None
+    #: completion k of a generate call (prompt k // n, sample k % n) samples with seed `seed + k` (`for_prompt`);
+    #: None: the sampler's own randomness
     seed: int | None = None
     repetition_penalty: float = 1.0  # > 1 penalises tokens already in the prompt or completion; 1.0 is off
     #: backend-native extras (TRL's `generation_kwargs`): `GenerationConfig` fields for hf, `SamplingParams` fields
     #: for the in-process engine, `/v1/completions` body fields for servers; they override the fields above
     extra: dict | None = None
+
+    def for_prompt(self, i: int) -> SamplingConfig:
+        """The sampling of prompt `i` of a call on its own: seed `seed + i·n`, so that its n samples take seeds
+        `seed + i·n + j` (vLLM gives sample j of a request seed + j): every completion of the call has its own seed."""
+        return self if self.seed is None else replace(self, seed=self.seed + i * self.n)
+
+
+#: seeds `derive_seed` returns stay below this, so that `seed + k` for a round's completions fits in 31 bits
+SEED_SPAN = 2**31 - 2**20
+
+
+def derive_seed(*parts) -> int:
+    """A seed in `[0, SEED_SPAN)` that depends on every part (ints or strings) and nothing else: not on the process,
+    the thread or the Python hash seed."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_SPAN
 
 
 @dataclass
@@ -79,6 +98,11 @@ class GenerationBackend(Protocol):
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """`load_weights` from a flat state dict (tests, tools)."""
         ...
+
+    # Optional (the vLLM backends): `load_adapter(groups, config, version)` installs a LoRA adapter (groups of
+    # PEFT-named lora_A / lora_B tensors, the adapter's config as a dict) as policy `version` on top of the base
+    # weights the engine loaded, which never move; the policy publisher calls it instead of `load_weights` when
+    # `GRPOConfig.vllm_lora_sync` resolves to "adapter" (`grpo_async.weight_sync.lora`).
 
     def close(self) -> None: ...
 

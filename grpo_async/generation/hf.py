@@ -2,6 +2,12 @@
 
 The copy is what makes background generation safe: the generator thread reads only the copy, the optimizer writes
 only the trainer's model, and `update_weights` (called between rounds) copies the new weights over.
+
+With `SamplingConfig.seed` set, sampling never touches torch's global RNG (which the trainer thread shares): a logits
+processor (`SeededSampling`) applies the sampling filters (temperature, top-k, top-p, min-p, ...) and draws each
+completion's token from its own `torch.Generator` (completion k of a call seeded `seed + k`), and `generate` runs in
+greedy mode so that it picks exactly that token. A completion's tokens then depend on its seed, its prompt and the
+weights only (up to the floating-point effects of its batch-mates' padding), not on when the thread ran.
 """
 
 from __future__ import annotations
@@ -17,6 +23,63 @@ from ..weight_sync.buckets import group_by_module
 from .base import Completion, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
+
+#: `GenerationConfig` fields that shape the sampling distribution (HF's "warpers"), in the order `generate` applies them
+WARPER_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def sampling_warpers(params: dict, device=None):
+    """HF's sampling warpers for `params` (a `GenerationConfig` field of `WARPER_FIELDS` → value; `None` or the
+    neutral value: off), in `generate`'s order, as `generate(do_sample=True)` would build them."""
+    from transformers.generation import logits_process as lp
+
+    out = lp.LogitsProcessorList()
+    get = params.get
+    if get("temperature") is not None and get("temperature") != 1.0:
+        out.append(lp.TemperatureLogitsWarper(get("temperature")))
+    if get("top_h") is not None:
+        out.append(lp.TopHLogitsWarper(top_h=get("top_h")))
+    if get("top_k"):
+        out.append(lp.TopKLogitsWarper(top_k=get("top_k")))
+    if get("top_p") is not None and get("top_p") < 1.0:
+        out.append(lp.TopPLogitsWarper(top_p=get("top_p")))
+    if get("min_p"):
+        out.append(lp.MinPLogitsWarper(min_p=get("min_p")))
+    if get("typical_p") is not None and get("typical_p") < 1.0:
+        out.append(lp.TypicalLogitsWarper(mass=get("typical_p")))
+    if get("epsilon_cutoff") is not None and 0.0 < get("epsilon_cutoff") < 1.0:
+        out.append(lp.EpsilonLogitsWarper(epsilon=get("epsilon_cutoff")))
+    if get("eta_cutoff") is not None and 0.0 < get("eta_cutoff") < 1.0:
+        out.append(lp.EtaLogitsWarper(epsilon=get("eta_cutoff"), device=device))
+    return out
+
+
+class SeededSampling:
+    """A logits processor (the last one `generate` applies, with `do_sample=False`) that samples row i's next token
+    from `warpers(scores)` with its own CPU generator seeded `seeds[i]` (inverse CDF of one uniform per row and step),
+    records its log-probability, and returns scores that keep only that token, so greedy selection takes it.
+
+    `logps` holds one `[b]` tensor per step: the sampled token's log-probability under the warped distribution (what
+    `output_scores` would give), so the scores need not be kept.
+    """
+
+    def __init__(self, warpers, seeds: list[int]):
+        self.warpers = warpers
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise RuntimeError(f"SeededSampling: {scores.shape[0]} rows but {len(self.generators)} seeds")
+        scores = self.warpers(input_ids, scores)
+        logp = torch.log_softmax(scores.float(), dim=-1)  # [b, V]
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators])  # [b] in [0, 1)
+        cdf = logp.double().exp().cumsum(-1)  # [b, V]
+        target = ((1.0 - u).to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # [b, 1] in (0, total]: never a 0-prob token
+        tokens = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1)  # [b, 1]
+        self.logps.append(logp.gather(1, tokens).squeeze(1))
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, tokens, 0.0)
 
 
 class HFBackend:
@@ -61,8 +124,8 @@ class HFBackend:
         with self._lock:
             out: list[Completion] = []
             step = self.batch_size or len(prompt_ids)
-            for start in range(0, len(prompt_ids), step):
-                out.extend(self._generate_chunk(prompt_ids[start : start + step], sampling))
+            for start in range(0, len(prompt_ids), step):  # seeded: the chunk's first prompt is prompt `start`
+                out.extend(self._generate_chunk(prompt_ids[start : start + step], sampling.for_prompt(start)))
             return check_completions(out, len(prompt_ids), sampling.n, "HFBackend")
 
     def _generate_chunk(self, prompt_ids: list[list[int]], s: SamplingConfig) -> list[Completion]:
@@ -92,12 +155,30 @@ class HFBackend:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
         if s.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = s.repetition_penalty
-        kwargs.update(s.extra or {})  # generation_kwargs: GenerationConfig fields
+        extra = dict(s.extra or {})  # generation_kwargs: GenerationConfig fields
+        sampler = None
+        if s.seed is not None and extra.get("do_sample", True) and extra.get("num_beams") in (None, 1):
+            from transformers import LogitsProcessorList
+
+            extra.pop("do_sample", None)
+            params = {k: kwargs.pop(k) for k in ("temperature", "top_p", "top_k", "min_p")}
+            params.update({k: extra.pop(k) for k in WARPER_FIELDS if k in extra})
+            seeds = [s.seed + k for k in range(len(prompt_ids) * s.n)]  # output row k: prompt k // n, sample k % n
+            sampler = SeededSampling(sampling_warpers(params, device), seeds)
+            kwargs.update(do_sample=False, output_scores=False, logits_processor=LogitsProcessorList([sampler]))
+            kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)  # greedy: the model's defaults unused
+            # greedy decoding refuses num_return_sequences > 1: repeat each prompt n times here instead (as generate
+            # would: prompt-major)
+            kwargs["num_return_sequences"] = 1
+            input_ids, attention_mask = input_ids.repeat_interleave(s.n, 0), attention_mask.repeat_interleave(s.n, 0)
+        kwargs.update(extra)
         gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
         seqs = gen.sequences[:, P:].cpu()  # [b*n, T]
-        # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
-        logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in gen.scores], dim=1).cpu()  # [b*n,T,V]
-        token_logps = logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [b*n, T]
+        if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
+            token_logps = torch.stack(sampler.logps[: seqs.shape[1]], dim=1).cpu()  # [b*n, T]
+        else:  # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
+            logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in gen.scores], dim=1).cpu()
+            token_logps = logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [b*n, T]
         completions = []
         for row, lp in zip(seqs.tolist(), token_logps.tolist(), strict=True):
             end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), None)

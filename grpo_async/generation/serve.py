@@ -31,8 +31,16 @@ off and those paths answer 404 even if a plugin registers them. Weight updates o
  "handles":   [{dtype: handle}],    # cuda_ipc only (JSON, base64 bytes)
  "group": str,                      # broadcast only: the group_name given to /ws/init_broadcast
  "version": int, "begin": true, "end": true, "load": true, "digests": false,
- "pause": "wait" | "keep"}
+ "pause": "wait" | "keep",
+ "lora": {"name": str, "id": int, "config": {...}, "keep": 2}}   # optional: the buckets are a LoRA adapter
 ```
+With `lora` (LoRA adapter-only sync, `GRPOConfig.vllm_lora_sync`; the server must run with `--enable-lora
+--max-lora-rank R`, and `--max-cpu-loras 2` for in-flight updates) the buckets hold only the adapter's `lora_A` /
+`lora_B` tensors; the base weights never move. The closing request installs the adapter in every worker under `id`
+and registers `name` as a served model (`/v1/models` lists it; completions ask for `"model": name`); the policy
+adapters beyond the newest `keep` are removed from the workers and the model list. The adapter travels over the same
+transport as full weights (shared memory / CUDA IPC on this machine, the broadcast group for a remote server): no
+shared folder is needed.
 Reference logprobs (a frozen server holding the reference weights, `GRPOConfig.ref_server_url`):
 
 `POST /ws/logprobs`, body `{"sequences": [{"prompt_ids": [int], "completion_ids": [int]}], "temperature": float}`,
@@ -148,7 +156,7 @@ def add_weight_routes(app) -> None:
     from grpo_async.generation.vllm_worker import validate_update_request
 
     lock = asyncio.Lock()
-    state = {"session_open": False}
+    state = {"session_open": False, "loras": {}}  # loras: policy adapter name -> id, registered as served models
 
     def engine(request: Request):
         return request.app.state.engine_client
@@ -200,6 +208,8 @@ def add_weight_routes(app) -> None:
                 if errors:
                     end = True  # the worker finalized the session before answering
                     raise HTTPException(500, f"weight update failed in the worker: {errors[0]}")
+                if body.get("lora") is not None and end and body.get("load", True):
+                    _register_lora(request.app, state["loras"], body["lora"], out[0].get("lora_adapters", []))
             except HTTPException:
                 raise
             except Exception as e:
@@ -211,6 +221,25 @@ def add_weight_routes(app) -> None:
                     await eng.resume_generation()
                     state["session_open"] = False
         return out[0]
+
+
+def _register_lora(app, ours: dict, spec: dict, resident: list) -> None:
+    """Serve the adapter just installed in the workers as model `spec["name"]` (the OpenAI routes look a LoRA up by
+    name), and stop serving our older adapters that the workers no longer hold. The path is a label: the workers
+    already hold the adapter, so vLLM never reads it."""
+    from vllm.lora.request import LoRARequest
+
+    models = getattr(app.state, "openai_serving_models", None)
+    if models is None:
+        return
+    for name, lora_id in list(ours.items()):
+        if lora_id not in resident or name == spec["name"]:
+            models.lora_requests.pop(name, None)
+            ours.pop(name)
+    models.lora_requests[spec["name"]] = LoRARequest(
+        lora_name=spec["name"], lora_int_id=spec["id"], lora_path=f"grpo-async://{spec['name']}"
+    )
+    ours[spec["name"]] = spec["id"]
 
 
 def _rescaled(position: dict, token: int, temperature: float) -> float:

@@ -1,7 +1,7 @@
 """vLLM generation backends: in-process (colocate), `grpo-async serve` servers, and any OpenAI-compatible server.
 
 - `VLLMColocateBackend(model_path)`: a `vllm.LLM` in this process; weights by in-process layerwise reload in
-  module-grouped buckets.
+  module-grouped buckets, or (`lora_rank=...`) a LoRA adapter by `load_adapter` (the base weights stay).
 - `VLLMServerBackend(urls)`: `/v1/completions` on `grpo-async serve` servers, least-outstanding routing, failover;
   weights by `"broadcast"` (gloo/NCCL), `"shm"` or `"cuda_ipc"` (same machine).
 - `OpenAIRemoteBackend(base_url, model)`: any `/v1/completions`; weights: none, or `"checkpoint_dir"` (writes
@@ -30,6 +30,7 @@ import torch
 
 from grpo_async.generation.base import Completion, SamplingConfig, check_completions
 from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
+from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.transports import (
     ColocateTransport,
     ServerAuthError,
@@ -222,6 +223,9 @@ class VLLMColocateBackend:
         enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
         separate_process (`bool`, *optional*): run the engine core in a child process; default: when
             `torch.distributed` is initialized with more than one process.
+        lora_rank (`int`, *optional*): serve the policy as the base model plus a LoRA adapter of at most this rank
+            (vLLM `enable_lora`); the trainer then sends only the adapter (`load_adapter`), and every `generate` uses
+            the adapter last loaded (none before the first load: the base model).
         **llm_kwargs: passed to `vllm.LLM`.
     """
 
@@ -236,6 +240,7 @@ class VLLMColocateBackend:
         bucket_mb: float | None = 64.0,
         enforce_eager: bool = True,
         separate_process: bool | None = None,
+        lora_rank: int | None = None,
         **llm_kwargs,
     ):
         if separate_process is None:
@@ -250,6 +255,10 @@ class VLLMColocateBackend:
             )
         from vllm import LLM
 
+        if lora_rank is not None:  # one adapter per batch; the previous one stays resident (keep=2)
+            lora = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": 1}
+            llm_kwargs = {**lora, "max_cpu_loras": 2, **llm_kwargs}
+        self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -271,7 +280,9 @@ class VLLMColocateBackend:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
         params = to_vllm_sampling_params(sampling)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
+        )
         completions = []
         for req in outputs:  # vLLM returns requests in submission order
             for o in sorted(req.outputs, key=lambda o: o.index):
@@ -291,6 +302,20 @@ class VLLMColocateBackend:
         self.transport.push(groups, version)
         if self.separate_process:
             self.llm.reset_prefix_cache()
+        self.lora_request = None  # full weights are the whole policy
+        self.version = version
+
+    def load_adapter(self, groups: Groups, config: dict, version: int) -> None:
+        """Install a LoRA adapter (its `lora_A` / `lora_B` tensors, PEFT-named, and its config) as policy `version`:
+        a new vLLM adapter id per version (`weight_sync.lora.adapter_spec`), used by every later `generate`."""
+        from vllm.lora.request import LoRARequest
+
+        spec = adapter_spec(version, config)
+        self.transport.push(groups, version, lora=spec)
+        if self.separate_process:
+            self.llm.reset_prefix_cache()
+        # the path is a label: the worker already holds the adapter, so vLLM never reads it
+        self.lora_request = LoRARequest(spec["name"], spec["id"], f"grpo-async://{spec['name']}")
         self.version = version
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -475,6 +500,8 @@ class VLLMServerBackend:
         if not live:
             raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health: {'; '.join(why)}")
         self.router = _CompletionsRouter(live, model, max_concurrency, "VLLMServerBackend")
+        self.base_model = model  # the router asks for the policy adapter's name instead after load_adapter
+        self._lora_checked = False
         self.transport_name = transport
         self.bucket_mb = bucket_mb
         self.master_address = master_address
@@ -506,6 +533,42 @@ class VLLMServerBackend:
     def load_weights(self, groups: Groups, version: int) -> None:
         """Stream the groups to every live server at once, bucket by bucket (the groups are produced once: each
         bucket goes to every server before the next is asked for); a server that fails leaves the rotation."""
+        self._push(groups, version)
+        self.router.model = self.base_model  # full weights are the whole policy
+
+    def load_adapter(self, groups: Groups, config: dict, version: int) -> None:
+        """Send only a LoRA adapter (PEFT-named `lora_A` / `lora_B` tensors and its config) to every live server,
+        over the same transport as full weights; each installs it as model `policy-v<version>`, which every later
+        completion request asks for. The servers must run with `--enable-lora --max-lora-rank R` (R >= the adapter's
+        rank), and with `--max-cpu-loras 2` for in-flight updates (a request frozen mid-update resumes on the adapter
+        it started with, which must still be resident)."""
+        spec = adapter_spec(version, config)
+        if not self._lora_checked:
+            self._check_lora(config)
+        self._push(groups, version, lora=spec)
+        self.router.model = spec["name"]
+
+    def _check_lora(self, config: dict) -> None:
+        rank = max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+        for client in list(self.router.live):
+            workers = client.get("/ws/info").get("workers") or [{}]
+            lora = workers[0].get("lora") or {}
+            problem = None
+            if not lora.get("enabled"):
+                problem = "was started without LoRA support"
+            elif lora["max_lora_rank"] < rank:
+                problem = f"serves LoRA ranks up to {lora['max_lora_rank']}, the adapter has rank {rank}"
+            elif self.inflight_updates and lora["max_cpu_loras"] < 2:
+                problem = "keeps one adapter (--max-cpu-loras 1); in-flight updates need the previous one resident"
+            if problem:
+                raise RuntimeError(
+                    f"VLLMServerBackend: LoRA adapter sync to {client.url}: the server {problem}. Start it with "
+                    f"`grpo-async serve ... --enable-lora --max-lora-rank {vllm_max_lora_rank(rank)} --max-cpu-loras 2`"
+                    ", or sync merged weights (GRPOConfig.vllm_lora_sync='merged')"
+                )
+        self._lora_checked = True
+
+    def _push(self, groups: Groups, version: int, lora: dict | None = None) -> None:
         errors: list[str] = []
         sessions = {}
         for client in list(self.router.live):
@@ -527,7 +590,7 @@ class VLLMServerBackend:
                     drop(url, e)
 
         def open_stream(url, client):
-            sessions[url] = (client, self._transport(client, device).stream(version))
+            sessions[url] = (client, self._transport(client, device).stream(version, lora=lora))
 
         device = None
         for bucket in iter_buckets(groups, self.bucket_mb):

@@ -17,6 +17,13 @@ end:    finalize_layerwise_reload(model, model_config)  # ALWAYS (in `finally`):
 
 A request may carry a whole session (`begin` and `end` true, the normal case) or a part of one (per-tensor mode used
 by the benchmark); any error finalizes the open session before it propagates.
+
+A LoRA session (the request carries `"lora": {"name", "id", "config"}`, see `grpo_async.weight_sync.lora`) moves the
+adapter's tensors over the same transports but never touches the base weights: `begin` opens an empty adapter,
+`load` copies the received tensors into it, `end` builds a vLLM `LoRAModel` from them (`LoRAModel.from_lora_tensors`,
+what vLLM does with an `adapter_model.safetensors`) and installs it in the worker's LoRA manager under `id`, dropping
+the policy adapters older than the previous one. A session that fails, or is closed without the `lora` spec (an
+abort), installs nothing. The engine must have been started with LoRA (`enable_lora`, `--enable-lora`).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ def validate_update_request(req: object) -> dict:
         "handles",
         "group",
         "pause",
+        "lora",
     }
     unknown = set(req) - allowed
     if unknown:
@@ -88,6 +96,8 @@ def validate_update_request(req: object) -> dict:
         raise ValueError(f"'version' must be an integer, got {version!r}")
     if "group" in req and not isinstance(req["group"], str):
         raise ValueError(f"'group' must be the group_name given to /ws/init_broadcast, got {req['group']!r}")
+    if "lora" in req:
+        validate_lora_spec(req["lora"])
     if req.get("pause", "wait") not in PAUSE_MODES:
         raise ValueError(f"'pause' must be one of {PAUSE_MODES}, got {req['pause']!r}")
     for key in ("begin", "end", "load", "digests"):
@@ -109,6 +119,26 @@ def validate_update_request(req: object) -> dict:
     return req
 
 
+def validate_lora_spec(spec: object) -> dict:
+    """Check the `lora` part of a weight-update request: `{"name": str, "id": int >= 1, "config": {...}}` plus an
+    optional `"keep"` (policy adapters kept resident, the new one included; default 2)."""
+    if not isinstance(spec, dict) or not {"name", "id", "config"} <= set(spec) or set(spec) - LORA_SPEC_KEYS:
+        raise ValueError(f"'lora' must be an object with keys name, id, config (optional keep), got {spec!r:.200}")
+    if not isinstance(spec["name"], str) or not spec["name"]:
+        raise ValueError(f"'lora.name' must be a non-empty string, got {spec['name']!r}")
+    for key, low in (("id", 1), ("keep", 1)):
+        v = spec.get(key, low)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"'lora.{key}' must be an integer >= {low}, got {v!r}")
+    cfg = spec["config"]
+    if not isinstance(cfg, dict) or not {"r", "lora_alpha", "target_modules"} <= set(cfg):
+        raise ValueError("'lora.config' must be the adapter's config with at least r, lora_alpha, target_modules")
+    return spec
+
+
+LORA_SPEC_KEYS = {"name", "id", "config", "keep"}
+
+
 class WeightSyncWorker:
     """Mixed into vLLM's worker; see the module docstring."""
 
@@ -116,7 +146,7 @@ class WeightSyncWorker:
     def _ws_state(self) -> dict:
         st = self.__dict__.get("_ws")
         if st is None:
-            st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None}
+            st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None, "lora": None, "loras": []}
             self.__dict__["_ws"] = st
         return st
 
@@ -127,31 +157,50 @@ class WeightSyncWorker:
         dev = getattr(self, "device", None)
         return dev if isinstance(dev, torch.device) else torch.device("cpu")
 
-    def _ws_begin(self) -> None:
+    def _ws_begin(self, lora: dict | None = None) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         st = self._ws_state()
         if st["open"]:
             raise RuntimeError("a weight reload session is already open (begin sent twice without end)")
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self._ws_model())
+        if lora is not None:  # an adapter session: the base weights stay as they are
+            self._ws_lora_manager()  # fail now if the engine has no LoRA support
+            st["lora"] = {}
+        else:
+            with set_current_vllm_config(self.vllm_config):
+                initialize_layerwise_reload(self._ws_model())
         st["open"] = True
 
     def _ws_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
 
-        if not self._ws_state()["open"]:
+        st = self._ws_state()
+        if not st["open"]:
             raise RuntimeError("weights sent without an open reload session (send begin=true first)")
+        if st["lora"] is not None:  # copies: the received tensors may be views of shared memory or live parameters
+            st["lora"].update({n: t.detach().to("cpu", copy=True) for n, t in named})
+            return
         with set_current_vllm_config(self.vllm_config):
             self._ws_model().load_weights(named)
 
-    def _ws_end(self) -> None:
+    def _ws_end(self, lora: dict | None = None) -> None:
+        """Close the open session: finalize a weight reload; install a LoRA session's adapter when `lora` (the closing
+        request's spec) is given, else discard it (a failed or aborted push installs nothing)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         st = self._ws_state()
         if not st["open"]:
+            return
+        if st["lora"] is not None:
+            tensors, st["lora"] = st["lora"], None
+            try:
+                if lora is not None:
+                    self._ws_lora_install(lora, tensors)
+            finally:
+                st["open"] = False
+                self._ws_release()
             return
         try:
             with set_current_vllm_config(self.vllm_config):
@@ -164,6 +213,62 @@ class WeightSyncWorker:
         finally:
             st["open"] = False
             self._ws_release()
+
+    def _ws_lora_manager(self):
+        mgr = getattr(self.model_runner, "lora_manager", None)
+        if mgr is None:
+            raise RuntimeError(
+                "this vLLM engine was started without LoRA support, so it cannot take an adapter: start it with "
+                "enable_lora=True (grpo-async serve --enable-lora --max-lora-rank R), or sync merged weights "
+                "(GRPOConfig.vllm_lora_sync='merged')"
+            )
+        return mgr
+
+    def _ws_lora_install(self, spec: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Build a vLLM `LoRAModel` from the received tensors (as vLLM's own `_load_adapter` does from a folder) and
+        make it the resident policy adapter; older policy adapters beyond `keep` are removed."""
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        mgr = self._ws_lora_manager()
+        am = mgr._adapter_manager  # noqa: SLF001 - vLLM keeps its adapter manager here
+        if not tensors:
+            raise ValueError(f"LoRA adapter {spec['name']!r}: no tensors were received")
+        helper = PEFTHelper.from_dict({**spec["config"], "vllm_max_position_embeddings": mgr.max_position_embeddings})
+        helper.validate_legal(mgr.lora_config)
+        expected = set()
+        for module in am.supported_lora_modules:
+            expected.update(am.packed_modules_mapping.get(module, [module]))
+        model = am.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        mapper = mapper.get_rename_mapper() if mapper is not None else None
+        unexpected = sorted(
+            {m for m in (parse_fine_tuned_lora_name(n, mapper)[0] for n in tensors) if m.rsplit(".", 1)[-1] not in expected}
+        )
+        if unexpected:
+            raise ValueError(
+                f"LoRA adapter {spec['name']!r} adapts modules vLLM cannot adapt in this model: {unexpected[:8]} "
+                f"(it adapts {sorted(expected)})"
+            )
+        lora = mgr._lora_model_cls.from_lora_tensors(  # noqa: SLF001
+            lora_model_id=spec["id"],
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",
+            dtype=mgr.lora_config.lora_dtype,
+            model_vocab_size=mgr.vocab_size,
+            weights_mapper=mapper,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        st = self._ws_state()
+        am.remove_adapter(lora.id)  # the same version sent again replaces it
+        ours = [i for i in st["loras"] if i != lora.id]
+        keep = max(1, min(int(spec.get("keep", 2)), am.capacity))
+        for old in ours[: max(0, len(ours) - (keep - 1))]:
+            am.remove_adapter(old)
+        st["loras"] = [*ours[max(0, len(ours) - (keep - 1)) :], lora.id]
+        am.add_adapter(lora)
+        am.activate_adapter(lora.id)
 
     def _ws_release(self) -> None:
         """Drop views of shared memory, then close the segments (a mapped view makes `close()` raise)."""
@@ -190,6 +295,20 @@ class WeightSyncWorker:
             "device": str(self._ws_device()),
             "version": st["version"],
             "reload_open": st["open"],
+            "lora": self._ws_lora_info(),
+        }
+
+    def _ws_lora_info(self) -> dict:
+        """`{"enabled": False}`, or the engine's LoRA limits and the resident policy adapters."""
+        cfg = getattr(self.vllm_config, "lora_config", None)
+        if cfg is None or getattr(self.model_runner, "lora_manager", None) is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "max_lora_rank": int(cfg.max_lora_rank),
+            "max_loras": int(cfg.max_loras),
+            "max_cpu_loras": int(cfg.max_cpu_loras or cfg.max_loras),
+            "adapters": list(self._ws_state()["loras"]),
         }
 
     def ws_init_broadcast(
@@ -265,9 +384,10 @@ class WeightSyncWorker:
         digests: dict[str, str] = {}
         phases = {"begin": 0.0, "receive": 0.0, "load": 0.0, "end": 0.0}
         count = nbytes = 0
+        lora = req.get("lora")
         try:
             if begin and load:
-                self._ws_begin()
+                self._ws_begin(lora)
             phases["begin"] = (t := time.perf_counter()) - t0
             for named in self._ws_receive(req):
                 phases["receive"] += (t1 := time.perf_counter()) - t
@@ -283,7 +403,7 @@ class WeightSyncWorker:
             raise
         t = time.perf_counter()
         if end:
-            self._ws_end()
+            self._ws_end(lora)
             if req.get("version") is not None:
                 self._ws_state()["version"] = req["version"]
         elif not load:
@@ -294,18 +414,29 @@ class WeightSyncWorker:
         out["phases"] = phases
         if want_digests:
             out["digests"] = digests
+        if req.get("lora") is not None:
+            out["lora_adapters"] = list(self._ws_state()["loras"])  # the policy adapters resident after this request
         return out
 
     def ws_load_tensors(
-        self, buckets, version: int | None = None, digests: bool = False, begin: bool = True, end: bool = True
+        self,
+        buckets,
+        version: int | None = None,
+        digests: bool = False,
+        begin: bool = True,
+        end: bool = True,
+        lora: dict | None = None,
     ) -> dict:
         """In-process only (colocate): load each bucket (`list[(name, tensor)]`) in turn. A call may hold a whole
         session (`begin` and `end`, the default) or a part of one, so the trainer can stream bucket by bucket; a call
-        that fails closes the session (the model never stays half-reloaded)."""
+        that fails closes the session (the model never stays half-reloaded). With `lora` (see `validate_lora_spec`)
+        the buckets are a LoRA adapter's tensors, installed as that adapter at `end`."""
+        if lora is not None:
+            validate_lora_spec(lora)
         out: dict[str, str] = {}
         count = 0
         if begin:
-            self._ws_begin()
+            self._ws_begin(lora)
         ok = False
         try:
             for named in buckets:
@@ -316,7 +447,7 @@ class WeightSyncWorker:
             ok = True
         finally:
             if end or not ok:
-                self._ws_end()
+                self._ws_end(lora if ok else None)
         if version is not None:
             self._ws_state()["version"] = version
         result = {"tensors": count, "version": self._ws_state()["version"]}

@@ -90,6 +90,8 @@ class AsyncBatchGenerator:
         self._pending: set[int] = set()  # queued or running
         self._completed: dict[int, BatchResult] = {}
         self._times: list[float] = []
+        self._busy = 0.0  # seconds spent in `generate_fn` by requests that finished
+        self._busy_since: float | None = None  # perf_counter() at which the running request started
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
@@ -218,6 +220,13 @@ class AsyncBatchGenerator:
         with self._cond:
             return sum(self._times) / len(self._times) if self._times else 0.0
 
+    def busy_seconds(self) -> float:
+        """Seconds the thread has spent in `generate_fn` since this generator was made, the request running now
+        counted up to now (failed requests too): the rest of the time it sat idle, waiting for a request."""
+        with self._cond:
+            running = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
+            return self._busy + running
+
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -226,7 +235,8 @@ class AsyncBatchGenerator:
                     request = self._requests.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                start = time.perf_counter()
+                with self._cond:
+                    start = self._busy_since = time.perf_counter()
                 try:
                     processed = self.generate_fn(request)
                     result = BatchResult(request.batch_id, processed, None, time.perf_counter() - start)
@@ -234,6 +244,8 @@ class AsyncBatchGenerator:
                     logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
                     result = BatchResult(request.batch_id, {}, e, time.perf_counter() - start)
                 with self._cond:
+                    self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
+                    self._busy_since = None
                     self._pending.discard(request.batch_id)
                     self._completed[request.batch_id] = result
                     if result.error is None:

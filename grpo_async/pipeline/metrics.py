@@ -24,11 +24,15 @@ def window_summary(window: dict[str, list[float]]) -> dict[str, float]:
 
 
 def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
-    """What one micro-batch's loss reports, over every process: KL and clipped fractions (means over trained tokens)
-    and staleness (`version` − the policy version that sampled each row: min / mean / max).
+    """What one micro-batch's loss reports over every process, with TRL 1.16's names: `kl`, `entropy` (means over
+    trained tokens), `clip_ratio/{low,high,region}_mean`, `clip_ratio/low_min`, `clip_ratio/high_max` (clipped loss
+    types), `cispo_clip_ratio`, `vespo/phi_seq_mean`, `policy_loss` and `entropy_coef` (entropy bonus on),
+    `aux_loss` (MoE), and staleness (`version` − the policy version that sampled each row: min / mean / max).
+
+    A sequence-level term (`[B, 1]`) is averaged over sequences, a token-level one (`[B, T]`) over trained tokens.
 
     Args:
-        out (`grpo_async.algo.loss.LossOutput`): the loss's per-token terms `[B, T]`.
+        out (`grpo_async.algo.objective.ObjectiveOutput`): the loss and its terms.
         batch (`MicroBatch`): the micro-batch (`loss_mask [B, T]`, `policy_version [B]`).
         version (`int`): the policy version being trained.
         reduce (`Callable`): sum over processes; gather (`Callable`): concatenation over processes.
@@ -37,17 +41,45 @@ def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
 
     mask = batch.loss_mask.float()  # [B, T]
 
-    def masked_mean(x):
-        totals = reduce(torch.stack([(x * mask).sum(), mask.sum()]).float())
+    def masked_mean(x):  # TRL's global_masked_mean
+        if x.shape[1] == 1:  # one value per sequence
+            local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)])
+        else:
+            m = mask.to(x.dtype)
+            local = torch.stack([(x * m).sum(), m.sum()])
+        totals = reduce(local)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+    def seq_means(x):  # TRL's masked_seq_mean, gathered: [B·N], NaN for rows without trained tokens
+        return gather(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
+
+    def nan_extreme(x, fn):
+        x = x[~torch.isnan(x)]
+        return fn(x).item() if x.numel() else float("nan")
+
+    terms = out.terms
     m = {}
-    if out.per_token_kl is not None:
-        m["kl"] = masked_mean(out.per_token_kl.detach())
-    low, high = out.is_low_clipped.float(), out.is_high_clipped.float()
-    m["clip_ratio/low_mean"] = masked_mean(low)
-    m["clip_ratio/high_mean"] = masked_mean(high)
-    m["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
+    if terms.per_token_kl is not None:
+        m["kl"] = masked_mean(terms.per_token_kl.detach())
+    if out.entropies is not None:
+        m["entropy"] = masked_mean(out.entropies.detach())
+    if terms.is_low_clipped is not None:
+        low, high = terms.is_low_clipped.float(), terms.is_high_clipped.float()
+        m["clip_ratio/low_mean"] = masked_mean(low)
+        m["clip_ratio/high_mean"] = masked_mean(high)
+        m["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
+        m["clip_ratio/low_min"] = nan_extreme(seq_means(low), torch.min)
+        m["clip_ratio/high_max"] = nan_extreme(seq_means(high), torch.max)
+    elif terms.cispo_clipped is not None:
+        m["cispo_clip_ratio"] = masked_mean(terms.cispo_clipped.float())
+    elif terms.phi_seq is not None:
+        m["vespo/phi_seq_mean"] = masked_mean(terms.phi_seq)
+    if out.entropy_bonus:
+        m["policy_loss"] = gather(terms.policy_loss.reshape(1)).nanmean().item()
+    if out.entropy_coef is not None:
+        m["entropy_coef"] = out.entropy_coef
+    if out.aux_loss is not None:
+        m["aux_loss"] = gather(out.aux_loss.detach().reshape(1)).mean().item()
     stale = gather((version - batch.policy_version.to(mask.device)).float())  # [B·N]
     m["async/staleness"] = stale.mean().item()
     m["async/staleness_max"] = stale.max().item()

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from ..algo.advantages import combine_rewards, compute_advantages, group_std_is_zero, nanstd
+from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
 from ..envs.rollout import template_ids
-from ..generation.base import Completion, SamplingConfig
+from ..generation.base import Completion, SamplingConfig, derive_seed
 from ..generation.shared import SharedBackend
-from ..rewards import score_completions
+from ..rewards import RewardLogs, score_completions
 from .aggregation import chunk_slices
 from .distribute import pad
 from .types import MicroBatch, Round, RoundRequest
@@ -48,11 +48,14 @@ class ProducerSettings:
     prompt_truncation: str  # "left" | "error"
     rollout_micro_batch_size: int  # completions per generate call, over the whole round
     scale_rewards: str
+    multi_objective_aggregation: str  # "sum_then_normalize" | "normalize_then_sum"
+    num_generations_eval: int  # completions per prompt in `evaluate`
     mask_truncated_completions: bool
     mask_env_responses: bool
     reward_timeout: float | None
     syncs_weights: bool  # False: the sampler keeps its initial weights (version 0)
-    seed: int | None = None  # per-request sampling seeds derived from (seed, round, call)
+    seed: int | None = None  # sampling seeds derived from (seed, round, row): `_sampling`; None: unseeded
+    chat_template_kwargs: dict | None = None  # extra apply_chat_template arguments (GRPOConfig's)
 
 
 class RoundProducer:
@@ -66,6 +69,8 @@ class RoundProducer:
         environment (*optional*): a multi-turn environment (`grpo_async.envs`).
         extra_columns (`Callable[[], dict]`, *optional*): values passed to every reward call besides the dataset's
             columns (the trainer passes `trainer_state`, as TRL does).
+        rollout_func (`Callable[[list], dict]`, *optional*): generates instead of the backend (TRL's `rollout_func`
+            with the trainer bound; `grpo_async.envs.rollout.run_rollout_func`), called with the round's prompts.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class RoundProducer:
         settings: ProducerSettings,
         environment=None,
         extra_columns: Callable[[], dict] | None = None,
+        rollout_func: Callable[[list], dict] | None = None,
     ):
         self.backend = backend
         self.tokenizer = tokenizer
@@ -89,15 +95,18 @@ class RoundProducer:
         self.s = settings
         self.environment = environment
         self.extra_columns = extra_columns or dict
+        self.rollout_func = rollout_func
 
     # ---- pieces -------------------------------------------------------------------------------------------
-    def tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], int]:
-        """Token ids of each prompt, left-truncated to `max_prompt_length` (counted) or refused, as configured."""
+    def tokenize_prompts(self, prompts: list, template_kwargs: dict | None = None) -> tuple[list[list[int]], int]:
+        """Token ids of each prompt, left-truncated to `max_prompt_length` (counted) or refused, as configured;
+        `template_kwargs` (e.g. `tools=`) go to the chat template."""
         out, truncated = [], 0
         limit = self.s.max_prompt_length
         for p in prompts:
             if is_conversational(p):
-                ids = template_ids(self.tokenizer, p, add_generation_prompt=True)
+                kwargs = {**(self.s.chat_template_kwargs or {}), **(template_kwargs or {})}
+                ids = template_ids(self.tokenizer, p, add_generation_prompt=True, **kwargs)
             elif isinstance(p, str):
                 ids = self.tokenizer(p)["input_ids"]
             else:
@@ -109,11 +118,14 @@ class RoundProducer:
             out.append(ids)
         return out, truncated
 
-    def _sampling(self, n: int, round_id: int, call: int) -> SamplingConfig:
+    def _sampling(self, n: int, round_id: int, row: int) -> SamplingConfig:
+        """The sampling of a call whose first completion is row `row` of round `round_id`: with a run seed, row r of
+        the round samples with seed `derive_seed(seed, round_id) + r` (`SamplingConfig.seed`), whatever the chunking
+        into calls, the thread timing or the process (evaluation uses negative round ids)."""
         s = SamplingConfig(**vars(self.s.sampling))
         s.n = n
-        if self.s.seed is not None:  # one seed per (run seed, round, call): the same run samples the same tokens
-            s.seed = (self.s.seed * 1_000_003 + round_id * 10_007 + call) % (2**31 - 1)
+        if self.s.seed is not None:
+            s.seed = derive_seed(self.s.seed, round_id) + row
         return s
 
     def generate(self, prompts: list, rows: list[dict], prompt_ids: list[list[int]], round_id: int, G: int):
@@ -122,6 +134,11 @@ class RoundProducer:
         with self.backend.lock:
             backend = self.backend.get()
             version = backend.version if self.s.syncs_weights and backend.version is not None else 0
+            if self.rollout_func is not None:  # the user generates: one completion per row, G copies of each prompt
+                from ..envs.rollout import run_rollout_func
+
+                stop = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+                return run_rollout_func(self.rollout_func, [r["prompt"] for r in rows], stop), version, 1
             if self.environment is not None:
                 from ..envs import run_rollouts
 
@@ -135,26 +152,29 @@ class RoundProducer:
                     self._sampling(G, round_id, 0),
                     G,
                     self.s.max_completion_length,
+                    tokenize=lambda messages, kw: self.tokenize_prompts([messages], kw)[0][0],
+                    chat_template_kwargs=self.s.chat_template_kwargs,
                 )
                 return [r.to_completion() for r in results], version, max(r.turns for r in results)
             size = self.s.rollout_micro_batch_size
             if size % G == 0:  # whole groups per call: prompts with n = G
-                calls = [(prompt_ids[sl], G) for sl in chunk_slices(len(prompt_ids), size // G)]
+                calls = [(prompt_ids[sl], G, sl.start * G) for sl in chunk_slices(len(prompt_ids), size // G)]
             else:  # a chunk may cut a group: every prompt G times with n = 1
                 repeated = [p for p in prompt_ids for _ in range(G)]
-                calls = [(repeated[sl], 1) for sl in chunk_slices(len(repeated), size)]
+                calls = [(repeated[sl], 1, sl.start) for sl in chunk_slices(len(repeated), size)]
             completions: list[Completion] = []
-            for i, (chunk, n) in enumerate(calls):
-                completions += backend.generate(chunk, self._sampling(n, round_id, i))
+            for chunk, n, first_row in calls:  # (chunk, n, the round row of the call's first completion)
+                completions += backend.generate(chunk, self._sampling(n, round_id, first_row))
             return completions, version, len(calls)
 
-    def score(self, rows: list[dict], completions: list[Completion]) -> torch.Tensor:
-        """Decode completions (chat-formatted for chat prompts) and call the reward functions. Returns `[R, F]`."""
+    def score(self, rows: list[dict], completions: list[Completion], logs: RewardLogs | None = None) -> torch.Tensor:
+        """Decode completions (chat-formatted for chat prompts) and call the reward functions. Returns `[R, F]`.
+        What they log through TRL's `log_extra` / `log_metric` goes into `logs` (dropped when `None`)."""
         completion_ids = [c.completion_ids for c in completions]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         for c, t in zip(completions, texts):
             c.text = t
-        prompts = [r["prompt"] for r in rows]
+        prompts = [c.extra.get("prompt") or r["prompt"] for r, c in zip(rows, completions, strict=True)]
         formatted = [
             c.extra["messages"]  # multi-turn: the assistant's and the environment's messages
             if "messages" in c.extra
@@ -165,17 +185,25 @@ class RoundProducer:
             k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")
         }
         columns.update(self.extra_columns())
+        logs = logs if logs is not None else RewardLogs()
+        columns.update(log_extra=logs.log_extra, log_metric=logs.log_metric)
         if completions and "state" in completions[0].extra:  # multi-turn: each rollout's final environment state
             columns["env_state"] = [c.extra["state"] for c in completions]
-        return score_completions(
-            self.reward_funcs,
-            self.reward_names,
-            prompts,
-            formatted,
-            completion_ids,
-            columns,
-            timeout=self.s.reward_timeout,
-        )
+        for key in completions[0].extra.get("columns", {}) if completions else ():  # environment / rollout_func fields
+            columns[key] = [c.extra["columns"][key] for c in completions]
+        try:
+            return score_completions(
+                self.reward_funcs,
+                self.reward_names,
+                prompts,
+                formatted,
+                completion_ids,
+                columns,
+                timeout=self.s.reward_timeout,
+            )
+        finally:  # e.g. environment_factory instances go back to their pool
+            if getattr(self.environment, "release", None) is not None and "env_state" in columns:
+                self.environment.release(columns["env_state"])
 
     # ---- the round ----------------------------------------------------------------------------------------
     def __call__(self, request: RoundRequest) -> Round:
@@ -189,19 +217,23 @@ class RoundProducer:
         completions, version, rollout_calls = self.generate(prompts, rows, prompt_ids, request.round_id, G)
         t_gen = time.perf_counter() - t0
         t0 = time.perf_counter()
-        rewards_per_func = self.score(rows, completions)  # [R, F]
+        logs = RewardLogs()
+        rewards_per_func = self.score(rows, completions, logs)  # [R, F]
+        logs.check_extra(len(rows))
         t_reward = time.perf_counter() - t0
-        rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [R]
-        advantages = compute_advantages(rewards, G, self.s.scale_rewards)  # [R]
+        rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [R] weighted sum: logged, as in TRL
+        advantages = aggregate_advantages(
+            rewards_per_func, self.reward_weights, G, self.s.scale_rewards, self.s.multi_objective_aggregation
+        )  # [R]
 
         R = len(rows)
-        prompt_rep = [prompt_ids[i // G] for i in range(R)]
+        prompt_rep = [c.extra.get("prompt_ids") or prompt_ids[i // G] for i, c in enumerate(completions)]  # [R]
         completion_ids = [c.completion_ids for c in completions]
         completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
         truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
         loss_mask = completion_mask.clone()  # [R, T] tokens trained on
-        if self.environment is not None and self.s.mask_env_responses:  # environment/tool tokens are not trained
-            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]
+        if self.s.mask_env_responses and completions and "env_mask" in completions[0].extra:  # env/tool tokens:
+            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]  not trained
         if self.s.mask_truncated_completions:
             loss_mask[truncated_rows] = 0
         batch = MicroBatch(
@@ -224,16 +256,18 @@ class RoundProducer:
                 "timing/rollout": t_gen,
                 "chunks/rollout": float(rollout_calls),
                 "timing/rewards": t_reward,
+                **logs.metric_means(),
             }
         )
         samples = {
-            "prompt": [r["prompt"] for r in rows],
+            "prompt": [c.extra.get("prompt") or r["prompt"] for r, c in zip(rows, completions, strict=True)],
             "completion": [c.text for c in completions],
             "rewards": {name: rewards_per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
             "reward": rewards.tolist(),
             "advantage": advantages.tolist(),
             "policy_version": [version] * R,
             "round": request.round_id,
+            "extra": logs.extra,  # log_extra columns
         }
         return Round(request.round_id, version, batch, metrics, samples)
 
@@ -264,8 +298,9 @@ class RoundProducer:
         return m
 
     def evaluate(self, dataset, chunk_prompts: int) -> dict[str, float]:
-        """Generate G completions per prompt of `dataset` on the weights the sampler holds, score them; the means."""
-        G = self.s.num_generations
+        """Generate `num_generations_eval` completions per prompt of `dataset` on the weights the sampler holds,
+        `chunk_prompts` prompts at a time, score them; the means."""
+        G = self.s.num_generations_eval
         rewards_all, per_func_all, lengths = [], [], []
         for lo in range(0, len(dataset), chunk_prompts):
             rows = [dataset[i] for i in range(lo, min(lo + chunk_prompts, len(dataset)))]

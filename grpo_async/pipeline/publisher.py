@@ -14,6 +14,11 @@ rank 0 (main)   wait until no round runs ─▶ load_weights(groups) ─▶ buck
 rank 1..N-1                                 iterate groups (take part in ZeRO-3 / FSDP2 gathers), send nothing
 ```
 
+With a PEFT LoRA policy and `adapter=True` (`GRPOConfig.vllm_lora_sync` resolved by
+`weight_sync.lora.lora_sync_mode`), a publish sends only the adapter's `lora_A` / `lora_B` tensors and its config
+(`backend.load_adapter`): nothing is merged, the sampler's base weights never move. `last` records what the latest
+publish sent (`{"mode", "tensors", "bytes", "seconds"}`), on the main process.
+
 Where a round in flight must finish on the old weights, the publish waits for it (the job queue is idle when the
 trainer has fetched the round it needs and `num_batches_ahead <= 1`); with `inflight=True` (servers) it does not
 wait, and the server freezes its running requests around the load instead.
@@ -34,6 +39,9 @@ from torch import nn
 
 from ..generation.shared import SharedBackend
 from ..weight_sync.collect import iter_full_params
+from ..weight_sync.lora import adapter_config, iter_adapter_params, lora_sync_mode
+
+__all__ = ["PolicyPublisher", "lora_sync_mode"]
 
 
 class PolicyPublisher:
@@ -46,6 +54,8 @@ class PolicyPublisher:
             (`weight_sync_transport="none"`, a generation-only endpoint): `publish` does nothing.
         wait_idle (`Callable[[], None]`, *optional*): blocks until no round is queued or being generated.
         inflight (`bool`, *optional*, defaults to `False`): do not wait for rounds in flight (servers freeze them).
+        adapter (`bool`, *optional*, defaults to `False`): send only the PEFT LoRA adapter (`backend.load_adapter`)
+            instead of the merged full weights; every process must pass the same value.
     """
 
     def __init__(
@@ -55,19 +65,23 @@ class PolicyPublisher:
         enabled: bool = True,
         wait_idle: Callable[[], None] | None = None,
         inflight: bool = False,
+        adapter: bool = False,
     ):
         self.backend = backend
         self.enabled = enabled
         self.wait_idle = wait_idle
         self.inflight = inflight
+        self.adapter = adapter
         self.published: int | None = None  # the version last published (tracked on every rank)
+        self.last: dict | None = None  # what the latest publish sent: {"mode", "tensors", "bytes", "seconds"}
 
     def publish(self, model: nn.Module, version: int) -> float:
         """Every process calls this at the same point; returns the seconds the publish took (0 when nothing to do)."""
         if not self.enabled or self.published == version:
             return 0.0
         start = time.perf_counter()
-        groups = iter_full_params(model)
+        sent = {"mode": "adapter" if self.adapter else "full", "tensors": 0, "bytes": 0}
+        groups = self._counted(iter_adapter_params(model) if self.adapter else iter_full_params(model), sent)
         if self.backend is None:
             for _ in groups:  # take part in the gathers; the main process sends
                 pass
@@ -76,14 +90,31 @@ class PolicyPublisher:
                 if self.wait_idle is not None and not self.inflight:
                     self.wait_idle()
                 with contextlib.nullcontext() if self.inflight else self.backend.lock:
-                    self.backend.get().load_weights(groups, version)
+                    backend = self.backend.get()
+                    if self.adapter:
+                        if not hasattr(backend, "load_adapter"):
+                            raise TypeError(
+                                f"{type(backend).__name__} cannot take a LoRA adapter (no load_adapter); "
+                                "set GRPOConfig.vllm_lora_sync='merged'"
+                            )
+                        backend.load_adapter(groups, adapter_config(model), version)
+                    else:
+                        backend.load_weights(groups, version)
             except KeyboardInterrupt:
                 # a push cut off mid-way may leave a server stuck in a reload session or a process group half-used:
                 # the backend is left to the process's exit instead of being closed (and waited on) by the caller
                 self.backend.forget()
                 raise
         self.published = version
-        return time.perf_counter() - start
+        self.last = {**sent, "seconds": time.perf_counter() - start}
+        return self.last["seconds"]
+
+    @staticmethod
+    def _counted(groups, sent: dict):
+        for module, tensors in groups:
+            sent["tensors"] += len(tensors)
+            sent["bytes"] += sum(t.numel() * t.element_size() for _, t in tensors)
+            yield module, tensors
 
     def reset(self) -> None:
         """Forget what was published (a new backend, a resumed run): the next `publish` sends again."""

@@ -15,6 +15,8 @@ micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (load
 Round r + k is generated from the weights the trainer had when round r started (staleness ≤ k rounds).
 
 Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
+The trainer calls `end_step` after the last micro-step of each optimizer step: the scheduler times the trainer's waits
+for the generator and the generator's busy seconds, and logs how well the step overlapped them (`pipeline/overlap.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from .aggregation import reuse_order
 from .consumer import RoundConsumer
 from .job_queue import AsyncBatchGenerator, BatchRequest
+from .overlap import StepWindow
 from .producer import RoundProducer
 from .types import MicroBatch, Round, RoundRequest
 
@@ -91,7 +94,8 @@ class RoundScheduler:
         self._epoch_seen = None
         self._epoch_call = 0  # micro-steps in the current epoch
         self._buffered: list[MicroBatch] | None = None
-        self._waited = 0.0  # seconds spent waiting for rounds since the last `take_wait`
+        self._waited = 0.0  # seconds spent waiting for the generator since the last `take_wait`
+        self._window = StepWindow(lambda: self.generator.busy_seconds() if self.generator is not None else 0.0)
         self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
 
     # ---- the trainer's calls -------------------------------------------------------------------------------
@@ -102,6 +106,7 @@ class RoundScheduler:
     def next_micro_batch(self, generation_batch: list[dict], version: int) -> MicroBatch:
         """The micro-batch of this micro-step; at a round boundary fetches the round (generating it first if it was
         not submitted ahead), publishes the weights of `version` and submits the rounds ahead."""
+        self._window.open()  # the first step of a `train()` starts here
         loader = self.loader
         if loader is not None and loader.epoch != self._epoch_seen:  # a new epoch (resumed: started `skipped` in)
             self._epoch_seen, self._epoch_call = loader.epoch, loader.skipped
@@ -112,15 +117,33 @@ class RoundScheduler:
         return batch
 
     def take_wait(self) -> float:
-        """Seconds spent waiting for rounds since the last call."""
+        """Seconds spent waiting for the generator (for a round, for it to go idle, for room in its queue) since the
+        last call."""
         waited, self._waited = self._waited, 0.0
         return waited
+
+    def end_step(self) -> dict[str, float] | None:
+        """The trainer finished an optimizer step's micro-steps: log and return `async/overlap`,
+        `async/trainer_wait`, `async/generator_idle` and `async/bottleneck` of the window since the previous call
+        (`pipeline/overlap.py: overlap_metrics` defines them); `None` before the first micro-step."""
+        metrics = self._window.close()
+        for k, v in (metrics or {}).items():
+            self.log(k, v)
+        return metrics
 
     def wait_until_idle(self) -> None:
         """Block until no round is queued or being generated (publishing waits for this, so a round in flight
         finishes on the weights it started with)."""
         if self.generator is not None:
-            self.generator.wait_until_idle()
+            start = time.perf_counter()
+            try:
+                self.generator.wait_until_idle()
+            finally:
+                self._add_wait(time.perf_counter() - start)
+
+    def _add_wait(self, seconds: float) -> None:
+        self._waited += seconds
+        self._window.add_wait(seconds)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the job-queue thread: rounds still queued are abandoned, the round in progress gets `timeout`
@@ -131,6 +154,7 @@ class RoundScheduler:
             self.generator.stop(timeout)
             busy = self.generator.is_running()
             self.generator = None
+        self._window.reset()  # the next `train()` opens a new one
         self.submitted.clear()
         self._buffered = None
         return busy
@@ -178,7 +202,11 @@ class RoundScheduler:
             all_rows = self.dist.gather(list(rows))  # every rank's rows, rank order
             self.submitted.add(round_id)
             if self.dist.is_main:
-                self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
+                start = time.perf_counter()  # waits when the queue is full
+                try:
+                    self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
+                finally:
+                    self._add_wait(time.perf_counter() - start)
 
     def _fetch(self) -> Round:
         """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
@@ -192,7 +220,7 @@ class RoundScheduler:
             except Exception as e:  # tell the other ranks before raising, so they don't wait in the broadcast
                 err, rnd = e, f"{type(e).__name__}: {e}"
         wait = time.perf_counter() - start
-        self._waited += wait
+        self._add_wait(wait)
         rnd = self.dist.broadcast(rnd)
         if err is not None:
             raise err

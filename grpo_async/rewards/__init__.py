@@ -101,7 +101,8 @@ def _is_async(func) -> bool:
 def prepare_reward_funcs(
     reward_funcs, reward_processing_classes=None, model_init_kwargs: dict | None = None, device=None
 ) -> tuple[list[RewardFunc], list[str]]:
-    """Normalise to a list of callables and their (unique) names; raise on anything else.
+    """Normalise to a list of callables and their (unique) names; raise on anything else. `None` or `[]` gives no
+    functions (TRL: allowed when an environment brings the reward; the trainer checks that one does).
 
     As in TRL, an entry may be a reward model: a model id or path (loaded as a sequence classifier with
     `model_init_kwargs`) or a `PreTrainedModel`; `reward_processing_classes[i]` is its tokenizer (loaded from the
@@ -110,9 +111,9 @@ def prepare_reward_funcs(
 
     from .reward_model import RewardModel
 
+    if reward_funcs is None:
+        reward_funcs = []
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs:
-        raise ValueError("reward_funcs is empty: give at least one reward function")
     tokenizers = reward_processing_classes
     if tokenizers is None:
         tokenizers = [None] * len(funcs)

@@ -82,9 +82,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
     """Yield `(module_name, [(hf_name, full_tensor), ...])` per module, all ranks participating.
 
-    Plain and PEFT-merged parameters are yielded as views of the live tensors (no copy; merged until the iteration
-    ends); ZeRO-3 parameters are gathered one module at a time and copied, FSDP2's `full_tensor()` is a new tensor,
-    so a consumer that packs a bucket of groups before asking for more holds about one bucket beyond the model.
+    Plain parameters are yielded as views of the live tensors (no copy); ZeRO-3 parameters are gathered one module
+    at a time and copied, FSDP2's `full_tensor()` is a new tensor, so a consumer that packs a bucket of groups before
+    asking for more holds about one bucket beyond the model. Under PEFT the weights the adapter is merged into
+    (`.base_layer.`) are copied while merged: the merge is undone as soon as the last group has been handed out, which
+    is before a bucketing consumer (`iter_buckets`) sends its final bucket, so views would arrive unmerged.
     """
     peft = _is_peft(model)
     # Group parameters by owning module, keeping module order.
@@ -98,7 +100,9 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, to
                 for name, p in items:
                     mapped = hf_name(name, peft)
                     if mapped is not None:
-                        out.append((mapped, _full(p)))
+                        t = _full(p)
+                        merged_into = peft and ".base_layer." in name and t.data_ptr() == p.data_ptr()
+                        out.append((mapped, t.clone() if merged_into else t))
                 if out:
                     yield (hf_name(module_name + ".x", peft) or module_name).rsplit(".", 1)[0], out
 

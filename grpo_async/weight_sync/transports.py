@@ -172,13 +172,22 @@ class WeightTransport(ABC):
         self.bucket_mb = bucket_mb
 
     @abstractmethod
-    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+    def push(
+        self,
+        groups: Groups,
+        version: int | None = None,
+        *,
+        digests: bool = False,
+        load: bool = True,
+        lora: dict | None = None,
+    ) -> dict:
         """Stream `(module, [(hf_name, tensor), ...])` groups to the receiver, bucket by bucket, as they are produced
         (the groups may be views of live, gathered or merged parameters: each bucket is sent before the next group
         is asked for, so the sender holds about one bucket beyond the model); return the receiver's summary.
 
         `digests=True` asks the receiver for sha256 of every tensor as received; `load=False` moves the bytes without
-        loading them (benchmark of the transport alone).
+        loading them (benchmark of the transport alone). `lora` (`grpo_async.weight_sync.lora.adapter_spec`): the
+        groups are a LoRA adapter's tensors, installed by the receiver as that adapter (the base weights stay).
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -198,7 +207,15 @@ class ColocateTransport(WeightTransport):
         super().__init__(bucket_mb)
         self.llm = llm
 
-    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+    def push(
+        self,
+        groups: Groups,
+        version: int | None = None,
+        *,
+        digests: bool = False,
+        load: bool = True,
+        lora: dict | None = None,
+    ) -> dict:
         if not load:
             raise ValueError("ColocateTransport moves no bytes; load=False is meaningless here")
         total = {"tensors": 0, "version": None}
@@ -206,11 +223,11 @@ class ColocateTransport(WeightTransport):
         begun = ended = False
         try:
             for bucket in iter_buckets(groups, self.bucket_mb):  # one RPC per bucket, tensors by reference
-                out = self._rpc([bucket], None, digests, begin=not begun, end=False)
+                out = self._rpc([bucket], None, digests, begin=not begun, end=False, lora=lora)
                 begun = True
                 total["tensors"] += out["tensors"]
                 found.update(out.get("digests", {}))
-            out = self._rpc([], version, digests, begin=not begun, end=True)
+            out = self._rpc([], version, digests, begin=not begun, end=True, lora=lora)
             ended = True
         finally:
             if begun and not ended:  # never leave the engine's model half-reloaded
@@ -224,8 +241,10 @@ class ColocateTransport(WeightTransport):
             total["digests"] = found
         return total
 
-    def _rpc(self, buckets, version, digests, *, begin: bool, end: bool) -> dict:
+    def _rpc(self, buckets, version, digests, *, begin: bool, end: bool, lora: dict | None = None) -> dict:
         kwargs = {"buckets": buckets, "version": version, "digests": digests, "begin": begin, "end": end}
+        if lora is not None:
+            kwargs["lora"] = lora
         return self.llm.collective_rpc("ws_load_tensors", kwargs=kwargs)[0]
 
 
@@ -240,10 +259,18 @@ class _ServerTransport(WeightTransport):
         #: "wait": requests in flight finish on the old weights first; "keep": in-flight updates (see serve.py)
         self.pause = "wait"
 
-    def push(self, groups: Groups, version: int | None = None, *, digests: bool = False, load: bool = True) -> dict:
+    def push(
+        self,
+        groups: Groups,
+        version: int | None = None,
+        *,
+        digests: bool = False,
+        load: bool = True,
+        lora: dict | None = None,
+    ) -> dict:
         """One reload session on the server: a request per bucket (packed and sent while the trainer has produced
         only that bucket), then a closing request that finalizes the load and sets `version`."""
-        stream = self.stream(version, digests=digests, load=load)
+        stream = self.stream(version, digests=digests, load=load, lora=lora)
         try:
             for bucket in iter_buckets(groups, self.bucket_mb):
                 stream.send(bucket)
@@ -254,10 +281,16 @@ class _ServerTransport(WeightTransport):
             raise
         return stream.close()
 
-    def stream(self, version: int | None = None, *, digests: bool = False, load: bool = True) -> _Stream:
-        """Open a push that is fed bucket by bucket: `send(bucket)` each, then `close()` (or `abort()`)."""
+    def stream(
+        self, version: int | None = None, *, digests: bool = False, load: bool = True, lora: dict | None = None
+    ) -> _Stream:
+        """Open a push that is fed bucket by bucket: `send(bucket)` each, then `close()` (or `abort()`); with `lora`
+        every request carries the adapter spec and the closing one installs the adapter (an abort installs nothing)."""
         self._start_push()
-        return _Stream(self, version, {"digests": digests, "load": load, "pause": self.pause})
+        base = {"digests": digests, "load": load, "pause": self.pause}
+        if lora is not None:
+            base["lora"] = lora
+        return _Stream(self, version, base)
 
     @staticmethod
     def _add(total: dict, out: dict) -> None:

@@ -1,0 +1,274 @@
+"""The training objective around the pure loss (`algo.loss.grpo_loss`), TRL 1.16's `_compute_loss` after the forward
+pass: the high-entropy token mask (a quantile over every process's tokens), the entropy bonus with its static or
+adaptive coefficient, and the MoE load-balancing loss. Collectives come in as callables (`ProcessOps`); the only
+state, the adaptive entropy coefficient, has `state_dict` / `load_state_dict` for checkpoints.
+
+```txt
+TokenScores(logps [B, T], entropies [B, T], aux_loss [])  +  micro-batch (advantages, masks, old/ref/sampler logps)
+   ─▶ entropy mask [B, T] (top_entropy_quantile < 1: entropy ≥ the (1 − ρ)-quantile of all processes' tokens)
+   ─▶ grpo_loss(...)                                        policy loss, scaled for gradient accumulation
+   ─▶ − coef · mean entropy over the (entropy-masked) tokens / GA        (entropy_coef ≠ 0 or use_adaptive_entropy)
+   ─▶ + router_aux_loss_coef · aux_loss / GA                             (MoE models, as TRL)
+```
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .loss import LossContext, LossOutput, LossSettings, grpo_loss, mean_entropy
+
+
+@dataclass
+class ProcessOps:
+    """Collectives over the training processes (identity with one process).
+
+    Args:
+        reduce_sum (`Callable[[Tensor], Tensor]`): element-wise sum over processes.
+        gather (`Callable[[Tensor], Tensor]`): concatenation over processes along dim 0.
+        pad_across_processes (`Callable[..., Tensor]`): `(tensor, dim=0, pad_index=v)` → padded with `v` along `dim`
+            to the longest process's length (accelerate's signature).
+    """
+
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    pad_across_processes: Callable[..., torch.Tensor]
+
+    @classmethod
+    def single(cls) -> ProcessOps:
+        return cls(reduce_sum=lambda t: t, gather=lambda t: t, pad_across_processes=lambda t, **_: t)
+
+    @classmethod
+    def of(cls, accelerator) -> ProcessOps:
+        """An `accelerate.Accelerator`'s collectives."""
+        return cls(
+            reduce_sum=lambda t: accelerator.reduce(t, reduction="sum"),
+            gather=accelerator.gather,
+            pad_across_processes=accelerator.pad_across_processes,
+        )
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float, ops: ProcessOps) -> torch.Tensor:
+    """Tokens whose entropy is at least the `threshold`-quantile of the entropies of every process's masked tokens
+    (TRL's `get_high_entropy_mask`; `threshold = 1 − top_entropy_quantile`).
+
+    Every process pads its masked entropies to the longest process's count with a negative sentinel (entropies are
+    ≥ 0), gathers them all and drops the sentinel, so each process computes the quantile of the same values and gets
+    the same threshold. entropies `[B, T]`, mask `[B, T]` → `[B, T]` bool (never true at masked tokens).
+    """
+    local = entropies[mask.bool()].detach().float()  # [n] this process's tokens
+    sentinel = -1e9
+    gathered = ops.gather(ops.pad_across_processes(local, dim=0, pad_index=sentinel))  # [N · max n]
+    gathered = gathered[gathered != sentinel]
+    if gathered.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    cut = torch.quantile(gathered, threshold)
+    return ((entropies * mask.float()) >= cut) & mask.bool()
+
+
+class EntropyController:
+    """The entropy bonus's coefficient (TRL 1.16): static, or adaptive (Skywork-OR1) when `adaptive`.
+
+    Adaptive: at the end of each accumulation window the window's mean entropy H over every process's (entropy-
+    masked) tokens moves the coefficient by `delta` towards more bonus when H ≤ `target`, less otherwise, within
+    [`coef_min`, `coef_max`]; the next window applies it only if H ≤ `target` (nothing before the first measurement).
+
+    Example: target 0.2, delta 0.005, coef 0.01: a window with H = 0.1 → coef 0.015, applied next window; then a
+    window with H = 0.5 → coef 0.01, and the next window applies 0.
+    """
+
+    def __init__(
+        self,
+        coef: float = 0.0,
+        *,
+        adaptive: bool = False,
+        coef_min: float = 0.0,
+        coef_max: float = 1.0,
+        delta: float = 0.005,
+        target: float = 0.2,
+    ):
+        self.coef, self.adaptive = coef, adaptive
+        self.coef_min, self.coef_max, self.delta, self.target = coef_min, coef_max, delta, target
+        self.enabled = coef != 0.0 or adaptive  # fixed for the run: an adaptive coef can come back from 0
+        self.last_world_entropy = math.inf  # no measurement yet
+        self._window: torch.Tensor | None = None  # [2] Σ entropy, tokens of this window so far (this process)
+
+    def applied_coef(self) -> float:
+        """The coefficient this window's micro-batches apply (the same for all of them)."""
+        if self.adaptive:
+            return self.coef if self.last_world_entropy <= self.target else 0.0
+        return self.coef
+
+    def observe(self, entropy_sum: torch.Tensor, tokens: torch.Tensor, end_of_window: bool, reduce_sum) -> None:
+        """Add one micro-batch's entropy total and token count; at the window's end (every process at once) update
+        the coefficient from the window's mean over every process."""
+        if not self.adaptive:
+            return
+        stats = torch.stack([entropy_sum.detach(), tokens.detach()]).float()  # [2]
+        self._window = stats if self._window is None else self._window + stats
+        if not end_of_window:
+            return
+        totals = reduce_sum(self._window)
+        world = (totals[0] / totals[1].clamp(min=1.0)).item()
+        if world <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_world_entropy = world
+        self._window = None
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_world_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the adaptive state (as TRL, only in adaptive mode: a static coef is the config's)."""
+        if self.adaptive and state:
+            self.coef = float(state["entropy_coef"])
+            self.last_world_entropy = float(state["last_world_entropy"])
+
+
+def router_aux_settings(model_config, coef: float | None) -> tuple[float, tuple[int, int] | None]:
+    """TRL's MoE load-balancing loss rule: `(coefficient, (num_experts, top_k))`, or `(0.0, None)` when off.
+
+    On when the model's (text) config has `output_router_logits` (a Mixture-of-Experts model that can return its
+    router logits) and the coefficient is not 0; `coef=None` takes the config's `router_aux_loss_coef` (0 if none).
+    A coefficient set for a model without router logits is an error.
+    """
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    moe = hasattr(text, "output_router_logits")
+    if coef and not moe:
+        raise ValueError(
+            f"GRPOConfig.router_aux_loss_coef={coef}: {type(text).__name__} is not a Mixture-of-Experts model that "
+            "returns its router logits, so there is no auxiliary loss to weight; leave it None"
+        )
+    value = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if not moe or not value:
+        return 0.0, None
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        raise ValueError(
+            f"GRPOConfig.router_aux_loss_coef: the load-balancing loss needs the number of experts and experts per "
+            f"token, but {type(text).__name__} has no num_experts / num_local_experts or num_experts_per_tok; set "
+            "router_aux_loss_coef=0.0 to train without it"
+        )
+    return float(value), (int(experts), int(top_k))
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # [] what is backpropagated, scaled for gradient accumulation
+    terms: LossOutput  # the policy loss's terms
+    entropies: torch.Tensor | None  # [B, T]
+    entropy_mask: torch.Tensor | None  # [B, T] bool (top_entropy_quantile < 1)
+    entropy_bonus: bool  # the bonus is on (TRL then logs policy_loss)
+    entropy_coef: float | None  # the coefficient after this micro-batch, at the end of a window (bonus on)
+    aux_loss: torch.Tensor | None  # [] MoE load-balancing loss (unscaled)
+
+
+class PolicyObjective:
+    """`objective(scores, batch, ctx, end_of_window)` → `ObjectiveOutput`: the whole loss of one micro-batch.
+
+    Args:
+        settings (`LossSettings`): the policy loss's knobs.
+        top_entropy_quantile (`float`): ρ; train only the top-ρ tokens by entropy (1.0: all tokens).
+        entropy (`EntropyController`, *optional*): the entropy bonus (off when `None` or not `enabled`).
+        aux_loss_coef (`float`), router (`(num_experts, top_k)`, *optional*): the MoE load-balancing loss.
+        ops (`ProcessOps`): collectives (the entropy quantile, the adaptive controller's window mean).
+    """
+
+    def __init__(
+        self,
+        settings: LossSettings,
+        *,
+        top_entropy_quantile: float = 1.0,
+        entropy: EntropyController | None = None,
+        aux_loss_coef: float = 0.0,
+        router: tuple[int, int] | None = None,
+        ops: ProcessOps | None = None,
+    ):
+        self.settings, self.top_entropy_quantile = settings, top_entropy_quantile
+        self.entropy = entropy or EntropyController()
+        self.aux_loss_coef, self.router = aux_loss_coef, router
+        self.ops = ops or ProcessOps.single()
+
+    @classmethod
+    def from_config(cls, args, model_config, ops: ProcessOps) -> PolicyObjective:
+        """From a `GRPOConfig` (TRL's field names) and the policy's model config (for the MoE auxiliary loss)."""
+        coef, router = router_aux_settings(model_config, args.router_aux_loss_coef)
+        entropy = EntropyController(
+            args.entropy_coef,
+            adaptive=args.use_adaptive_entropy,
+            coef_min=args.entropy_coef_min,
+            coef_max=args.entropy_coef_max,
+            delta=args.entropy_coef_delta,
+            target=args.entropy_target,
+        )
+        return cls(
+            LossSettings.from_config(args),
+            top_entropy_quantile=args.top_entropy_quantile,
+            entropy=entropy,
+            aux_loss_coef=coef,
+            router=router,
+            ops=ops,
+        )
+
+    @property
+    def scoring(self) -> dict:
+        """What the forward pass must compute (`algo.logprobs.score_tokens` keywords). Entropies are always
+        computed, as TRL does, for the `entropy` metric; with gradient only when the bonus backpropagates them."""
+        return {"entropy": True, "entropy_grad": self.entropy.enabled, "router": self.router}
+
+    def __call__(self, scores, batch, ctx: LossContext, end_of_window: bool = True) -> ObjectiveOutput:
+        """`scores`: `TokenScores`; `batch`: a `MicroBatch` (reads `advantages [B]`, `loss_mask [B, T]`, `old_logps`,
+        `ref_logps`, `is_weights`, `sampler_logps`); `end_of_window`: the last micro-batch before an optimizer step."""
+        mask = batch.loss_mask  # [B, T]
+        entropies = scores.entropies  # [B, T]
+        emask = None
+        if self.top_entropy_quantile < 1.0:
+            if entropies is None:
+                raise ValueError("top_entropy_quantile < 1 needs the entropies (score_tokens(..., entropy=True))")
+            emask = high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile, self.ops)  # [B, T]
+        terms = grpo_loss(
+            scores.logps,
+            batch.advantages,
+            mask,
+            settings=self.settings,
+            old_per_token_logps=batch.old_logps,
+            ref_per_token_logps=batch.ref_logps,
+            importance_weights=batch.is_weights,
+            sampler_per_token_logps=getattr(batch, "sampler_logps", None),
+            token_mask=emask,
+            ctx=ctx,
+        )
+        loss, coef_logged = terms.loss, None
+        if self.entropy.enabled:
+            if entropies is None:
+                raise ValueError("the entropy bonus needs the entropies (score_tokens(..., entropy=True))")
+            m = mask.to(entropies.dtype) if emask is None else mask.to(entropies.dtype) * emask  # [B, T]
+            loss = loss - self.entropy.applied_coef() * mean_entropy(entropies, m, ctx.grad_accum_steps)
+            self.entropy.observe((entropies * m).sum(), m.sum(), end_of_window, self.ops.reduce_sum)
+            coef_logged = self.entropy.coef if end_of_window else None
+        if self.router is not None:
+            if scores.aux_loss is None:
+                raise ValueError("router_aux_loss_coef needs the aux loss (score_tokens(..., router=...))")
+            loss = loss + self.aux_loss_coef * scores.aux_loss / ctx.grad_accum_steps
+        return ObjectiveOutput(
+            loss=loss,
+            terms=terms,
+            entropies=entropies,
+            entropy_mask=emask,
+            entropy_bonus=self.entropy.enabled,
+            entropy_coef=coef_logged,
+            aux_loss=scores.aux_loss,
+        )
+
+    def state_dict(self) -> dict:
+        return {"entropy": self.entropy.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.entropy.load_state_dict((state or {}).get("entropy", {}))
