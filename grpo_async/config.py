@@ -47,7 +47,7 @@ SYNC_WHY = {
     "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
     "it can only reload a shared checkpoint folder",
 }
-#: loss types TRL 1.16 has (all in `LOSS_TYPES`; one missing would raise `NotImplementedError`, not a typo's `ValueError`)
+#: loss types TRL 1.16 has (all in `LOSS_TYPES`; a missing one would raise `NotImplementedError`, not `ValueError`)
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 #: TRL 1.16 field name → the field of this config that holds the same knob (same values, same meaning). Accepted as
@@ -225,6 +225,15 @@ class GRPOConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
     min_p: float | None = field(default=0.0, metadata={"help": "Min-p sampling; 0.0 (or None) disables it."})
     stop: list[str] | None = field(default=None, metadata={"help": "Stop strings (besides EOS)."})
+    seeded_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Sample every completion with its own seed derived from (seed, round, row), so that two runs with "
+            "the same seed generate the same completions whatever the thread timing (hf, the in-process vllm "
+            "engine; servers get a per-request seed). False: the samplers' own randomness (vLLM on a GPU samples "
+            "large batches a little faster)."
+        },
+    )
     generation_batch_size: int | None = field(
         default=None,
         metadata={

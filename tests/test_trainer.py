@@ -273,7 +273,8 @@ def test_bad_input_errors_at_construction(tiny_model_path, tmp_path):
         GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(3))
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.pad_token = None
-    with pytest.raises(ValueError, match="no pad token"):
+    tok.eos_token = None  # without a pad token the EOS token pads (TRL); without either, nothing can
+    with pytest.raises(ValueError, match="neither a pad token nor an EOS token"):
         GRPOTrainer(
             model=tiny_model_path,
             reward_funcs=letter_reward,

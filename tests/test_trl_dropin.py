@@ -318,3 +318,20 @@ def test_max_tool_calling_iterations_bounds_tool_turns(tiny_model_path, tmp_path
             model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=data, tools=[calculator]
         )
         assert t.environment.max_turns == turns
+
+
+def test_streaming_eval_set_is_evaluated_like_the_same_rows_map_style(tiny_model_path, tmp_path):
+    """An `IterableDataset` eval set: every prompt generated num_generations_eval times, the same prompts as the
+    map-style set gives (the rewards are per-prompt constants here, so the means must match exactly)."""
+    data = make_dataset(12, seed=5)
+    log = PromptLog()
+    t = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=[log],
+        args=tiny_config(tmp_path / "out", num_generations_eval=2, per_device_eval_batch_size=4),
+        train_dataset=make_dataset(40),
+    )
+    metrics = {kind: t.evaluate(ds) for kind, ds in (("map", data), ("stream", _stream(data)))}
+    assert metrics["stream"]["eval_reward"] == metrics["map"]["eval_reward"] == 1.0
+    prompts = [p for call in log.calls for p in call]
+    assert len(prompts) == 2 * 2 * 12 and prompts[: len(prompts) // 2] == prompts[len(prompts) // 2 :]

@@ -300,10 +300,15 @@ class RoundProducer:
     def evaluate(self, dataset, chunk_prompts: int) -> dict[str, float]:
         """Generate `num_generations_eval` completions per prompt of `dataset` on the weights the sampler holds,
         `chunk_prompts` prompts at a time, score them; the means."""
+        import itertools
+
         G = self.s.num_generations_eval
         rewards_all, per_func_all, lengths = [], [], []
-        for lo in range(0, len(dataset), chunk_prompts):
-            rows = [dataset[i] for i in range(lo, min(lo + chunk_prompts, len(dataset)))]
+        stream = iter(dataset)  # a Dataset or a streaming IterableDataset alike, in order
+        for lo in itertools.count(0, chunk_prompts):
+            rows = list(itertools.islice(stream, chunk_prompts))
+            if not rows:
+                break
             prompts = [r["prompt"] for r in rows]
             prompt_ids, _ = self.tokenize_prompts(prompts)
             rows_rep = [r for r in rows for _ in range(G)]
@@ -312,6 +317,8 @@ class RoundProducer:
             per_func_all.append(per_func)
             rewards_all.append(combine_rewards(per_func, self.reward_weights))
             lengths += [len(c.completion_ids) for c in completions]
+        if not rewards_all:
+            raise ValueError("evaluate(): the eval dataset yielded no prompts")
         rewards, per_func = torch.cat(rewards_all), torch.cat(per_func_all)
         return {
             "reward": torch.nanmean(rewards).item(),
