@@ -243,11 +243,17 @@ def summarize(runs: dict[str, list[dict]], warmup: int, block: int) -> dict:
         "achieved_vs_sync_mode": modes["sync"]["step_s"] / a["step_s"],  # the same, both measured in one run
         # the synchronous run's step beyond its two alone phases, split (the parts add up to `other_s`)
         "other_s": s["step_s"] - t_gen - t_train,
-        "sync_loss": {
-            "slower generation": s["T_gen"] - t_gen,
-            "slower trainer work": s["trainer_busy"] - t_train,
-            "round hand-off (trainer wait − T_gen)": (s["step_s"] - s["trainer_busy"]) - s["T_gen"],
-        },
+        "sync_loss": sync_loss(s, t_gen, t_train),
+        "sync_mode_loss": sync_loss(modes["sync"], t_gen, t_train),  # the same for the sync steps of the same run
+    }
+
+
+def sync_loss(s: dict, t_gen: float, t_train: float) -> dict[str, float]:
+    """A synchronous step's seconds beyond `t_gen + t_train` (the phases alone), split in three."""
+    return {
+        "slower generation": s["T_gen"] - t_gen,
+        "slower trainer work": s["trainer_busy"] - t_train,
+        "round hand-off (trainer wait − T_gen)": (s["step_s"] - s["trainer_busy"]) - s["T_gen"],
     }
 
 
@@ -314,11 +320,14 @@ def report(result: dict) -> None:
         f"async: {a['step_s']:.3f} s/step → {result['achieved']:.3f}x over the alone phases' sum = "
         f"{result['overlap_fraction']:.3f} of S* (= max(T_gen, T_train) / async s/step; target ≥ 0.95, verl 0.88)"
     )
-    s = result["sync"]
-    print(
-        f"sync run: {s['step_s']:.3f} s/step = alone phases {t_gen + t_train:.3f} + {result['other_s']:.3f} lost: "
-        + ", ".join(f"{k} {v:+.3f}" for k, v in result["sync_loss"].items())
-    )
+    for name, r, loss in (
+        ("sync steps (same run)", result["modes"]["sync"], result["sync_mode_loss"]),
+        ("sync run (separate)", result["sync"], result["sync_loss"]),
+    ):
+        print(
+            f"{name}: {r['step_s']:.3f} s/step = alone phases {t_gen + t_train:.3f} "
+            f"{r['step_s'] - t_gen - t_train:+.3f}: " + ", ".join(f"{k} {v:+.3f}" for k, v in loss.items())
+        )
     print(
         f"speed-up a user sees: sync run ÷ async = {result['achieved_vs_sync_run']:.3f}x; sync steps ÷ async steps of "
         f"the same run = {result['achieved_vs_sync_mode']:.3f}x"
@@ -361,11 +370,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "out", "overlap.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "overlap.png"))
+    ap.add_argument("--from-runs", default=None, help="recompute the summary from the runs of an overlap.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run (JSON spec), in a fresh process
     a = ap.parse_args(argv)
     if a.child is not None:
         print("RUN " + json.dumps(child(json.loads(a.child))), flush=True)
         os._exit(0)  # no finalizers: engine threads / gloo teardown can hang at interpreter exit
+    if a.from_runs is not None:
+        with open(a.from_runs) as f:
+            saved = json.load(f)
+        setup = saved["setup"]
+        return finish(saved["device"], setup, saved["runs"], a.out, a.plot)
 
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
@@ -414,22 +429,22 @@ def main(argv=None) -> dict:
                         f"{t['live_overlap']:.3f}",
                         flush=True,
                     )
-    device = runs["sync"][0]["device"]
-    result = {
-        "device": device,
-        "setup": {
-            **{k: v for k, v in common.items() if k != "model"},
-            "layers": a.layers,
-            "hidden": a.hidden,
-            "steps": a.steps,
-            "block": a.block,
-            "cycles": a.cycles,
-            "warmup": a.warmup,
-            "repeats": a.repeats,
-        },
-        **summarize(runs, a.warmup, a.block),
-        "runs": runs,
+    setup = {
+        **{k: v for k, v in common.items() if k != "model"},
+        "layers": a.layers,
+        "hidden": a.hidden,
+        "steps": a.steps,
+        "block": a.block,
+        "cycles": a.cycles,
+        "warmup": a.warmup,
+        "repeats": a.repeats,
     }
+    return finish(runs["sync"][0]["device"], setup, runs, a.out, a.plot)
+
+
+def finish(device: str, setup: dict, runs: dict[str, list[dict]], out: str, png: str) -> dict:
+    """Summarize the runs, print the report, write the JSON and the plot, print the `RESULT` lines."""
+    result = {"device": device, "setup": setup, **summarize(runs, setup["warmup"], setup["block"]), "runs": runs}
     result["rows"] = [
         {
             "metric": "overlap: max(T_gen, T_train) alone ÷ async s/step",
@@ -446,12 +461,16 @@ def main(argv=None) -> dict:
             "peer_name": "overlap_fraction",
         },
     ]
-    print(f"device: {device}; model {a.layers} layers × hidden {a.hidden}; {a.prompts} prompts × G={a.G} × T={a.T}")
+    print(
+        f"device: {device}; model {setup['layers']} layers × hidden {setup['hidden']}; {setup['prompts']} prompts × "
+        f"G={setup['G']} × T={setup['T']}"
+    )
     report(result)
-    with open(a.out, "w") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, a.plot)
-    print(f"wrote {a.out} and {a.plot}")
+    plot(result, png)
+    print(f"wrote {out} and {png}")
     print(f"RESULT overlap_fraction={result['overlap_fraction']:.3f}")
     print(f"RESULT live_overlap={result['live_overlap']:.3f}")
     print(f"RESULT live_vs_bench={result['live_vs_bench']:.3f}")

@@ -163,8 +163,8 @@ def test_training_bound_run_shows_the_generator_idle(tiny_model_path, tmp_path):
 
 
 def test_synchronous_run_overlaps_less_than_asynchronous(tiny_model_path, tmp_path):
-    """Balanced phases (SLOW seconds of reward, SLOW of step): the synchronous run does them one after the other, so its
-    slower phase fills about half of each step; the asynchronous run hides one behind the other."""
+    """Balanced phases (SLOW seconds of reward, SLOW of step): the synchronous run does them one after the other, so
+    its slower phase fills about half of each step; the asynchronous run hides one behind the other."""
     sync = _train(tmp_path / "sync", tiny_model_path, slow_reward, [SlowStep()], ahead=0)
     asyn = _train(tmp_path / "async", tiny_model_path, slow_reward, [SlowStep()], ahead=1)
     assert _mean(sync, "async/overlap") < _mean(asyn, "async/overlap")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algo.loss import importance_sampling_weights
+from ..generation.base import derive_seed
 from .distribute import process_slice
 from .types import MicroBatch, Round
 
@@ -42,6 +43,7 @@ class ConsumerSettings:
     importance_sampling_mode: str
     importance_sampling_clip_min: float | None
     importance_sampling_clip_max: float | None
+    seed: int | None = None  # the shuffle within a round: a generator seeded from (seed, round); None: torch's global
 
 
 class RoundConsumer:
@@ -83,8 +85,15 @@ class RoundConsumer:
         local = self._add_logps(local)
         if self.s.importance_sampling_correction:
             local = self._add_importance_weights(local)
-        local = local.select(torch.randperm(len(local)))  # shuffled within the round
+        local = local.select(torch.randperm(len(local), generator=self._shuffler(rnd.round_id)))  # within the round
         return [b.trim() for b in local.split(self.s.steps_per_generation)]
+
+    def _shuffler(self, round_id: int) -> torch.Generator | None:
+        """The round's own generator: torch's global RNG is shared with the generator thread (and an in-process vLLM
+        engine reseeds it), so the micro-batch order would depend on what ran before."""
+        if self.s.seed is None:
+            return None
+        return torch.Generator().manual_seed(derive_seed(self.s.seed, "shuffle", round_id))
 
     def _drop_stale(self, local: MicroBatch, round_id: int, step: int) -> MicroBatch:
         limit = self.s.staleness_limit
