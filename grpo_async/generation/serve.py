@@ -320,6 +320,13 @@ grpo-async options and defaults (they differ from `vllm serve`):
   --worker-extension-cls
                         default grpo_async.generation.vllm_worker.WeightSyncWorker (needed by the /ws/* routes)
   --logprobs-mode       default processed_logprobs: the sampler's logprobs of the distribution it sampled from
+  --[no-]enable-chunked-prefill
+                        on CPU, default off (unless --max-num-batched-tokens is given): a seeded request
+                        (GRPOConfig.seeded_generation) whose prompt vLLM CPU prefills in chunks fails ("CPU Generator
+                        does not use offset"); on a GPU, vLLM's default
+  --enable-lora --max-lora-rank R [--max-cpu-loras 2]
+                        vLLM's own flags; needed for LoRA adapter-only sync (GRPOConfig.vllm_lora_sync='adapter'):
+                        the trainer then sends only the adapter, served as model `policy-v<version>`
 
 Routes added to vLLM's: GET /ws/info, POST /ws/init_broadcast, /ws/close_broadcast, /ws/update (weight sync from
 the trainer: shared memory or CUDA IPC on this machine, else a gloo/NCCL broadcast), POST /ws/logprobs (reference
@@ -381,6 +388,18 @@ def _default_cpu_memory(args, argv: list[str]) -> None:
         "pass the flag to choose)",
         flush=True,
     )
+
+
+def _default_cpu_chunked_prefill(args, argv: list[str]) -> None:
+    """On CPU, unless the user chose, turn chunked prefill off: vLLM CPU cannot rewind a seeded request's generator
+    after a partial prefill (the trainer sends per-request seeds, `GRPOConfig.seeded_generation`)."""
+    chose = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
+    if any(_passed(argv, flag) for flag in chose):  # a token budget below the context needs chunks: left to vLLM
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        args.enable_chunked_prefill = False
 
 
 async def _serve(args) -> None:
@@ -454,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = make_parser().parse_args(argv)
     _default_cpu_memory(args, argv)
+    _default_cpu_chunked_prefill(args, argv)
     if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
         raise SystemExit(
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "

@@ -243,7 +243,11 @@ class WeightSyncWorker:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         mapper = mapper.get_rename_mapper() if mapper is not None else None
         unexpected = sorted(
-            {m for m in (parse_fine_tuned_lora_name(n, mapper)[0] for n in tensors) if m.rsplit(".", 1)[-1] not in expected}
+            {
+                m
+                for m in (parse_fine_tuned_lora_name(n, mapper)[0] for n in tensors)
+                if m.rsplit(".", 1)[-1] not in expected
+            }
         )
         if unexpected:
             raise ValueError(
