@@ -411,7 +411,7 @@ def producer_settings(a: GRPOConfig):
         chat_template_kwargs=dict(a.chat_template_kwargs) if a.chat_template_kwargs else None,
         reward_timeout=a.reward_timeout,
         syncs_weights=a.syncs_weights,
-        seed=None,  # per-request seeds crash vLLM CPU on chunked prefill ("CPU Generator does not use offset")
+        seed=a.seed if a.seeded_generation else None,  # completion seeds: (seed, round, row); README Reproducibility
     )
 
 
@@ -436,6 +436,7 @@ def consumer_settings(a: GRPOConfig):
         importance_sampling_mode=a.importance_sampling_mode,
         importance_sampling_clip_min=a.importance_sampling_clip_min,
         importance_sampling_clip_max=a.importance_sampling_clip_max,
+        seed=a.seed,  # the shuffle within a round: its own generator, whatever else draws from torch's global RNG
     )
 
 

@@ -17,8 +17,8 @@ submit round r    ────────────────────�
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 

@@ -24,7 +24,7 @@ from .base import Completion, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
 
-#: `GenerationConfig` fields that shape the sampling distribution (HF's "warpers"), in the order `generate` applies them
+#: `GenerationConfig` fields that shape the sampling distribution (HF's "warpers"), in `generate`'s order
 WARPER_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 

@@ -4,6 +4,7 @@
   module-grouped buckets, or (`lora_rank=...`) a LoRA adapter by `load_adapter` (the base weights stay).
 - `VLLMServerBackend(urls)`: `/v1/completions` on `grpo-async serve` servers, least-outstanding routing, failover;
   weights by `"broadcast"` (gloo/NCCL), `"shm"` or `"cuda_ipc"` (same machine).
+  A LoRA adapter alone (`load_adapter`) goes over the same transports to servers started with `--enable-lora`.
 - `OpenAIRemoteBackend(base_url, model)`: any `/v1/completions`; weights: none, or `"checkpoint_dir"` (writes
   safetensors for the remote's operator).
 
@@ -259,6 +260,8 @@ class VLLMColocateBackend:
             lora = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": 1}
             llm_kwargs = {**lora, "max_cpu_loras": 2, **llm_kwargs}
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
+        if _cpu_platform():  # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does
+            llm_kwargs.setdefault("enable_chunked_prefill", False)  # not use offset"); whole prefills are as fast here
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -280,6 +283,8 @@ class VLLMColocateBackend:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
         params = to_vllm_sampling_params(sampling)
+        if sampling.seed is not None:  # one request per prompt, its own seed (its n samples: seed + j, vLLM's rule)
+            params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
         )
@@ -331,6 +336,12 @@ class VLLMColocateBackend:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class _EngineRpc:
@@ -420,7 +431,9 @@ class _CompletionsRouter:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
         validate_sampling(sampling)
-        futures = [self.pool.submit(self._one, p, sampling) for p in prompt_ids]
+        # seeded: each request its own seed (`SamplingConfig.for_prompt`); without it, G copies of a prompt (n = 1)
+        # would sample the same completion
+        futures = [self.pool.submit(self._one, p, sampling.for_prompt(i)) for i, p in enumerate(prompt_ids)]
         out: list[Completion] = []
         for f in futures:  # each request is bounded by the client timeout (and retried at most once per server)
             out.extend(f.result())
@@ -561,10 +574,10 @@ class VLLMServerBackend:
             elif self.inflight_updates and lora["max_cpu_loras"] < 2:
                 problem = "keeps one adapter (--max-cpu-loras 1); in-flight updates need the previous one resident"
             if problem:
+                flags = f"--enable-lora --max-lora-rank {vllm_max_lora_rank(rank)} --max-cpu-loras 2"
                 raise RuntimeError(
                     f"VLLMServerBackend: LoRA adapter sync to {client.url}: the server {problem}. Start it with "
-                    f"`grpo-async serve ... --enable-lora --max-lora-rank {vllm_max_lora_rank(rank)} --max-cpu-loras 2`"
-                    ", or sync merged weights (GRPOConfig.vllm_lora_sync='merged')"
+                    f"`grpo-async serve ... {flags}`, or sync merged weights (GRPOConfig.vllm_lora_sync='merged')"
                 )
         self._lora_checked = True
 
