@@ -317,6 +317,12 @@ def run_trl(spec: dict) -> dict:
         seed=0,
         disable_tqdm=True,
         bf16=False,
+        # TRL's default (True) unless the spec says otherwise
+        **(
+            {}
+            if spec.get("gradient_checkpointing") is None
+            else {"gradient_checkpointing": spec["gradient_checkpointing"]}
+        ),
     )
     clock = StepClock()
     trainer = GRPOTrainer(
