@@ -287,9 +287,12 @@ class GRPOConfig(TrainingArguments):
     vllm_max_concurrency: int = field(
         default=32, metadata={"help": "HTTP requests in flight over all servers (vllm_server, openai)."}
     )
-    vllm_master_address: str = field(
-        default="127.0.0.1",
-        metadata={"help": "This trainer's address as the servers see it (broadcast weight sync hosts the store)."},
+    vllm_master_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "This trainer's address as the servers see it (broadcast weight sync hosts the store there). "
+            "Default: 127.0.0.1 for servers on this machine, else this machine's address on the route to each server."
+        },
     )
     openai_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint (openai)."})
     openai_model: str | None = field(default=None, metadata={"help": "Model name sent to the OpenAI endpoint."})

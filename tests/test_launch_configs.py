@@ -24,11 +24,13 @@ GPU_CONFIGS = {
     "deepspeed_zero2": ("DEEPSPEED", 8),
     "deepspeed_zero3": ("DEEPSPEED", 8),
     "fsdp2": ("FSDP", 8),
+    "multi_node": ("MULTI_GPU", 16),
 }
 CPU_CONFIGS = {
     "multi_cpu": "MULTI_GPU",
     "deepspeed_zero2_cpu": "DEEPSPEED",
     "deepspeed_zero3_cpu": "DEEPSPEED",
+    "multi_node_cpu": "MULTI_GPU",
 }
 
 
@@ -63,6 +65,7 @@ def test_cpu_configs_mirror_their_gpu_config(name):
     gpu_name = {"multi_cpu": "multi_gpu"}.get(name, name.removesuffix("_cpu"))
     gpu, _ = _load(gpu_name)
     assert cfg.distributed_type == gpu.distributed_type
+    assert cfg.num_machines == gpu.num_machines
     assert (cfg.deepspeed_config or {}).get("zero_stage") == (gpu.deepspeed_config or {}).get("zero_stage")
 
 
@@ -127,3 +130,56 @@ def test_ddp_cpu_config_trains_two_steps(tmp_path):
 def test_deepspeed_cpu_config_trains_two_steps(tmp_path, stage):
     out = str(tmp_path / "out")
     check_run(out, launch_demo(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
+
+
+def _multi_node_flags() -> dict[str, list[str]]:
+    """The script flags (after `recipes/gsm8k.py`) of the README's multi-node launch and of the SLURM script's."""
+    import re
+    import shlex
+
+    from test_readme_commands import readme_commands
+
+    (readme,) = [c for c in readme_commands() if "multi_node.yaml" in c]
+    with open(os.path.join(ROOT, "recipes", "slurm", "multi_node.sbatch")) as f:
+        sbatch = f.read().replace("\\\n", " ")
+    (launch,) = re.findall(r'accelerate launch [^"]*', sbatch)
+    values = {"$MODEL": "Qwen/Qwen2.5-1.5B-Instruct", "$GEN_IP": "10.0.0.3", "$PORT": "8000", "$API_KEY": "KEY"}
+    for var, value in values.items():
+        launch = launch.replace(var, value)
+    out = {}
+    for name, command in (("readme", readme), ("sbatch", launch)):
+        words = shlex.split(command)
+        assert "recipes/accelerate_configs/multi_node.yaml" in words and "--machine_rank" in words, command
+        out[name] = words[words.index("recipes/gsm8k.py") + 1 :]
+    return out
+
+
+def test_multi_node_launch_flags_parse():
+    """The multi-node launches of the README and of recipes/slurm/multi_node.sbatch give gsm8k.py a config that
+    generates on the remote server and syncs weights over the broadcast transport."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        from gsm8k import MathArguments
+    finally:
+        sys.path.remove(os.path.join(ROOT, "recipes"))
+    from grpo_async import GRPOConfig
+    from grpo_async.generation import server_transport
+    from grpo_async.model_config import ModelConfig
+    from grpo_async.recipe_parser import parse_recipe_args
+
+    for name, argv in _multi_node_flags().items():
+        argv = [a.replace("recipes/", os.path.join(ROOT, "recipes") + "/") for a in argv]
+        _, args, model_args = parse_recipe_args((MathArguments, GRPOConfig, ModelConfig), argv)
+        assert args.generation_backend == "vllm_server", name
+        assert args.server_urls == ["http://10.0.0.3:8000"], (name, args.server_urls)
+        assert server_transport(args, args.server_urls) == "broadcast", name
+        assert args.vllm_master_address is None  # found per server on the trainer (address_seen_by)
+        assert model_args.model_name_or_path
+
+
+def test_sbatch_script_is_valid_bash_and_uses_the_shipped_config():
+    path = os.path.join(ROOT, "recipes", "slurm", "multi_node.sbatch")
+    subprocess.run(["bash", "-n", path], check=True)
+    text = open(path).read()
+    assert "#SBATCH --nodes=3" in text and "--machine_rank \\$SLURM_PROCID" in text
+    assert "--config_file recipes/accelerate_configs/multi_node.yaml" in text

@@ -33,6 +33,12 @@ COVERED = {
     "python recipes/demo.py --backend hf --use_peft --lora_r 8 --lora_target_modules q_proj v_proj": (
         "tests/test_model_card.py::test_demo_use_peft_saves_the_adapter_and_its_card (same flags)"
     ),
+    "accelerate launch --config_file recipes/accelerate_configs/multi_node.yaml --machine_rank 0 --main_process_ip "
+    "10.0.0.1 recipes/gsm8k.py --config recipes/configs/gsm8k.yaml --use_vllm --vllm_mode server --vllm_server_urls "
+    "http://10.0.0.3:8000 --vllm_api_key SECRET": (
+        "2 GPU machines only ('# needs 2 GPU machines'); the same launch on loopback: tests/test_multinode.py, its "
+        "flags parsed by tests/test_launch_configs.py::test_multi_node_launch_flags_parse"
+    ),
     "grpo-async serve PATH_OR_HUB_ID --port 8000 --api-key SECRET --dtype float32": "test_serve_commands_as_written",
     "grpo-async serve REF_MODEL --port 8001 --api-key SECRET --max-logprobs -1 --frozen": (
         "test_serve_commands_as_written"

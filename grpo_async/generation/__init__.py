@@ -37,15 +37,17 @@ def _vllm_max_model_len(args, model) -> int:
     return min(want, limit) if limit else want
 
 
-def _server_transport(args, urls: list[str]) -> str:
+def server_transport(args, urls: list[str]) -> str:
     """`weight_sync_transport` → a server transport: 'ipc' is shared memory on CPU and CUDA IPC on GPU; 'auto' is
     'ipc' when every server is on this machine (loopback URL), else 'broadcast'."""
     import torch
 
+    from ..weight_sync.transports import LOOPBACK_HOSTS
+
     ipc = "cuda_ipc" if torch.cuda.is_available() else "shm"
     name = args.weight_sync_transport
     if name == "auto":
-        local = all(urlparse(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+        local = all(urlparse(u).hostname in LOOPBACK_HOSTS for u in urls)
         return ipc if local else "broadcast"
     return ipc if name == "ipc" else name
 
@@ -78,7 +80,7 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
     from .vllm_backends import VLLMServerBackend
 
     urls = list(args.server_urls)
-    transport = _server_transport(args, urls)
+    transport = server_transport(args, urls)
     return VLLMServerBackend(
         urls,
         api_key=args.vllm_api_key,
@@ -176,4 +178,12 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None):
     return make_backend(args, model, tokenizer, model_source), folder
 
 
-__all__ = ["BACKENDS", "Completion", "GenerationBackend", "SamplingConfig", "make_backend", "register_backend"]
+__all__ = [
+    "BACKENDS",
+    "Completion",
+    "GenerationBackend",
+    "SamplingConfig",
+    "make_backend",
+    "register_backend",
+    "server_transport",
+]

@@ -466,8 +466,9 @@ class VLLMServerBackend:
         bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
         model (`str`, *optional*): served model name; asked from `/v1/models` when omitted.
         max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
-        master_address (`str`, *optional*, defaults to `"127.0.0.1"`): this process's address as the servers see it
-            (broadcast only: the trainer hosts the process group's store).
+        master_address (`str`, *optional*): this process's address as the servers see it (broadcast only: the
+            trainer hosts the process group's store). Default: found per server (`address_seen_by`: `127.0.0.1`
+            for a loopback server, else this machine's address on the route to it).
         inflight_updates (`bool`, *optional*, defaults to `False`): `update_weights` may run while `generate` is in
             progress; the servers freeze running requests, load, and continue them on the new weights (vLLM pause
             mode "keep"). Off: requests in flight finish on the old weights before the load starts.
@@ -485,7 +486,7 @@ class VLLMServerBackend:
         bucket_mb: float | None = 64.0,
         model: str | None = None,
         max_concurrency: int = 16,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         inflight_updates: bool = False,
         group_timeout: float = 60.0,
     ):

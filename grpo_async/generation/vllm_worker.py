@@ -147,6 +147,7 @@ class WeightSyncWorker:
         st = self.__dict__.get("_ws")
         if st is None:
             st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None, "lora": None, "loras": []}
+            st["received"] = {"broadcast": 0, "shm": 0, "cuda_ipc": 0}  # buckets received, by transport
             self.__dict__["_ws"] = st
         return st
 
@@ -291,7 +292,9 @@ class WeightSyncWorker:
 
     # ------------------------------------------------------------------ public methods (ws_*)
     def ws_info(self) -> dict:
-        """`{"rank", "world_size", "device", "version", "reload_open"}` of this worker."""
+        """`{"rank", "world_size", "device", "version", "reload_open", "lora", "received"}` of this worker;
+        `received`: the buckets it has received so far over each transport (`{"broadcast": n, "shm": n,
+        "cuda_ipc": n}`)."""
         st = self._ws_state()
         return {
             "rank": int(getattr(self, "rank", 0)),
@@ -300,6 +303,7 @@ class WeightSyncWorker:
             "version": st["version"],
             "reload_open": st["open"],
             "lora": self._ws_lora_info(),
+            "received": dict(st["received"]),
         }
 
     def _ws_lora_info(self) -> dict:
@@ -394,6 +398,7 @@ class WeightSyncWorker:
                 self._ws_begin(lora)
             phases["begin"] = (t := time.perf_counter()) - t0
             for named in self._ws_receive(req):
+                self._ws_state()["received"][req["transport"]] += 1
                 phases["receive"] += (t1 := time.perf_counter()) - t
                 count += len(named)
                 nbytes += sum(x.numel() * x.element_size() for _, x in named)

@@ -52,6 +52,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def address_seen_by(url: str) -> str:
+    """This machine's address on the route to the server at `url`: where the server's workers can reach the
+    trainer's process-group store (broadcast weight sync). `127.0.0.1` for a loopback server; otherwise the local
+    address the kernel would send from (a UDP `connect` picks the route and sends nothing), so a trainer on a
+    multi-homed node answers on the interface that faces that server."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    if host is None:
+        raise ValueError(f"server url {url!r} has no host")
+    if host in LOOPBACK_HOSTS:
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ServerError(
+            f"cannot find this machine's address on the route to {url} ({e}); set GRPOConfig.vllm_master_address "
+            "to the trainer's address as that server sees it"
+        ) from e
+
+
 class ServerError(RuntimeError):
     """A server answered with an error (`status` = HTTP code), or did not answer in time (`status` = None)."""
 
@@ -365,8 +393,9 @@ class BroadcastTransport(_ServerTransport):
     Args:
         client (`ServerClient`): the server.
         bucket_mb (`float` or `None`, *optional*, defaults to 64): bucket threshold; `None` = per-tensor.
-        master_address (`str`, *optional*, defaults to `"127.0.0.1"`): address of this (trainer) process that the
-            server's workers can reach; the trainer hosts the `TCPStore`.
+        master_address (`str`, *optional*): address of this (trainer) process that the server's workers can reach;
+            the trainer hosts the `TCPStore`. Default: `address_seen_by(client.url)` (`127.0.0.1` for a loopback
+            server, else this machine's address on the route to the server).
         backend (`str`, *optional*): `"gloo"` (CPU tensors) or `"nccl"` (CUDA tensors); default by `device`.
         device (`str`, *optional*, defaults to `"cpu"`): where the trainer packs buckets.
         group_timeout (`float`, *optional*, defaults to 60): process-group timeout in seconds (a blocked receive
@@ -380,7 +409,7 @@ class BroadcastTransport(_ServerTransport):
         client: ServerClient,
         bucket_mb: float | None = 64.0,
         *,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         backend: str | None = None,
         device: str | torch.device = "cpu",
         group_timeout: float = 60.0,
@@ -391,7 +420,7 @@ class BroadcastTransport(_ServerTransport):
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        self.master_address = master_address
+        self.master_address = master_address or address_seen_by(client.url)
         self.group_timeout = float(group_timeout)
         self.pg = None
         self.store = None
