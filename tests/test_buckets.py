@@ -168,3 +168,46 @@ def test_unpack_refuses_short_buffer():
 def test_state_dict_values_must_be_tensors():
     with pytest.raises(TypeError, match="state_dict\\['a'\\]"):
         group_by_module({"a": [1.0]})
+
+
+SHM_CHILD = """
+import multiprocessing as mp
+from multiprocessing import shared_memory
+
+
+def child(name):
+    from grpo_async.generation.vllm_worker import AttachedSegment
+
+    seg = AttachedSegment(name)
+    assert bytes(seg.buf[:3]) == b"abc" and seg.size >= 16
+    seg.buf[3:6] = b"xyz"
+    seg.close()
+
+
+if __name__ == "__main__":
+    shm = shared_memory.SharedMemory(create=True, size=16)
+    shm.buf[:3] = b"abc"
+    p = mp.get_context("spawn").Process(target=child, args=(shm.name.lstrip("/"),))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    assert bytes(shm.buf[3:6]) == b"xyz"
+    shm.close()
+    shm.unlink()
+    print("done")
+"""
+
+
+def test_a_worker_in_a_child_process_attaches_without_breaking_the_trainers_tracker(tmp_path):
+    """An engine process started by `multiprocessing` shares the trainer's resource tracker: the worker maps the
+    trainer's segment without touching that tracker, so the trainer's own `unlink` stays clean (no `KeyError`
+    traceback from the tracker at exit, no "leaked" warning) and the bytes written on either side are seen on the
+    other."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "shm_child.py"
+    script.write_text(SHM_CHILD)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert "KeyError" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr

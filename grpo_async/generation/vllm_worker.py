@@ -139,6 +139,32 @@ def validate_lora_spec(spec: object) -> dict:
 LORA_SPEC_KEYS = {"name", "id", "config", "keep"}
 
 
+class AttachedSegment:
+    """A POSIX shared-memory segment the trainer created, mapped here read-write without registering it with
+    Python's resource tracker (`SharedMemory(name=...)` does on Python < 3.13): the trainer owns and unlinks it.
+    Registering and then unregistering it here would take the trainer's own registration out of a tracker this
+    process shares with it (an engine process started by `multiprocessing`), and the trainer's later `unlink` would
+    make the tracker print a `KeyError` traceback at exit."""
+
+    def __init__(self, name: str):
+        import mmap
+        import os
+
+        import _posixshmem
+
+        self.name = name
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.buf = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Unmap (raises `BufferError` while a view of `buf` is alive, like `SharedMemory.close`)."""
+        self.buf.close()
+
+
 class WeightSyncWorker:
     """Mixed into vLLM's worker; see the module docstring."""
 
@@ -500,17 +526,11 @@ class WeightSyncWorker:
             yield unpack_bucket(layout, bufs)
 
     def _ws_recv_shm(self, layouts: list[dict], segments: list[dict]):
-        from multiprocessing import resource_tracker, shared_memory
-
         st = self._ws_state()
         for layout, seg in zip(layouts, segments):
             bufs = {}
             for dt, name in seg.items():
-                shm = shared_memory.SharedMemory(name=name, create=False)
-                try:  # the trainer owns (and unlinks) the segment
-                    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-                except Exception:  # noqa: BLE001
-                    pass
+                shm = AttachedSegment(name)
                 st["keep"].append(shm)
                 if shm.size < layout["buffers"][dt]:
                     raise ValueError(f"shared-memory segment {name!r} holds {shm.size} bytes, layout needs more")
