@@ -147,10 +147,9 @@ class AttachedSegment:
     make the tracker print a `KeyError` traceback at exit."""
 
     def __init__(self, name: str):
+        import _posixshmem
         import mmap
         import os
-
-        import _posixshmem
 
         self.name = name
         fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
