@@ -8,15 +8,28 @@ its own docstring says what it measures, the limit it compares to, and how to re
 list their own `rows`), else from the `RESULT` lines. A benchmark that fails is reported as failed (and `make bench`
 exits non-zero); its partial output stays in `bench/out/<name>.log`.
 
-`python bench/run_all.py overlap.py vs_trl.py` reruns only those; the table keeps the other benches' last results
-(stored in `bench/out/<name>.result.json`, with their own date). `--write-only` rebuilds `RESULTS.md` from them.
+Each bench's latest result is a record in `bench/results/<name>.json` (committed, unlike `bench/out/`, so `RESULTS.md`
+can be rebuilt on a fresh clone): date, ok, its `RESULT` lines, its table rows, machine, plot and `details` (the text
+of its section), enough to write its rows and section without the bench's raw JSON. When `RESULTS.md` is written, a
+record whose raw JSON (`bench/out/<name>.json`, the very file the record was made from: same modification time) is
+still there has its rows and section recomputed from it by this version of the readers (and is saved again); any
+other record is used as stored.
+
+`python bench/run_all.py overlap.py vs_trl.py` reruns only those; the table keeps the other benches' records (with
+their own date). `--write-only` rebuilds `RESULTS.md` from the records (e.g. after editing `NOTES.md`).
+`--ingest lora_sync.py [...]` makes a bench's record from a run done by hand (`python bench/lora_sync.py >
+bench/out/lora_sync.log`): its `RESULT` lines from `bench/out/<name>.log`, rows and section from
+`bench/out/<name>.json`, the plot `bench/plots/<name>.png` if there is one, the date of the log (UTC); then rebuilds
+`RESULTS.md`. A log without a `RESULT` line is refused.
 `bench/NOTES.md` (hand-written: conditions, analysis) is appended to `RESULTS.md`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -24,10 +37,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "out")
+OUT = os.path.join(HERE, "out")  # raw output of the last runs here (logs, JSON): gitignored
 PLOTS = os.path.join(HERE, "plots")
+RECORDS = os.path.join(HERE, "results")  # each bench's latest record: committed
 #: benchmark scripts, in the order they run (cheapest first)
-BENCHES = ["weight_sync.py", "lcm.py", "memory.py", "overlap.py", "vs_trl.py"]
+BENCHES = ["weight_sync.py", "lora_sync.py", "lcm.py", "memory.py", "overlap.py", "vs_trl.py"]
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
 
 
@@ -120,12 +134,47 @@ def _rows_memory(data: dict) -> list[dict]:
     ]
 
 
+def _rows_lora_sync(data: dict) -> list[dict]:
+    a, m = data["adapter"], data["merged"]
+    return [
+        {
+            "metric": "LoRA weight sync: adapter-only vs merged (s/sync)",
+            "ours": a["median_s"],
+            "peer": m["median_s"],
+            "peer_name": "merged full weights",
+            "ratio": data["speedup"],
+        },
+        {
+            "metric": "LoRA weight sync: bytes per sync, adapter-only vs merged (MB)",
+            "ours": a["bytes"] / 1e6,
+            "peer": m["bytes"] / 1e6,
+            "peer_name": "merged full weights",
+            "ratio": data["bytes_ratio"],
+        },
+    ]
+
+
 #: how to read `bench/out/<name>.json` into table rows, for benches whose JSON has no `rows` list of its own
-ROWS = {"weight_sync.py": _rows_weight_sync, "lcm.py": _rows_lcm, "memory.py": _rows_memory}
+ROWS = {
+    "weight_sync.py": _rows_weight_sync,
+    "lora_sync.py": _rows_lora_sync,
+    "lcm.py": _rows_lcm,
+    "memory.py": _rows_memory,
+}
+
+
+def raw_path(name: str) -> str:
+    """The bench's own JSON of its last run (`bench/out/<name>.json`, not committed)."""
+    return os.path.join(OUT, name.replace(".py", ".json"))
+
+
+def record_path(name: str) -> str:
+    """The bench's latest record (`bench/results/<name>.json`, committed)."""
+    return os.path.join(RECORDS, name.replace(".py", ".json"))
 
 
 def rows_of(name: str, results: list[tuple[str, float]]) -> tuple[list[dict], dict]:
-    path = os.path.join(OUT, name.replace(".py", ".json"))
+    path = raw_path(name)
     data = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -165,19 +214,45 @@ def plot_rows(name: str, rows: list[dict], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- details sections
+def _f(x, spec: str = ".3f") -> str:
+    """A number for a details table; missing or NaN (a phase a mode does not run) as "—"."""
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
 def _details_overlap(d: dict) -> str:
-    s, a = d["sync"], d["async"]
-    return (
-        f"Device: {d['device']}; setup {d['setup']}.\n\n"
-        f"| run | s/step | T_gen | T_train | wait for generation | weight sync |\n|---|---|---|---|---|---|\n"
-        f"| sync (`num_batches_ahead=0`) | {s['step_s']:.3f} | {s['T_gen']:.3f} | {s['T_train']:.3f} | "
-        f"{s['wait']:.3f} | {s['weight_sync']:.3f} |\n"
-        f"| async (`num_batches_ahead=1`) | {a['step_s']:.3f} | {a['T_gen']:.3f} | {a['T_train']:.3f} | "
-        f"{a['wait']:.3f} | {a['weight_sync']:.3f} |\n\n"
-        f"S* = (T_gen + T_train) / max = {d['S_star']:.3f}; achieved {d['achieved']:.3f}× → "
-        f"**{d['overlap_fraction']:.3f} of S*** (target ≥ 0.95; verl reports 0.88). The synchronous step also holds "
-        f"{d['other_s']:.3f} s that is neither phase (optimizer step, round hand-off), which no overlap removes.\n"
-    )
+    runs = [(f"`{m}` (interleaved)", r) for m, r in d["modes"].items()]
+    runs.append(("sync run (`num_batches_ahead=0`, separate)", d["sync"]))
+    lines = [
+        f"Device: {d['device']}; setup {d['setup']}.\n",
+        "Medians over each mode's steps (seconds; `trainer work` = the trainer's busy time, `live overlap` = the mean "
+        "of the live `async/overlap` metric):\n",
+        "| run | s/step | T_gen | trainer work | wait for generation (`timing/wait_generation`) | weight sync | "
+        "live overlap |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in runs:
+        lines.append(
+            f"| {name} | {_f(r.get('step_s'))} | {_f(r.get('T_gen'))} | {_f(r.get('trainer_busy'))} | "
+            f"{_f(r.get('wait'))} | {_f(r.get('weight_sync'))} | {_f(r.get('live_overlap'))} |"
+        )
+    t_gen, t_train, ratio = d["T_gen"], d["T_train"], d["live_vs_bench"]
+    within = "within 10 %" if abs(ratio - 1) <= 0.10 else "**not** within 10 %"
+    lines += [
+        "",
+        f"Bound: T_gen alone {_f(t_gen)} s (`gen_alone` steps), T_train alone {_f(t_train)} s (`train_alone` steps); "
+        f"S* = (T_gen + T_train) / max = {_f(d['S_star'])}; achieved (T_gen + T_train) / async s/step = "
+        f"{_f(d['achieved'])}× → **{_f(d['overlap_fraction'])} of S*** (target ≥ 0.95; verl reports 0.88).",
+        "",
+        f"Live metric: `async/overlap` mean {_f(d['live_overlap'])} over the same async steps; live ÷ bench = "
+        f"{_f(ratio)}: {within} (above 1 by the phases' slow-down side by side, which only the alone timings show).",
+        "",
+        f"Speed-up a user sees: sync run ÷ async = **{_f(d['achieved_vs_sync_run'])}×** (sync steps ÷ async steps of "
+        f"the same run: {_f(d.get('achieved_vs_sync_mode'))}×). The sync run's step holds {_f(d.get('other_s'))} s "
+        "beyond the two alone phases"
+        + (": " + ", ".join(f"{k} {v:+.3f}" for k, v in d["sync_loss"].items()) if d.get("sync_loss") else "")
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _details_vs_trl(d: dict) -> str:
@@ -216,7 +291,58 @@ def _details_vs_trl(d: dict) -> str:
 DETAILS = {"overlap.py": _details_overlap, "vs_trl.py": _details_vs_trl}
 
 
+# ---------------------------------------------------------------------------------------------- records
+def make_record(name: str, date: str, results: list[tuple[str, float]]) -> dict:
+    """The record of a finished run: its `RESULT` lines, rows and section from its raw JSON, its plot if any."""
+    rows, data = rows_of(name, results)
+    record = {"name": name, "date": date, "ok": True, "results": [list(r) for r in results], "rows": rows}
+    record["machine"] = machine_of(data)
+    png = os.path.join(PLOTS, name.replace(".py", ".png"))
+    if os.path.exists(png):
+        record["plot"] = os.path.relpath(png, HERE)
+    if name in DETAILS and data:
+        record["details"] = DETAILS[name](data)
+    if data:  # which raw JSON this record was made from: only that one may refresh it later
+        record["raw_mtime"] = os.path.getmtime(raw_path(name))
+    return record
+
+
+def save_record(record: dict) -> None:
+    os.makedirs(RECORDS, exist_ok=True)
+    with open(record_path(record["name"]), "w") as f:
+        json.dump(record, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+def load_record(name: str) -> dict | None:
+    path = record_path(name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def refresh(record: dict) -> dict:
+    """Rows, section and plot of a stored record as this version of the readers makes them, where the raw JSON it was
+    made from is still in `bench/out/`; else (a fresh clone, a record converted by hand, a raw JSON of a later run
+    not ingested) the record as stored."""
+    name = record["name"]
+    if not record.get("ok"):
+        return record
+    raw = raw_path(name)
+    if record.get("raw_mtime") is not None and os.path.exists(raw) and os.path.getmtime(raw) == record["raw_mtime"]:
+        return make_record(name, record["date"], [tuple(r) for r in record["results"]])
+    png = os.path.join(PLOTS, name.replace(".py", ".png"))
+    if os.path.exists(png):
+        record = {**record, "plot": os.path.relpath(png, HERE)}
+    return record
+
+
 # ---------------------------------------------------------------------------------------------- main
+def read_results(lines) -> list[tuple[str, float]]:
+    return [(m.group(1), float(m.group(2))) for m in map(RESULT.match, lines) if m]
+
+
 def run_one(name: str) -> dict:
     print(f"== bench/{name}", flush=True)
     import time
@@ -230,26 +356,34 @@ def run_one(name: str) -> dict:
         results = []
         for line in proc.stdout:
             log.write(line)
-            m = RESULT.match(line)
-            if m:
-                results.append((m.group(1), float(m.group(2))))
+            found = read_results([line])
+            if found:
+                results += found
                 print(line, end="", flush=True)
         code = proc.wait()
-    record = {"name": name, "date": datetime.date.today().isoformat(), "ok": code == 0 and bool(results)}
-    if not record["ok"]:
+    date = datetime.date.today().isoformat()
+    if code != 0 or not results:
         print(f"   FAILED (exit {code}); see {log_path}", flush=True)
-        record["error"] = f"exit {code}"
-        return record
-    rows, data = rows_of(name, results)
-    record.update(results=results, rows=rows, machine=machine_of(data))
+        return {"name": name, "date": date, "ok": False, "error": f"exit {code}"}
     png = os.path.join(PLOTS, name.replace(".py", ".png"))
     if not os.path.exists(png) or os.path.getmtime(png) < started:
-        plot_rows(name, rows, png)  # the bench drew none this run
-    if os.path.exists(png):
-        record["plot"] = os.path.relpath(png, HERE)
-    if name in DETAILS and data:
-        record["details"] = DETAILS[name](data)
-    return record
+        plot_rows(name, rows_of(name, results)[0], png)  # the bench drew none this run
+    return make_record(name, date, results)
+
+
+def ingest(name: str) -> dict:
+    """The record of a run done by hand, from what it left in `bench/out/` (and `bench/plots/`)."""
+    log_path = os.path.join(OUT, name.replace(".py", ".log"))
+    if not os.path.exists(log_path):
+        raise SystemExit(f"--ingest {name}: no {os.path.relpath(log_path)} (run the bench with its output there)")
+    with open(log_path) as f:
+        results = read_results(f)
+    if not results:
+        raise SystemExit(f"--ingest {name}: {os.path.relpath(log_path)} has no RESULT line (did the run finish?)")
+    if not os.path.exists(raw_path(name)):
+        print(f"   (no {os.path.relpath(raw_path(name))}: rows from the RESULT lines)")
+    date = datetime.datetime.fromtimestamp(os.path.getmtime(log_path), datetime.timezone.utc).date().isoformat()
+    return make_record(name, date, results)
 
 
 def fmt(x) -> str:
@@ -299,40 +433,45 @@ def write_results(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(argv or [])
-    if argv == ["--write-only"]:  # rebuild RESULTS.md from the stored results (e.g. after editing NOTES.md)
-        argv, names = [], []
+    ap = argparse.ArgumentParser(description="Run the benches under bench/ and write bench/RESULTS.md.")
+    ap.add_argument("names", nargs="*", help=f"benches to rerun (default: all of {BENCHES})")
+    ap.add_argument("--write-only", action="store_true", help="run nothing: rebuild RESULTS.md from bench/results/")
+    ap.add_argument("--ingest", nargs="+", metavar="NAME", help="record runs done by hand (bench/out/<name>.log)")
+    args = ap.parse_args(list(argv or []))
+    if sum(map(bool, (args.names, args.write_only, args.ingest))) > 1:
+        ap.error("give bench names, --write-only or --ingest, not several")
+    fix = lambda n: n if n.endswith(".py") else n + ".py"  # noqa: E731
+    if args.write_only:
+        names, ingested = [], []
+    elif args.ingest:
+        names, ingested = [], [fix(n) for n in args.ingest]
     else:
-        names = argv if argv else [b for b in BENCHES if os.path.exists(os.path.join(HERE, b))]
-    unknown = [n for n in names if not os.path.exists(os.path.join(HERE, n))]
+        names = [fix(n) for n in args.names] or [b for b in BENCHES if os.path.exists(os.path.join(HERE, b))]
+        ingested = []
+    unknown = [n for n in names + ingested if not os.path.exists(os.path.join(HERE, n))]
     if unknown:
         raise SystemExit(f"no such bench: {unknown}; known: {BENCHES}")
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(PLOTS, exist_ok=True)
+    new = [ingest(name) for name in ingested]  # every one checked before any is stored
     failed = []
     for name in names:
         rec = run_one(name)
-        with open(os.path.join(OUT, name.replace(".py", ".result.json")), "w") as f:
-            json.dump(rec, f, indent=1)
+        save_record(rec)
         if not rec["ok"]:
             failed.append(name)
+    for rec in new:
+        save_record(rec)
+        print(f"recorded {os.path.relpath(record_path(rec['name']))}: {rec['results']}")
     records = []
-    for name in BENCHES:  # every bench's latest result, this run's or an earlier one's
-        p = os.path.join(OUT, name.replace(".py", ".result.json"))
-        if os.path.exists(p):
-            with open(p) as f:
-                rec = json.load(f)
-            if rec.get("ok"):  # rows and details from the bench's JSON, read by this version of the readers
-                rec["rows"], data = rows_of(name, [tuple(r) for r in rec["results"]])
-                if name in DETAILS and data:
-                    rec["details"] = DETAILS[name](data)
-                rec["machine"] = machine_of(data)
-                png = os.path.join(PLOTS, name.replace(".py", ".png"))
-                if not os.path.exists(png):
-                    plot_rows(name, rec["rows"], png)
-                if os.path.exists(png):
-                    rec["plot"] = os.path.relpath(png, HERE)
-            records.append(rec)
+    for name in BENCHES:  # every bench's latest record, this run's or an earlier one's
+        rec = load_record(name)
+        if rec is None:
+            continue
+        fresh = refresh(rec)
+        if fresh != rec:
+            save_record(fresh)
+        records.append(fresh)
     print(f"wrote {write_results(records)}")
     return 1 if failed else 0
 
