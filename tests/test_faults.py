@@ -21,6 +21,13 @@ from grpo_async.weight_sync.transports import free_port
 HERE = os.path.dirname(__file__)
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """The child starts with SIGINT at its default, as under a terminal's Ctrl-C, whatever this process inherited: a
+    suite started as a background job of a non-interactive shell (`cmd &`, `nohup`) has SIGINT ignored, which
+    children inherit and Python then leaves ignored (no KeyboardInterrupt ever)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """A subprocess whose output lines are read by a thread (so waiting for a marker never blocks forever)."""
 
@@ -29,7 +36,12 @@ class Proc:
         self.q: queue.Queue[str] = queue.Queue()
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            preexec_fn=_sigint_as_in_a_terminal,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
