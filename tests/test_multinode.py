@@ -98,12 +98,12 @@ def test_two_machines_two_remote_servers_one_killed(tiny_model_path, tmp_path):
     assert checks[-1]["received"]["broadcast"] == 4 * checks[0]["received"]["broadcast"], checks
 
 
-def _own_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 addresses."""
+def _own_addresses(family=socket.AF_INET) -> list[str]:
+    """This machine's non-loopback (and, for IPv6, not link-local) addresses of `family`."""
     import psutil
 
-    addrs = (a.address for nic in psutil.net_if_addrs().values() for a in nic if a.family == socket.AF_INET)
-    return sorted(a for a in addrs if not a.startswith("127."))
+    addrs = (a.address for nic in psutil.net_if_addrs().values() for a in nic if a.family == family)
+    return sorted(a for a in addrs if not a.startswith(("127.", "::1", "fe80")) and a != "::1")
 
 
 def test_the_store_address_is_the_one_each_server_can_reach():
@@ -120,3 +120,12 @@ def test_the_store_address_is_the_one_each_server_can_reach():
 def test_an_unresolvable_server_host_names_the_setting_to_use():
     with pytest.raises(ServerError, match=r"no-such-host\.invalid.*vllm_master_address"):
         address_seen_by("http://no-such-host.invalid:8000")
+
+
+def test_an_ipv6_server_gets_an_ipv6_store_address_with_a_free_port():
+    own = _own_addresses(socket.AF_INET6)
+    if not own:
+        pytest.skip("this machine has no global IPv6 address")
+    address = address_seen_by(f"http://[{own[0]}]:8000")
+    assert address == own[0]
+    assert free_port(address) > 0  # the store's port is looked up on that address family
