@@ -21,9 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
+from vllm_utils import hf_logprobs
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
+from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.transports import ServerClient
 
 SEQUENCES = [([7, 8, 9, 10, 11], [12, 40, 41, 3]), ([20, 21, 22], [23, 24, 60, 61, 62]), ([30, 31], [5])]
@@ -33,14 +35,6 @@ def distinct_tokens(completions, completion_ids, **kw):
     """Share of distinct tokens in each completion: varies within every group, so every step moves the weights
     (the letter task's reward is 0 for this untrained model, which would leave every version equal)."""
     return [len(set(ids)) / max(len(ids), 1) for ids in completion_ids]
-
-
-@torch.no_grad()
-def trainer_logprobs(model, prompt, completion):
-    ids = torch.tensor([prompt + completion])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
-    lp = torch.log_softmax(logits, dim=-1)
-    return lp[torch.arange(len(completion)), torch.tensor(completion)].tolist()
 
 
 class CheckServers(TrainerCallback):
@@ -64,7 +58,7 @@ class CheckServers(TrainerCallback):
             return max(
                 abs(a - b)
                 for (p, c), got in zip(SEQUENCES, served, strict=True)
-                for a, b in zip(trainer_logprobs(model, p, c), got, strict=True)
+                for a, b in zip(hf_logprobs(model, p, c), got, strict=True)
             )
 
         for url in self.trainer.backend.live_urls:
@@ -104,21 +98,12 @@ class CheckServers(TrainerCallback):
 
 def main():
     model_path, out_dir, url0, url1, api_key = sys.argv[1:6]
-    args = GRPOConfig(
-        output_dir=out_dir,
-        use_cpu=True,
-        report_to=[],
+    args = tiny_config(
+        out_dir,
         per_device_train_batch_size=4,
-        num_generations=4,
         gradient_accumulation_steps=1,
         max_completion_length=6,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
         num_batches_ahead=1,
-        seed=0,
         generation_backend="vllm_server",
         vllm_server_urls=[url0, url1],
         vllm_api_key=api_key,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from urllib.parse import urlparse
 
 from .base import Completion, GenerationBackend, SamplingConfig
 
@@ -42,13 +41,12 @@ def server_transport(args, urls: list[str]) -> str:
     'ipc' when every server is on this machine (loopback URL), else 'broadcast'."""
     import torch
 
-    from ..weight_sync.transports import LOOPBACK_HOSTS
+    from ..weight_sync.transports import is_loopback
 
     ipc = "cuda_ipc" if torch.cuda.is_available() else "shm"
     name = args.weight_sync_transport
     if name == "auto":
-        local = all(urlparse(u).hostname in LOOPBACK_HOSTS for u in urls)
-        return ipc if local else "broadcast"
+        return ipc if all(is_loopback(u) for u in urls) else "broadcast"
     return ipc if name == "ipc" else name
 
 

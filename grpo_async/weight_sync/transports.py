@@ -55,6 +55,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def is_loopback(url: str) -> bool:
+    """Whether the server at `url` is on this machine, reached over loopback."""
+    from urllib.parse import urlparse
+
+    return urlparse(url).hostname in LOOPBACK_HOSTS
+
+
 def address_seen_by(url: str) -> str:
     """This machine's address on the route to the server at `url`: where the server's workers can reach the
     trainer's process-group store (broadcast weight sync). `127.0.0.1` for a loopback server; otherwise the local
@@ -66,7 +73,7 @@ def address_seen_by(url: str) -> str:
     host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
     if host is None:
         raise ValueError(f"server url {url!r} has no host")
-    if host in LOOPBACK_HOSTS:
+    if is_loopback(url):
         return "127.0.0.1"
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
