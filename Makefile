@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install torch-cpu test test-all demo demo-real lint format bench clean
+.PHONY: install torch-cpu test test-fast test-all demo demo-real lint format bench clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ torch-cpu:
 
 test: install
 	$(PY) -m pytest -q tests -m "not gpu" --durations=15
+
+# the inner loop: unit tests only (no vLLM engine, no server, no second process, nothing marked slow)
+test-fast: install
+	$(PY) -m pytest -q tests -m "not gpu and not slow and not vllm and not multiprocess" --durations=10
 
 test-all: install
 	$(PY) -m pytest -q tests --durations=15
