@@ -26,7 +26,7 @@ from transformers import TrainingArguments
 
 from .algo.advantages import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from .algo.loss import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, combination_warnings
-from .pipeline.aggregation import REUSE_ORDERS, service_target_bs
+from .pipeline.aggregation import REUSE_ORDERS
 
 GENERATION_BACKENDS = ("hf", "vllm", "vllm_server", "openai")
 VLLM_MODES = ("colocate", "server")
@@ -361,7 +361,11 @@ class GRPOConfig(TrainingArguments):
     # ---- async pipeline ----------------------------------------------------------------------------------
     num_batches_ahead: int = field(
         default=1,
-        metadata={"help": "Rounds generated ahead of training (0 = synchronous; k = staleness of at most k rounds)."},
+        metadata={
+            "help": "Rounds generated ahead of training (0 = synchronous). Staleness is counted in policy versions "
+            "(optimizer steps): with k rounds ahead a sample lags at most ceil(k × steps_per_round) versions when "
+            "its round starts (see max_staleness)."
+        },
     )
     async_generation_timeout: float = field(
         default=600.0, metadata={"help": "Seconds any wait on the generator may last before raising."}
@@ -712,14 +716,6 @@ class GRPOConfig(TrainingArguments):
         # integer form of ceil(num_batches_ahead * steps_per_round): no float rounding
         num = self.num_batches_ahead * self.steps_per_generation * self.num_iterations
         return -(-num // self.gradient_accumulation_steps)
-
-    @property
-    def service_target_bs(self) -> int:
-        """LCM of the rollout, ref-logps and old-logps micro-batches. Kept for the trainer's micro-batch buffer; the
-        stages no longer need it to divide any round (each is checked against its own rows)."""
-        return service_target_bs(
-            self.rollout_micro_batch_size, self.ref_logps_micro_batch_size, self.old_logps_micro_batch_size
-        )
 
     @property
     def global_micro_batch_size(self) -> int:

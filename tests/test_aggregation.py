@@ -1,50 +1,37 @@
-"""Per-stage chunk sizes and reuse order (`grpo_async/pipeline/aggregation.py`): hand-worked values. That every
-stage then runs only full chunks of its own size in a real round is tested on the trainer
+"""Per-stage chunk slices and reuse order (`grpo_async/pipeline/aggregation.py`): hand-worked values of the two
+functions the package uses (`chunk_slices` in the round producer's rollout calls, `reuse_order` in the scheduler).
+That every stage then runs only full chunks of its own size in a real round is tested on the trainer
 (`tests/test_trainer.py::test_every_stage_runs_only_full_chunks_of_its_own_size`)."""
 
 import pytest
 
-from grpo_async.pipeline.aggregation import REUSE_ORDERS, chunk_slices, lcm, reuse_order, service_target_bs
+from grpo_async.pipeline.aggregation import REUSE_ORDERS, chunk_slices, reuse_order
+from grpo_async.pipeline.scheduler import RoundScheduler
+from grpo_async.testing import tiny_config
+from grpo_async.trainer_setup import scheduler_settings
 
 
-def test_lcm_target_gives_every_stage_full_chunks():
-    # the module diagram: stage sizes (2, 3, 6) over a 12-row round: 6 chunks of 2, 4 of 3, 2 of 6, none short
-    assert service_target_bs(2, 3, 6) == 6
-    for size, chunks in ((2, 6), (3, 4), (6, 2)):
-        slices = chunk_slices(12, size)
-        assert len(slices) == chunks and all(s.stop - s.start == size for s in slices)
-
-
-def test_lcm_and_service_target_hand_values():
-    # 4 = 2², 6 = 2·3, 8 = 2³ → 2³·3 = 24
-    assert lcm(4, 6, 8) == 24
-    assert lcm(7) == 7
-    assert lcm(2, 3, 6) == 6  # 6 already a multiple of 2 and 3
-    assert service_target_bs(4, 6, 8) == 24
-    assert service_target_bs(3, 4, 5) == 60  # pairwise coprime → product
-    assert service_target_bs(8, 8, 8) == 8
-
-
-def test_lcm_rejects_bad_values_and_names_them():
-    with pytest.raises(ValueError, match="at least one size"):
-        lcm()
-    with pytest.raises(ValueError, match=r"sizes\[1\] must be a positive int, got 0"):
-        lcm(4, 0)
-    with pytest.raises(ValueError, match=r"sizes\[0\] must be a positive int, got 2.5"):
-        lcm(2.5, 4)
-    with pytest.raises(ValueError, match="got True"):
-        lcm(True)
-    with pytest.raises(ValueError, match="ref_logps must be a positive int, got -1"):
-        service_target_bs(4, -1, 8)
+def test_the_module_diagram_chunks_every_row_once_in_full_chunks():
+    # the module diagram: a 12-row round in chunks of 2, 3 and 6 rows
+    assert chunk_slices(12, 2) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, 12)]
+    assert chunk_slices(12, 3) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]
+    assert chunk_slices(12, 6) == [slice(0, 6), slice(6, 12)]
+    for size in (2, 3, 6):  # the chunks cover rows 0..11 once each, in order
+        assert [i for sl in chunk_slices(12, size) for i in range(12)[sl]] == list(range(12))
 
 
 def test_chunk_slices_with_and_without_remainder():
     assert chunk_slices(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]  # 4 + 4 + 2 (forced remainder)
     assert chunk_slices(8, 4) == [slice(0, 4), slice(4, 8)]
-    assert chunk_slices(3, 5) == [slice(0, 3)]
+    assert chunk_slices(3, 5) == [slice(0, 3)]  # one short chunk: 3 rows, not 5
+    assert chunk_slices(1, 1) == [slice(0, 1)]
     assert chunk_slices(0, 4) == []
     with pytest.raises(ValueError, match="size must be a positive int, got 0"):
         chunk_slices(4, 0)
+    with pytest.raises(ValueError, match="size must be a positive int, got True"):
+        chunk_slices(4, True)
+    with pytest.raises(ValueError, match="size must be a positive int, got 2.5"):
+        chunk_slices(4, 2.5)
     with pytest.raises(ValueError, match="total must be an int >= 0, got -1"):
         chunk_slices(-1, 2)
 
@@ -52,10 +39,25 @@ def test_chunk_slices_with_and_without_remainder():
 def test_reuse_order_both_orders():
     assert REUSE_ORDERS == ("epoch", "consecutive")
     assert reuse_order(["a", "b"], 2) == ["a", "b", "a", "b"]  # default epoch: a b | a b
+    assert reuse_order(["a", "b"], 2, "epoch") == ["a", "b", "a", "b"]
     assert reuse_order(["a", "b"], 2, "consecutive") == ["a", "a", "b", "b"]  # a a b b
     assert reuse_order(["a", "b", "c"], 3, "consecutive") == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
-    assert reuse_order(["a", "b"], 1, "consecutive") == reuse_order(["a", "b"], 1) == ["a", "b"]
+    assert reuse_order(["a", "b", "c"], 2) == ["a", "b", "c", "a", "b", "c"]
+    assert reuse_order(["a", "b"], 1, "consecutive") == ["a", "b"]  # μ = 1: both orders are the production order
+    assert reuse_order(["a", "b"], 1) == ["a", "b"]
+    assert reuse_order(iter(["a", "b"]), 2) == ["a", "b", "a", "b"]  # any iterable, read once
     with pytest.raises(ValueError, match=r"order must be one of \('epoch', 'consecutive'\), got 'random'"):
         reuse_order(["a"], 2, "random")
     with pytest.raises(ValueError, match="num_iterations must be a positive int, got 0"):
         reuse_order(["a"], 0)
+
+
+@pytest.mark.parametrize(
+    "order,expected",
+    [("epoch", [0, 1, 2, 0, 1, 2]), ("consecutive", [0, 0, 1, 1, 2, 2])],  # 3 micro-batches of a round, μ = 2
+)
+def test_the_scheduler_trains_micro_batches_in_the_configured_reuse_order(order, expected, tmp_path):
+    """`GRPOConfig.reuse_order` → the scheduler's settings → the micro-batch index trained at each micro-step."""
+    config = tiny_config(tmp_path, gradient_accumulation_steps=3, num_iterations=2, reuse_order=order)
+    scheduler = RoundScheduler(scheduler_settings(config), None, None, None, publish=lambda: None, log=print)
+    assert scheduler.order == expected

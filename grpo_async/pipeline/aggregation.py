@@ -1,26 +1,23 @@
 """Per-stage chunk sizes and the reuse order of a round's micro-batches. Pure functions of ints and lists.
 
-The rollout, ref-logps and old-logps stages each run in chunks of their own micro-batch size over the rows of a whole
-round, so a round (a multiple of `service_target_bs = lcm(rollout, ref_logps, old_logps)` rows) gives every stage only
-full chunks. Example with rollout = 2, ref_logps = 3, old_logps = 6 over a 12-row round (micro-batches a, b):
+The rollout, ref-logps and old-logps stages each run in chunks of their own micro-batch size over the rows of a round
+(`GRPOConfig` checks at construction that each size divides the rows its stage sees, so every chunk is full).
+Example with rollout = 2, ref_logps = 3, old_logps = 6 over a 12-row round (micro-batches a, b):
 
 ```txt
-round           a0 a0 a1 a1 a2 a2 b0 b0 b1 b1 b2 b2            12 rows = 2 × lcm(2, 3, 6)
-rollout   (2)   |a0 a0|a1 a1|a2 a2|b0 b0|b1 b1|b2 b2|           6 chunks
-ref_logps (3)   |a0 a0 a1|a1 a2 a2|b0 b0 b1|b1 b2 b2|           4 chunks
-old_logps (6)   |a0 a0 a1 a1 a2 a2|b0 b0 b1 b1 b2 b2|           2 chunks
+round           a0 a0 a1 a1 a2 a2 b0 b0 b1 b1 b2 b2            12 rows
+rollout   (2)   |a0 a0|a1 a1|a2 a2|b0 b0|b1 b1|b2 b2|           chunk_slices(12, 2): 6 chunks
+ref_logps (3)   |a0 a0 a1|a1 a2 a2|b0 b0 b1|b1 b2 b2|           chunk_slices(12, 3): 4 chunks
+old_logps (6)   |a0 a0 a1 a1 a2 a2|b0 b0 b1 b1 b2 b2|           chunk_slices(12, 6): 2 chunks
 reuse μ = 2     "consecutive": a a b b    ·    "epoch" (default): a b | a b
 ```
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from numbers import Integral
 from typing import Any
-
-STAGES = ("rollout", "ref_logps", "old_logps")
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -28,35 +25,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
-
-
-def lcm(*sizes: int) -> int:
-    """Least common multiple of positive ints: `lcm(4, 6, 8) = 24`.
-
-    Args:
-        *sizes (`int`):
-            At least one positive int.
-
-    Raises:
-        `ValueError`: no sizes, or a size that is not a positive int (the message names it and its position).
-    """
-    if not sizes:
-        raise ValueError("lcm() needs at least one size, got none")
-    return math.lcm(*(_positive_int(f"lcm() sizes[{i}]", s) for i, s in enumerate(sizes)))
-
-
-def service_target_bs(rollout: int, ref_logps: int, old_logps: int) -> int:
-    """The smallest round whose rows every stage covers with full chunks: `lcm(rollout, ref_logps, old_logps)`.
-
-    Args:
-        rollout (`int`):
-            Micro-batch size (rows) of the rollout (generation) stage.
-        ref_logps (`int`):
-            Micro-batch size of the reference-model logps stage.
-        old_logps (`int`):
-            Micro-batch size of the old-policy logps stage.
-    """
-    return math.lcm(*(_positive_int(n, v) for n, v in zip(STAGES, (rollout, ref_logps, old_logps))))
 
 
 def chunk_slices(total: int, size: int) -> list[slice]:
