@@ -11,15 +11,51 @@ def test_results_in_submission_order_and_counters():
     try:
         for i in range(3):
             gen.submit_batch(BatchRequest(i, [i, i + 1]))
+        gen.wait_until_idle()
+        assert gen.get_pending_count() == 0 and gen.get_completed_count() == 3  # done, not yet fetched
         assert gen.get_batch(1).processed_results == [2, 4]  # out-of-order fetch is fine
         assert gen.get_batch(0).processed_results == [0, 2]
+        assert gen.get_completed_count() == 1  # fetched results leave the generator
         r = gen.get_batch(2)
-        assert r.batch_id == 2 and r.error is None and r.generation_time >= 0
+        assert r.batch_id == 2 and r.processed_results == [4, 6] and r.error is None
         assert gen.get_pending_count() == 0 and gen.get_completed_count() == 0
-        assert gen.get_average_generation_time() >= 0
     finally:
         gen.stop()
     assert not gen.is_running()
+
+
+HOLD = 0.05  # seconds each request is held inside generate_fn (a lower bound of its generation_time, not a limit)
+
+
+def test_generation_time_is_the_time_spent_in_generate_fn():
+    """Each request is held in `generate_fn` at least `HOLD` s after it started; a failed one is left out of the
+    average. Only bounds that hold on any machine: at least the hold, at most the wall time around the call."""
+
+    def work(request):
+        time.sleep(HOLD * (request.batch_id + 1))  # request 0: >= 0.05 s, request 1: >= 0.10 s
+        if request.batch_id == 2:
+            raise ValueError("bad round")
+        return request.batch_id
+
+    gen = AsyncBatchGenerator(work, generation_timeout=30).start()
+    try:
+        assert gen.get_average_generation_time() == 0.0  # nothing finished yet
+        t0 = time.perf_counter()
+        gen.submit_batch(BatchRequest(0, ["x"]))
+        r0 = gen.get_batch(0)
+        wall0 = time.perf_counter() - t0
+        assert HOLD <= r0.generation_time <= wall0
+        gen.submit_batch(BatchRequest(1, ["x"]))
+        r1 = gen.get_batch(1)
+        assert 2 * HOLD <= r1.generation_time
+        assert gen.get_average_generation_time() == pytest.approx((r0.generation_time + r1.generation_time) / 2)
+        gen.submit_batch(BatchRequest(2, ["x"]))
+        with pytest.raises(RuntimeError, match="bad round"):
+            gen.get_batch(2)
+        # the failed round (>= 0.15 s) is not averaged in
+        assert gen.get_average_generation_time() == pytest.approx((r0.generation_time + r1.generation_time) / 2)
+    finally:
+        gen.stop()
 
 
 def test_generate_fn_error_is_raised_chained_by_get_batch():
