@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from grpo_async import GRPOConfig
+from grpo_async.config import is_derived
 
 BASE = dict(
     output_dir="/tmp/grpo-async-config-test",
@@ -189,14 +190,41 @@ def test_batch_error_names_what_the_user_set():
 
 
 # ---- a config is a value ------------------------------------------------------------------------------------
-def test_replace_without_change_is_equal():
-    for c in (
-        GRPOConfig(**BASE, gradient_accumulation_steps=2),
-        GRPOConfig(**BASE, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://s:1"),
-        GRPOConfig(**BASE, generation_batch_size=8, epsilon_high=0.28, rollout_micro_batch_size=8),
-    ):
-        assert dataclasses.replace(c) == c
-        assert dataclasses.replace(c).server_urls == c.server_urls
+@pytest.mark.parametrize(
+    "user,values,derived,given",
+    [
+        # GA 2: 2 micro-steps per round of 4 rows each → 8 rows; ε_high = ε; hf backend; queue = 1 ahead + 2
+        (
+            {"gradient_accumulation_steps": 2},
+            {"steps_per_generation": 2, "generation_batch_size": 8, "epsilon_high": 0.2, "async_max_queue_size": 3},
+            ("steps_per_generation", "generation_batch_size", "epsilon_high", "generation_backend"),
+            (),
+        ),
+        # TRL's switches: the backend is derived from use_vllm / vllm_mode, the URL list from the base URL
+        (
+            {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "http://s:1"},
+            {"generation_backend": "vllm_server", "server_urls": ["http://s:1"], "vllm_server_urls": None},
+            ("generation_backend",),
+            (),
+        ),
+        # the user set the round (8 rows = 2 micro-steps of 4) and ε_high: given, not derived
+        (
+            {"generation_batch_size": 8, "epsilon_high": 0.28, "rollout_micro_batch_size": 8},
+            {"steps_per_generation": 2, "generation_batch_size": 8, "epsilon_high": 0.28},
+            ("steps_per_generation",),
+            ("generation_batch_size", "epsilon_high", "rollout_micro_batch_size"),
+        ),
+    ],
+)
+def test_replace_without_change_keeps_values_and_what_was_derived(user, values, derived, given):
+    copied = dataclasses.replace(GRPOConfig(**BASE, **user))
+    for name, value in values.items():  # hand-worked values, read from the copy
+        assert getattr(copied, name) == value, name
+    for name in derived:  # still derived in the copy: the next change derives it again
+        assert is_derived(copied, name), name
+    for name in given:  # what the user set stays the user's
+        assert not is_derived(copied, name), name
+    assert copied == GRPOConfig(**BASE, **user)  # and equal to a config built afresh from the same arguments
 
 
 @pytest.mark.parametrize(
