@@ -128,4 +128,9 @@ def test_an_ipv6_server_gets_an_ipv6_store_address_with_a_free_port():
         pytest.skip("this machine has no global IPv6 address")
     address = address_seen_by(f"http://[{own[0]}]:8000")
     assert address == own[0]
-    assert free_port(address) > 0  # the store's port is looked up on that address family
+    port = free_port(address)  # the store's port is looked up on that address family, and is free there:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as server:  # a store can listen on it at that address
+        server.bind((address, port))
+        server.listen(1)
+        with socket.create_connection((address, port), timeout=10) as client:  # and be reached there over IPv6
+            assert client.family == socket.AF_INET6 and client.getpeername()[:2] == (address, port)
