@@ -1,5 +1,5 @@
-"""Every shell command the README shows runs as written on a 2-core CPU machine, or the README says next to it that
-it needs GPUs. A command added to the README without a test here fails `test_every_readme_command_is_covered`.
+"""Every shell command the README (and docs/*.md) shows runs as written on a 2-core CPU machine, or the text says next
+to it that it needs GPUs. A command added to them without a test here fails `test_every_readme_command_is_covered`.
 
 Training commands run with `--max_steps 2` (and a temporary `--output_dir`) appended: the same flags, fewer steps.
 """
@@ -22,7 +22,10 @@ BIN = os.path.dirname(sys.executable)
 #: README command → how it is proven (a test of this file, another test, or why it cannot run here)
 COVERED = {
     "make demo": "test_make_demo",
-    "make test": "CI: .ci/run runs it on a clean clone",
+    "make test": "CI: .ci/run runs it on a clean clone; its pytest line: test_make_targets_run_what_the_readme_says",
+    "make test-fast": "test_make_targets_run_what_the_readme_says (the pytest line and its marker filter)",
+    "make lint": "test_make_targets_run_what_the_readme_says (ruff check + ruff format --check)",
+    "make bench": "test_make_targets_run_what_the_readme_says (bench/run_all.py)",
     "accelerate launch --multi_gpu --num_processes 2 recipes/demo.py --output_dir out-ddp": "GPU only ('# 2 GPUs')",
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "recipes/demo.py --output_dir out-ddp": "test_two_cpu_processes_with_the_in_process_vllm_engine",
@@ -46,10 +49,20 @@ COVERED = {
 }
 
 
+def doc_paths() -> list[str]:
+    """README.md, then docs/*.md in name order."""
+    docs = os.path.join(ROOT, "docs")
+    return [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md")
+    )
+
+
 def readme_commands() -> list[str]:
-    """The commands of the README's ```bash blocks: continuation lines joined, comments dropped."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        text = f.read()
+    """The commands of the ```bash blocks of README.md and docs/*.md: continuation lines joined, comments dropped."""
+    text = ""
+    for path in doc_paths():
+        with open(path, encoding="utf-8") as f:
+            text += f.read() + "\n"
     out = []
     for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -70,7 +83,7 @@ def readme_python_block(heading: str) -> str:
 @pytest.mark.slow
 def test_offline_quick_start_runs_as_written(tmp_path):
     """The README's offline quick start, exactly as written, in a fresh folder and a fresh interpreter."""
-    code = readme_python_block("## Quick start, offline")
+    code = readme_python_block("### Quick start, offline")
     (tmp_path / "quick_start.py").write_text(code)
     proc = _run([sys.executable, "quick_start.py"], 600, cwd=str(tmp_path))
     assert (tmp_path / "tiny-llama" / "config.json").exists()
@@ -85,7 +98,26 @@ def test_every_readme_command_is_covered():
     assert not missing, f"README commands no test runs (add them to COVERED with a test): {missing}"
     for how in COVERED.values():  # every named test of this file exists
         if how.startswith("test_"):
-            assert how in globals(), how
+            assert how.split()[0] in globals(), how
+
+
+def test_make_targets_run_what_the_readme_says():
+    """`make -n` (install left out: `-o install`) prints the commands the README's Development section describes."""
+    proc = subprocess.run(
+        ["make", "-n", "-o", "install", "--no-print-directory", "test", "test-fast", "lint", "bench"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    test, fast, check, fmt, bench = proc.stdout.strip().splitlines()
+    assert "-m pytest" in test and ' tests -m "not gpu" ' in test, test
+    assert "-m pytest" in fast and '-m "not gpu and not slow and not vllm and not multiprocess"' in fast, fast
+    assert check.endswith("ruff check .") and fmt.endswith("ruff format --check ."), (check, fmt)
+    assert bench.endswith("python bench/run_all.py"), bench
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert '`pytest -m "not gpu and not slow and not vllm and not multiprocess"`' in f.read()
 
 
 def _env():
