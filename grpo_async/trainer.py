@@ -17,7 +17,8 @@ Timeline with `num_batches_ahead = 1` (one round = steps_per_generation × μ mi
 trainer  | publish v0, submit r0, r1 | wait r0 | train r0 ......... | publish v1, submit r2 | train r1 .........
 job queue|                           | gen r0 (v0) | gen r1 (v0)    |                       | gen r2 (v1) ...
 ```
-Round r + k is generated from the weights the trainer had when round r started (staleness ≤ k rounds).
+Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
+(optimizer steps), ≤ ceil(k × steps_per_round) when its round starts.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ micro-step 0: round 0 not submitted → publish v0 ─▶ submit r0 (this batch)
 micro-step 1: train b
 micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (loader.batch_at(4)) ─▶ consumer(r1) → train a'
 ```
-Round r + k is generated from the weights the trainer had when round r started (staleness ≤ k rounds).
+Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
+(optimizer steps), ≤ ceil(k × steps_per_round) when its round starts.
 
 Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
 The trainer calls `end_step` after the last micro-step of each optimizer step: the scheduler times the trainer's waits
