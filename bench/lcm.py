@@ -1,10 +1,11 @@
 """LCM aggregation benchmark (seed 000): the ref-logps and old-logps stages with micro-batches 4× the training
 micro-batch against 1×, on the same rows, in one run.
 
-What it measures: wall time of `GRPOTrainer._add_logps` (the trainer's own code path: buffer the process's training
-micro-batches up to `service_target_bs`, run each stage in chunks of its size, split back) on one round of
-`--rows` completions, with `ref_logps_micro_batch_size = old_logps_micro_batch_size = k × per_device_train_batch_size`
-for k = 1 and k = 4. Both trainers load the same model folder; the two settings alternate, median of `--repeats`.
+What it measures: wall time of the trainer's `RoundConsumer` (the code path every round takes: this process's slice,
+the old-logps and ref-logps stages each in chunks of its own micro-batch size, shuffle, split into the
+gradient-accumulation micro-batches) on one round of `--rows` completions, with
+`ref_logps_micro_batch_size = old_logps_micro_batch_size = k × per_device_train_batch_size` for k = 1 and k = 4. Both
+trainers load the same model folder; the two settings alternate, median of `--repeats`.
 
 The limit it compares to: the same forward passes with no per-call overhead. Each forward has a fixed cost (Python,
 HF module dispatch, kernel launches, position ids, log-softmax bookkeeping) on top of a cost linear in rows ×
@@ -18,7 +19,8 @@ How to read the ratio: `lcm_logps_speedup = time(k=1) / time(k=4)` > 1 means the
 that factor on the logps stages; the per-stage lines show where it comes from (chunks per round and seconds).
 The logps of both settings are checked to agree (max abs difference printed), so nothing is skipped.
 
-Run: `python bench/lcm.py` (~1 min on 2 cores). Writes `bench/out/lcm.json`; ends with `RESULT lcm_logps_speedup=<x>`.
+Run: `python bench/lcm.py` (~1 min on 2 cores); `--smoke`: tiny sizes, seconds (run by tests/test_benches.py). Writes
+`bench/out/lcm.json`; ends with `RESULT lcm_logps_speedup=<x>`.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
+from grpo_async.pipeline.consumer import RoundConsumer  # noqa: E402
+from grpo_async.pipeline.types import MicroBatch, Round  # noqa: E402
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
+from grpo_async.trainer_setup import consumer_settings  # noqa: E402
 
 SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, seed=0)
 
 
-def make_trainer(model_dir: str, out: str, micro: int, rows: int, k: int) -> GRPOTrainer:
+def make_trainer(model_dir: str, out: str, micro: int, rows: int, k: int, prompt_len: int, completion_len: int):
     args = GRPOConfig(
         output_dir=out,
         use_cpu=True,
@@ -56,6 +61,8 @@ def make_trainer(model_dir: str, out: str, micro: int, rows: int, k: int) -> GRP
         ref_logps_micro_batch_size=k * micro,
         old_logps_micro_batch_size=k * micro,
         rollout_micro_batch_size=rows,
+        max_prompt_length=prompt_len,
+        max_completion_length=completion_len,
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
@@ -63,19 +70,41 @@ def make_trainer(model_dir: str, out: str, micro: int, rows: int, k: int) -> GRP
     return GRPOTrainer(model=model_dir, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(rows))
 
 
-def make_round(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> dict:
+def make_round(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> Round:
     """One process's rows of a round with ragged lengths (left-padded prompts, right-padded completions)."""
     g = torch.Generator().manual_seed(seed)
     p_len = torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=g)
     c_len = torch.randint(completion_len // 4, completion_len + 1, (rows,), generator=g)
     prompt_mask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()  # [B, P]
     completion_mask = (torch.arange(completion_len) < c_len[:, None]).long()  # [B, T]
-    return {
-        "prompt_ids": torch.randint(3, vocab, (rows, prompt_len), generator=g) * prompt_mask,  # [B, P]
-        "prompt_mask": prompt_mask,
-        "completion_ids": torch.randint(3, vocab, (rows, completion_len), generator=g) * completion_mask,  # [B, T]
-        "completion_mask": completion_mask,
-    }
+    batch = MicroBatch(
+        prompt_ids=torch.randint(3, vocab, (rows, prompt_len), generator=g) * prompt_mask,  # [B, P]
+        prompt_mask=prompt_mask,
+        completion_ids=torch.randint(3, vocab, (rows, completion_len), generator=g) * completion_mask,  # [B, T]
+        completion_mask=completion_mask,
+        loss_mask=completion_mask.clone(),
+        sampler_logps=torch.zeros(rows, completion_len),  # unused: importance_sampling_correction=False
+        advantages=torch.randn(rows, generator=g),
+        policy_version=torch.zeros(rows, dtype=torch.long),
+        round_id=torch.zeros(rows, dtype=torch.long),
+        row_index=torch.arange(rows),
+        num_items_in_batch=float(completion_mask.sum()),
+    )
+    return Round(round_id=0, policy_version=0, batch=batch)
+
+
+def consumer_of(trainer: GRPOTrainer, log) -> RoundConsumer:
+    """The trainer's round consumer (its settings and log-prob scorers), one process, reporting to `log`."""
+    return RoundConsumer(
+        consumer_settings(trainer.args),
+        num_processes=1,
+        process_index=0,
+        old_logps=trainer.consumer.old_logps,
+        ref_logps=trainer.consumer.ref_logps,
+        reduce_sum=lambda t: t,
+        gather=lambda t: t,
+        log=log,
+    )
 
 
 def main(argv=None) -> float:
@@ -85,19 +114,35 @@ def main(argv=None) -> float:
     p.add_argument("--prompt_len", type=int, default=24)
     p.add_argument("--completion_len", type=int, default=48)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat: checks the bench runs (seconds)")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.rows, a.micro, a.prompt_len, a.completion_len, a.repeats = 16, 2, 8, 8, 1
 
     tmp = tempfile.mkdtemp(prefix="grpo_bench_lcm_")
     model_dir = build_tiny_model(os.path.join(tmp, "model"), SPEC)
-    trainers = {k: make_trainer(model_dir, os.path.join(tmp, f"out{k}"), a.micro, a.rows, k) for k in (1, 4)}
-    batch = make_round(a.rows, a.prompt_len, a.completion_len, trainers[1].model.config.vocab_size)
+    trainers = {
+        k: make_trainer(model_dir, os.path.join(tmp, f"out{k}"), a.micro, a.rows, k, a.prompt_len, a.completion_len)
+        for k in (1, 4)
+    }
+    rnd = make_round(a.rows, a.prompt_len, a.completion_len, trainers[1].model.config.vocab_size)
 
     def run(k):
-        t = trainers[k]
-        t._metrics["train"].clear()
+        metrics: dict[str, list[float]] = {}
+        consumer = consumer_of(trainers[k], lambda name, v: metrics.setdefault(name, []).append(v))
         t0 = time.perf_counter()
-        out = t._add_logps(dict(batch))
-        return time.perf_counter() - t0, out, {n: list(v) for n, v in t._metrics["train"].items()}
+        micro_batches = consumer(rnd, step=0)
+        seconds = time.perf_counter() - t0
+        rows = torch.cat([mb.row_index for mb in micro_batches])  # back in round order: compare logps row by row
+        order = rows.argsort()
+        T = rnd.batch.completion_ids.size(1)
+        out = {}
+        for name in ("old_logps", "ref_logps"):
+            padded = [
+                torch.nn.functional.pad(getattr(mb, name), (0, T - getattr(mb, name).size(1))) for mb in micro_batches
+            ]
+            out[name] = torch.cat(padded)[order]  # [R, T]
+        return seconds, out, metrics
 
     for k in (1, 4):  # warm-up
         run(k)
@@ -108,7 +153,7 @@ def main(argv=None) -> float:
             dt, outs[k], stage_metrics[k] = run(k)
             times[k].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    mask = batch["completion_mask"].bool()
+    mask = rnd.batch.completion_mask.bool()
     diff = max((outs[1][n] - outs[4][n])[mask].abs().max().item() for n in ("old_logps", "ref_logps"))
     speedup = med[1] / med[4]
 
@@ -127,8 +172,9 @@ def main(argv=None) -> float:
         )
     print(f"max |logps(1×) - logps(4×)| = {diff:.2e}")
     print(f"speedup 4× vs 1×: {speedup:.2f}x (seed 000 reported 1.39x per step; target ≥ 1.4x on the logps stages)")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "out", "lcm.json"), "w") as f:
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke" if a.smoke else "")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "lcm.json"), "w") as f:
         json.dump({"seconds": med, "times": times, "speedup": speedup, "max_abs_diff": diff, "args": vars(a)}, f)
     print(f"RESULT lcm_logps_speedup={speedup:.2f}")
     return speedup

@@ -56,11 +56,11 @@ def uptime() -> str:
 
 
 @torch.no_grad()
-def max_logprob_gap(backend, model) -> float:
-    """Largest |sampler logprob − HF logprob| over sampled completions of `PROMPTS` (temperature 1, no filter: the
+def max_logprob_gap(backend, model, prompts: list[list[int]]) -> float:
+    """Largest |sampler logprob − HF logprob| over sampled completions of `prompts` (temperature 1, no filter: the
     sampler's processed logprobs are then the model's own log-softmax)."""
     worst = 0.0
-    for prompt, c in zip(PROMPTS, backend.generate(PROMPTS, SamplingConfig(max_tokens=8, seed=0))):
+    for prompt, c in zip(prompts, backend.generate(prompts, SamplingConfig(max_tokens=8, seed=0))):
         ids = torch.tensor([prompt + c.completion_ids])
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
         ref = torch.log_softmax(logits, -1)[torch.arange(len(c.completion_ids)), torch.tensor(c.completion_ids)]
@@ -82,7 +82,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="GRPOConfig.weight_sync_bucket_mb (its default)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "lora_sync.json"))
+    ap.add_argument("--smoke", action="store_true", help="the tiny test model, 1 repeat: checks the bench runs")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.rank = 1, 4
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke", "lora_sync.json")
     load_before = uptime()
     print(f"load before: {load_before}", flush=True)
 
@@ -91,10 +95,19 @@ def main(argv=None) -> dict:
 
     from grpo_async.generation.vllm_backends import VLLMColocateBackend
 
-    path = build_smollm2()
+    if args.smoke:
+        import tempfile
+
+        from grpo_async.testing import build_tiny_model
+
+        path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo_bench_lora_"), "model"))
+    else:
+        path = build_smollm2()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
     model = get_peft_model(model, lora).eval()
+    vocab = model.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in PROMPTS]  # the tiny smoke model's vocabulary is small
     gen = torch.Generator().manual_seed(0)
     nudge(model, gen)  # lora_B starts at zero: make the adapter visible from the first sync
 
@@ -107,7 +120,7 @@ def main(argv=None) -> dict:
     print(f"two engines up in {time.perf_counter() - t0:.0f} s", flush=True)
     publishers = {m: PolicyPublisher(SharedBackend(lambda b=b: b), adapter=m == "adapter") for m, b in engines.items()}
     results: dict = {
-        "model": "SmolLM2-135M-Instruct (float32)",
+        "model": "tiny test model (smoke)" if args.smoke else "SmolLM2-135M-Instruct (float32)",
         "lora": {"r": args.rank, "alpha": 2 * args.rank, "targets": TARGETS},
         "transport": "shared memory into the engine process (separate_process=True)",
         "bucket_mb": args.bucket_mb,
@@ -119,7 +132,10 @@ def main(argv=None) -> dict:
         version = 0
         for mode, pub in publishers.items():  # warm-up (first install, first reload), then: is it the policy?
             pub.publish(model, version)
-            results[mode] = {"warmup_s": pub.last["seconds"], "logprob_gap": max_logprob_gap(engines[mode], model)}
+            results[mode] = {
+                "warmup_s": pub.last["seconds"],
+                "logprob_gap": max_logprob_gap(engines[mode], model, prompts),
+            }
             print(
                 f"{mode:7s} warm-up {pub.last['seconds']:.3f} s, {pub.last['tensors']} tensors, "
                 f"{pub.last['bytes'] / 1e6:.2f} MB; sampler vs HF PEFT logprobs: max gap "
@@ -139,7 +155,7 @@ def main(argv=None) -> dict:
                 bytes=pub.last["bytes"],
                 seconds=[round(s, 4) for s in times[mode]],
                 median_s=statistics.median(times[mode]),
-                logprob_gap_after=max_logprob_gap(engines[mode], model),  # still the policy after the repeats
+                logprob_gap_after=max_logprob_gap(engines[mode], model, prompts),  # still the policy after the repeats
             )
             r["MB_per_s"] = r["bytes"] / r["median_s"] / 1e6
             print(

@@ -7,9 +7,10 @@ CPU tensors (plain malloc) together with everything else.
 
 1. packing (`GRPOConfig.padding_free`): one training micro-batch of `--rows` rows with skewed lengths (one row of
    `--long` tokens, the others `--short`; seed 004's case: a few long completions pad a whole batch to their length).
-   The trainer's own code runs on it: the old-logps pass (`_old_logps_fn`) then `compute_loss` + backward. The
-   number is the peak *during the step* (`VmHWM` reset just before it through `/proc/self/clear_refs`) minus the
-   resident set just before it (model, trainer), i.e. the activations, logits and attention temporaries it needs.
+   The trainer's own code runs on it: the old-logps pass (`trainer.consumer.old_logps`) then `compute_loss` +
+   backward. The number is the peak *during the step* (`VmHWM` reset just before it through
+   `/proc/self/clear_refs`) minus the resident set just before it (model, trainer), i.e. the activations, logits and
+   attention temporaries it needs.
 2. reference (`GRPOConfig.ref_server_url`): the peak of the whole trainer process (construction with beta > 0 and
    one ref-logps pass over the same rows), with the reference copy in-process vs asked from a server.
 
@@ -69,7 +70,7 @@ def reset_peak() -> float:
     return peak_mb()
 
 
-def make_rows(rows: int, long: int, short: int, vocab: int) -> dict:
+def make_rows(rows: int, long: int, short: int, vocab: int):
     """One long row, the others short; prompts a quarter of each row. Left-padded prompts, right-padded completions."""
     import torch
 
@@ -80,21 +81,27 @@ def make_rows(rows: int, long: int, short: int, vocab: int) -> dict:
     P, T = int(p_len.max()), int(c_len.max())
     prompt_mask = (torch.arange(P) >= P - p_len[:, None]).long()  # [B, P]
     completion_mask = (torch.arange(T) < c_len[:, None]).long()  # [B, T]
-    return {
-        "prompt_ids": torch.randint(7, vocab, (rows, P), generator=g) * prompt_mask,
-        "prompt_mask": prompt_mask,
-        "completion_ids": torch.randint(7, vocab, (rows, T), generator=g) * completion_mask,
-        "completion_mask": completion_mask,
-        "loss_mask": completion_mask.clone(),
-        "advantages": torch.randn(rows, generator=g),
-        "weights_round": torch.zeros(rows, dtype=torch.long),
-        "policy_version": torch.zeros(rows, dtype=torch.long),
-        "num_items_in_batch": float(completion_mask.sum()),
-    }
+    from grpo_async.pipeline.types import MicroBatch
+
+    return MicroBatch(
+        prompt_ids=torch.randint(7, vocab, (rows, P), generator=g) * prompt_mask,  # [B, P]
+        prompt_mask=prompt_mask,
+        completion_ids=torch.randint(7, vocab, (rows, T), generator=g) * completion_mask,  # [B, T]
+        completion_mask=completion_mask,
+        loss_mask=completion_mask.clone(),
+        sampler_logps=torch.zeros(rows, T),  # unused: importance_sampling_correction=False
+        advantages=torch.randn(rows, generator=g),
+        policy_version=torch.zeros(rows, dtype=torch.long),
+        round_id=torch.zeros(rows, dtype=torch.long),
+        row_index=torch.arange(rows),
+        num_items_in_batch=float(completion_mask.sum()),
+    )
 
 
 def child(a) -> dict:
     """One variant in this (fresh) process; returns its measurements."""
+    import dataclasses
+
     import torch
 
     from grpo_async import GRPOConfig, GRPOTrainer
@@ -123,21 +130,19 @@ def child(a) -> dict:
     t = GRPOTrainer(model=a.model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(a.rows))
     rows = make_rows(a.rows, a.long, a.short, t.model.config.vocab_size)
     n_params = sum(p.numel() for p in t.model.parameters()) / 1e6
-    T = rows["completion_ids"].size(1)
-    batch = {
-        "ids": torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1),
-        "mask": torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1),
-    }
+    T = rows.completion_ids.size(1)
+    ids = torch.cat([rows.prompt_ids, rows.completion_ids], 1)  # [B, P+T]
+    mask = torch.cat([rows.prompt_mask, rows.completion_mask], 1)  # [B, P+T]
     if ref:
         with torch.no_grad():
-            t._ref_logps_fn(batch, T)
+            t.consumer.ref_logps(ids, mask, T)
         return {"peak_mb": peak_mb(), "start_mb": start, "params_m": n_params}
     t.current_gradient_accumulation_steps = 1  # what the training loop sets before its micro-steps
     t.model.train()
     before = reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
-        rows["old_logps"] = t._old_logps_fn(batch, T)
+        rows = dataclasses.replace(rows, old_logps=t.consumer.old_logps(ids, mask, T))  # [B, T]
     loss = t.compute_loss(t.model, rows)
     loss.backward()
     seconds = time.perf_counter() - t0
@@ -166,11 +171,14 @@ def main(argv=None) -> float:
     p.add_argument("--rows", type=int, default=16, help="rows of the micro-batch")
     p.add_argument("--long", type=int, default=512, help="tokens of the one long row (prompt + completion)")
     p.add_argument("--short", type=int, default=48, help="tokens of every other row")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the bench runs (seconds)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     p.add_argument("--server", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.smoke:
+        a.rows, a.long, a.short = 4, 64, 16
     if a.child:
         a.variant = a.child
         print(json.dumps(child(a)), flush=True)
@@ -223,8 +231,9 @@ def main(argv=None) -> float:
         f"(a float32 copy: {res['ref_server']['params_m'] * 4:.0f} MB)"
     )
     print(f"reference: in-process / server trainer peak = {ref_ratio:.2f}x")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "out", "memory.json"), "w") as f:
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke" if a.smoke else "")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "memory.json"), "w") as f:
         json.dump({"results": res, "packing_memory_ratio": ratio, "ref_memory_ratio": ref_ratio, "args": vars(a)}, f)
     print(f"RESULT ref_memory_ratio={ref_ratio:.2f}")
     print(f"RESULT packing_memory_ratio={ratio:.2f}")

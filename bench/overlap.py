@@ -371,8 +371,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join(HERE, "out", "overlap.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "overlap.png"))
     ap.add_argument("--from-runs", default=None, help="recompute the summary from the runs of an overlap.json")
+    ap.add_argument("--smoke", action="store_true", help="a 1-layer model, 1 short repeat: checks the bench runs")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run (JSON spec), in a fresh process
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.layers, a.hidden, a.prompts, a.G, a.T = 1, 64, 2, 2, 8
+        a.steps, a.block, a.cycles, a.warmup, a.repeats = 3, 1, 1, 1, 1
+        a.out = os.path.join(HERE, "out", "smoke", "overlap.json")
+        a.plot = os.path.join(HERE, "out", "smoke", "overlap.png")
     if a.child is not None:
         print("RUN " + json.dumps(child(json.loads(a.child))), flush=True)
         os._exit(0)  # no finalizers: engine threads / gloo teardown can hang at interpreter exit

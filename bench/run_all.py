@@ -22,6 +22,13 @@ bench/out/lora_sync.log`): its `RESULT` lines from `bench/out/<name>.log`, rows 
 `bench/out/<name>.json`, the plot `bench/plots/<name>.png` if there is one, the date of the log (UTC); then rebuilds
 `RESULTS.md`. A log without a `RESULT` line is refused.
 `bench/NOTES.md` (hand-written: conditions, analysis) is appended to `RESULTS.md`.
+
+Every record names what made it: `commit` (the git commit of the code it ran; `+dirty` when `grpo_async/` or `bench/`
+had uncommitted changes), `command` (the exact command line) and `load` (`uptime`'s load averages before and after:
+a ratio measured beside other jobs is not a result). `--ingest` takes the command with `--command "python bench/…"`.
+A run that fails never replaces a good record: the good one stays (its rows in the table) and the failure is noted
+beside it (`last_failure`), so one broken run cannot erase the evidence of the last good one. `tests/test_benches.py`
+fails when a record has no commit or command, and runs every bench's `--smoke` mode.
 """
 
 from __future__ import annotations
@@ -43,6 +50,29 @@ RECORDS = os.path.join(HERE, "results")  # each bench's latest record: committed
 #: benchmark scripts, in the order they run (cheapest first)
 BENCHES = ["weight_sync.py", "lora_sync.py", "lcm.py", "memory.py", "overlap.py", "vs_trl.py"]
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
+
+
+def git_commit() -> str:
+    """This checkout's commit; `+dirty` when the code a bench runs (`grpo_async/`, `bench/`) has uncommitted edits."""
+    root = os.path.dirname(HERE)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "grpo_async", "bench/*.py", "setup.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:  # pragma: no cover (no git)
+        return "unknown"
+    if sha.returncode != 0:
+        return "unknown"
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (`os.getloadavg`), e.g. `"0.41 0.52 0.60"`."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def machine() -> str:
@@ -292,10 +322,16 @@ DETAILS = {"overlap.py": _details_overlap, "vs_trl.py": _details_vs_trl}
 
 
 # ---------------------------------------------------------------------------------------------- records
-def make_record(name: str, date: str, results: list[tuple[str, float]]) -> dict:
-    """The record of a finished run: its `RESULT` lines, rows and section from its raw JSON, its plot if any."""
+#: what a record says about the run that made it (never recomputed)
+PROVENANCE = ("commit", "command", "load", "last_failure")
+
+
+def make_record(name: str, date: str, results: list[tuple[str, float]], provenance: dict | None = None) -> dict:
+    """The record of a finished run: its `RESULT` lines, rows and section from its raw JSON, its plot if any;
+    `provenance`: `commit`, `command`, `load` of the run (kept as they are when a stored record is refreshed)."""
     rows, data = rows_of(name, results)
     record = {"name": name, "date": date, "ok": True, "results": [list(r) for r in results], "rows": rows}
+    record.update(provenance or {})
     record["machine"] = machine_of(data)
     png = os.path.join(PLOTS, name.replace(".py", ".png"))
     if os.path.exists(png):
@@ -331,7 +367,8 @@ def refresh(record: dict) -> dict:
         return record
     raw = raw_path(name)
     if record.get("raw_mtime") is not None and os.path.exists(raw) and os.path.getmtime(raw) == record["raw_mtime"]:
-        return make_record(name, record["date"], [tuple(r) for r in record["results"]])
+        kept = {k: record[k] for k in PROVENANCE if k in record}
+        return make_record(name, record["date"], [tuple(r) for r in record["results"]], kept)
     png = os.path.join(PLOTS, name.replace(".py", ".png"))
     if os.path.exists(png):
         record = {**record, "plot": os.path.relpath(png, HERE)}
@@ -348,6 +385,7 @@ def run_one(name: str) -> dict:
     import time
 
     started = time.time()
+    provenance = {"commit": git_commit(), "command": f"python bench/{name}", "load": {"before": load_average()}}
     log_path = os.path.join(OUT, name.replace(".py", ".log"))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -361,18 +399,22 @@ def run_one(name: str) -> dict:
                 results += found
                 print(line, end="", flush=True)
         code = proc.wait()
+    provenance["load"]["after"] = load_average()
     date = datetime.date.today().isoformat()
     if code != 0 or not results:
         print(f"   FAILED (exit {code}); see {log_path}", flush=True)
-        return {"name": name, "date": date, "ok": False, "error": f"exit {code}"}
+        return {"name": name, "date": date, "ok": False, "error": f"exit {code}", **provenance}
     png = os.path.join(PLOTS, name.replace(".py", ".png"))
     if not os.path.exists(png) or os.path.getmtime(png) < started:
         plot_rows(name, rows_of(name, results)[0], png)  # the bench drew none this run
-    return make_record(name, date, results)
+    return make_record(name, date, results, provenance)
 
 
-def ingest(name: str) -> dict:
-    """The record of a run done by hand, from what it left in `bench/out/` (and `bench/plots/`)."""
+def ingest(name: str, command: str) -> dict:
+    """The record of a run done by hand, from what it left in `bench/out/` (and `bench/plots/`); `command`: the
+    command line that made it (the commit is this checkout's)."""
+    if not command or f"bench/{name}" not in command:
+        raise SystemExit(f'--ingest {name}: give the command that ran it, e.g. --command "python bench/{name} ..."')
     log_path = os.path.join(OUT, name.replace(".py", ".log"))
     if not os.path.exists(log_path):
         raise SystemExit(f"--ingest {name}: no {os.path.relpath(log_path)} (run the bench with its output there)")
@@ -383,11 +425,33 @@ def ingest(name: str) -> dict:
     if not os.path.exists(raw_path(name)):
         print(f"   (no {os.path.relpath(raw_path(name))}: rows from the RESULT lines)")
     date = datetime.datetime.fromtimestamp(os.path.getmtime(log_path), datetime.timezone.utc).date().isoformat()
-    return make_record(name, date, results)
+    return make_record(name, date, results, {"commit": git_commit(), "command": command})
+
+
+def keep_good(new: dict, old: dict | None) -> dict:
+    """The record to store after a run: a failed run never replaces a good record; it is noted beside it."""
+    if new.get("ok") or old is None or not old.get("ok"):
+        return new
+    failure = {k: new.get(k) for k in ("date", "error", "commit", "command")}
+    print(f"   keeping the good record of {old.get('date')} ({old.get('commit')}); failure noted beside it")
+    return {**old, "last_failure": failure}
 
 
 def fmt(x) -> str:
     return "—" if x is None else f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def provenance_line(rec: dict) -> str:
+    """`Made by `command` at commit X on date, load before → after` (and the last failed attempt, if any)."""
+    load = rec.get("load") or {}
+    text = f"Made by `{rec.get('command', '?')}` at commit `{rec.get('commit', '?')}` on {rec.get('date')}"
+    if load:
+        text += f", load average {load.get('before', '?')} before, {load.get('after', '?')} after"
+    text += "."
+    fail = rec.get("last_failure")
+    if fail:
+        text += f" A later run failed ({fail.get('error')}, {fail.get('date')}, `{fail.get('commit')}`): see its log."
+    return text
 
 
 def write_results(records: list[dict]) -> str:
@@ -399,19 +463,22 @@ def write_results(records: list[dict]) -> str:
             "bench; each script's docstring says what it measures, the limit it compares to and how to read the "
             "ratio. `ours` and `peer / limit` are in the unit the metric names; `ratio` > 1 favours ours.\n\n"
         )
-        f.write("| bench | metric | ours | peer / limit | ratio | machine | date |\n|---|---|---|---|---|---|---|\n")
+        f.write(
+            "| bench | metric | ours | peer / limit | ratio | machine | date | commit |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+        )
         for rec in records:
             if not rec.get("ok"):
                 f.write(
                     f"| `bench/{rec['name']}` | FAILED ({rec.get('error')}) | — | — | — | {machine()} | "
-                    f"{rec.get('date')} |\n"
+                    f"{rec.get('date')} | {rec.get('commit', '—')} |\n"
                 )
                 continue
             for r in rec["rows"]:
                 peer = f"{fmt(r.get('peer'))} ({r['peer_name']})" if r.get("peer_name") else fmt(r.get("peer"))
                 f.write(
                     f"| `bench/{rec['name']}` | {r['metric']} | {fmt(r['ours'])} | {peer} | "
-                    f"**{r['ratio']:.2f}×** | {rec['machine']} | {rec['date']} |\n"
+                    f"**{r['ratio']:.2f}×** | {rec['machine']} | {rec['date']} | {rec.get('commit', '—')} |\n"
                 )
         f.write(
             "\n`RESULT` lines: "
@@ -422,6 +489,7 @@ def write_results(records: list[dict]) -> str:
             if not rec.get("ok"):
                 continue
             f.write(f"\n## `bench/{rec['name']}`\n\n")
+            f.write(provenance_line(rec) + "\n\n")
             if rec.get("plot"):
                 f.write(f"![{rec['name']}]({rec['plot']})\n\n")
             if rec.get("details"):
@@ -437,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="*", help=f"benches to rerun (default: all of {BENCHES})")
     ap.add_argument("--write-only", action="store_true", help="run nothing: rebuild RESULTS.md from bench/results/")
     ap.add_argument("--ingest", nargs="+", metavar="NAME", help="record runs done by hand (bench/out/<name>.log)")
+    ap.add_argument("--command", default=None, help="with --ingest (one bench): the exact command that ran it")
     args = ap.parse_args(list(argv or []))
     if sum(map(bool, (args.names, args.write_only, args.ingest))) > 1:
         ap.error("give bench names, --write-only or --ingest, not several")
@@ -453,11 +522,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no such bench: {unknown}; known: {BENCHES}")
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(PLOTS, exist_ok=True)
-    new = [ingest(name) for name in ingested]  # every one checked before any is stored
+    if len(ingested) > 1 and args.command:
+        ap.error("--command names the command of one bench: ingest one at a time")
+    new = [ingest(name, args.command) for name in ingested]  # every one checked before any is stored
     failed = []
     for name in names:
         rec = run_one(name)
-        save_record(rec)
+        save_record(keep_good(rec, load_record(name)))
         if not rec["ok"]:
             failed.append(name)
     for rec in new:
