@@ -667,6 +667,37 @@ class GRPOConfig(TrainingArguments):
                 setattr(self, name, _derived(self.per_device_train_batch_size))
         self._validate()
 
+    # ---- secrets: never written out ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """`TrainingArguments.to_dict` (what TensorBoard, wandb, mlflow, ... receive) with the API keys replaced by
+        `"<FIELD_NAME>"`, as transformers replaces its `*_token` fields."""
+        return _redacted(super().to_dict())
+
+    def __str__(self) -> str:  # TrainingArguments.__str__, with the API keys masked too
+        d = {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in dataclasses.asdict(self).items()}
+        attrs = "".join(f"{k}={v},\n" for k, v in sorted(_redacted(d).items()))
+        return f"{type(self).__name__}(\n{attrs})"
+
+    __repr__ = __str__
+
+    def __getstate__(self) -> dict:
+        """Pickled (the Trainer's `training_args.bin` in every checkpoint, uploaded with it): without the API keys.
+        A config read back from it has `"<VLLM_API_KEY>"` there: set the keys again to use it against a server."""
+        return _redacted(dict(self.__dict__))
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):  # in-process copies keep the keys
+        import copy
+
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     # ---- derived, read-only ------------------------------------------------------------------------------
     @property
     def server_urls(self) -> list[str]:
@@ -1108,6 +1139,14 @@ class GRPOConfig(TrainingArguments):
 
 
 # ---- keyword arguments: TRL's names, misspellings ----------------------------------------------------------------
+#: fields holding credentials: redacted from `to_dict` (logging integrations), `repr` and pickles (training_args.bin)
+SECRET_FIELDS = ("vllm_api_key", "ref_server_api_key")
+
+
+def _redacted(d: dict) -> dict:
+    return {**d, **{k: f"<{k.upper()}>" for k in SECRET_FIELDS if d.get(k) is not None}}
+
+
 def _init_field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 

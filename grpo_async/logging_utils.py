@@ -48,12 +48,27 @@ class MetricsJsonlCallback(TrainerCallback):
 
 def truncate_metrics(path: str, step: int) -> int:
     """Drop the lines of `path` logged after optimizer step `step` (a run resumed from checkpoint-`step` logs them
-    again; kept, they would appear twice and the plot would draw backwards). Returns how many were dropped."""
+    again; kept, they would appear twice and the plot would draw backwards). Returns how many were dropped.
+
+    A torn last line (the process was killed while appending it) is dropped with a warning; an unreadable line
+    before the last raises a `ValueError` naming the file and line."""
     if not os.path.exists(path):
         return 0
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    steps = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+            steps.append(record.get("step", 0))
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not a JSON object ({e}); repair or remove that line") from e
+            logger.warning("%s: dropping its torn last line (a run killed while logging): %r", path, line[:120])
+            steps.append(None)
+    kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
     if len(kept) != len(lines):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:

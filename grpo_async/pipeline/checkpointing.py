@@ -126,6 +126,63 @@ def move_into_place(run_dir: str, name: str, save_total_limit: int | None, best_
         pass
 
 
+def _write_errno(folder: str) -> int | None:
+    """Why writing into `folder` fails now: EFBIG when a file there reached the file-size limit (`ulimit -f`), else
+    the errno of a 1 MiB probe write (ENOSPC when the disk is full); None when the probe succeeds."""
+    import errno
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        for root, _, files in os.walk(folder):
+            if any(os.path.getsize(os.path.join(root, f)) >= limit for f in files):
+                return errno.EFBIG
+    probe = os.path.join(folder if os.path.isdir(folder) else os.path.dirname(folder), ".grpo_async_write_probe")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 2**20)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e.errno
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
+
+
+def save_error(folder: str, error: BaseException, remove: bool) -> BaseException:
+    """The error to raise when writing checkpoint `folder` failed: an `OSError` naming the folder and the errno
+    (torch reports a failed write as `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`,
+    safetensors as a `SafetensorError`, neither naming the folder), the original error itself when writing into the
+    folder works (the failure was something else). With `remove`, the partial folder (a staging
+    folder: the checkpoints in place are untouched) is deleted to give the space back."""
+    import errno as errno_names
+
+    code = error.errno if isinstance(error, OSError) and error.errno else _write_errno(folder)
+    if code is None:
+        return error
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+    name = errno_names.errorcode.get(code, str(code))
+    limit = " (the file-size limit, `ulimit -f`)" if code == errno_names.EFBIG else ""
+    return OSError(
+        code,
+        f"saving the checkpoint failed writing {folder}: {os.strerror(code)} [errno {code} {name}]{limit}; "
+        f"{'the partial folder was removed and ' if remove else ''}the previous checkpoints are intact "
+        f"({type(error).__name__}: {str(error)[:200]})",
+    )
+
+
+def _raise_save_error(folder: str, error: Exception, remove: bool):
+    better = save_error(folder, error, remove)
+    if better is error:
+        raise error
+    raise better from error
+
+
 def uses_staging(args) -> bool:
     """With `push_to_hub` and `hub_strategy` "checkpoint" / "all_checkpoints" the Trainer uploads the checkpoint
     folder in the background by its path, so it is written in place (the pipeline state last), as the Trainer does."""
@@ -146,9 +203,13 @@ def atomic_save(save, *, run_dir: str, state, args, pipeline_state: dict, barrie
     name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
     if not uses_staging(args):
         staging(False)
-        save()
-        if args.should_save:
-            write_pipeline_state(os.path.join(run_dir, name), pipeline_state)
+        folder = os.path.join(run_dir, name)
+        try:
+            save()
+            if args.should_save:
+                write_pipeline_state(folder, pipeline_state)
+        except Exception as e:
+            _raise_save_error(folder, e, remove=False)
         return
     staged = os.path.join(run_dir, SAVING_DIR, name)
     if args.should_save:
@@ -157,6 +218,8 @@ def atomic_save(save, *, run_dir: str, state, args, pipeline_state: dict, barrie
     staging(True)
     try:
         save()
+    except Exception as e:
+        _raise_save_error(staged, e, remove=args.should_save)
     finally:
         staging(False)
     best = state.best_model_checkpoint
@@ -166,7 +229,10 @@ def atomic_save(save, *, run_dir: str, state, args, pipeline_state: dict, barrie
         if args.should_save:
             state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
     if args.should_save:
-        write_pipeline_state(staged, pipeline_state)
+        try:
+            write_pipeline_state(staged, pipeline_state)
+        except Exception as e:
+            _raise_save_error(staged, e, remove=True)
     barrier()  # every process's files (rng states, shards) are in `staged`
     if args.should_save:
         move_into_place(run_dir, name, args.save_total_limit, state.best_model_checkpoint)
