@@ -46,6 +46,18 @@ COVERED = {
     "grpo-async serve REF_MODEL --port 8001 --api-key SECRET --max-logprobs -1 --frozen": (
         "test_serve_commands_as_written"
     ),
+    # docs/trl-vllm-serve.md
+    "pip install grpo_async[cpu]": "not run: installs into the server's Python (from a checkout: make install)",
+    "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=4 vllm serve MODEL --host 127.0.0.1 --port 8000 "
+    '--weight-transfer-config \'{"backend": "grpo_async"}\' --logprobs-mode processed_logprobs --dtype float32 '
+    "--enforce-eager": (
+        "tests/test_stock_server.py starts the same server (python -m vllm.entrypoints.openai.api_server, the module "
+        "behind `vllm serve`) with these flags and VLLM_SERVER_DEV_MODE=1, plus --max-model-len and --max-num-seqs, "
+        "and a 1 GiB KV cache"
+    ),
+    "pip install grpo_async[gpu]": "GPU only ('### GPU'); not run: installs into the server's Python",
+    'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8000 --weight-transfer-config \'{"backend": "grpo_async"}\' '
+    "--logprobs-mode processed_logprobs": "GPU only ('### GPU')",
 }
 
 
