@@ -1,4 +1,6 @@
-"""Every field of the installed `trl.GRPOConfig` is accepted by ours with TRL's meaning and default."""
+"""Every field of the installed `trl.GRPOConfig` is accepted by ours with TRL's meaning and default. A value other
+than TRL's default is refused (`NotImplementedError`) or honoured, and an honoured one is observed where it acts: in
+what the trainer's components receive (`wiring`), on the model `prepare_models` returns, or on a real trainer."""
 
 import dataclasses
 import warnings
@@ -121,83 +123,100 @@ NON_DEFAULT = {
     "lr_scheduler_kwargs": {"num_cycles": 1},
     "torch_empty_cache_steps": 10,
 }
-#: TRL fields whose non-default value this trainer honours (the rest of NON_DEFAULT must raise NotImplementedError):
-#: a field that is neither honoured nor refused would be silently ignored
-HONOURED = {
-    "vllm_server_host",  # → server_urls
-    "vllm_server_port",  # → server_urls
-    "vllm_importance_sampling_correction",  # aliases of our importance_sampling_* knobs
-    "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min",
-    "vllm_importance_sampling_cap",  # deprecated: sets importance_sampling_clip_max
-    "use_bias_correction_kl",  # the loss family (tests/test_loss_trl_parity.py)
-    "router_aux_loss_coef",
-    "delta",
-    "sapo_temperature_neg",
-    "sapo_temperature_pos",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-    "importance_sampling_level",
-    "top_entropy_quantile",
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "entropy_coef_min",
-    "entropy_coef_max",
-    "entropy_coef_delta",
-    "entropy_target",
-    "off_policy_mask_threshold",
-    "log_multimodal",  # text-only trainer: nothing multimodal to log either way
-    "num_generations_eval",  # completions per eval prompt (tests/test_trl_features.py)
-    "multi_objective_aggregation",  # GDPO advantages (tests/test_trl_features.py)
-    "sync_ref_model",  # TR-DPO reference updates (tests/test_trl_features.py)
-    "ref_model_mixup_alpha",  # used by sync_ref_model, as in TRL
-    "ref_model_sync_steps",
-    "generation_kwargs",  # passed to the sampler (tests/test_trl_dropin.py)
-    "cast_lm_head_to_fp32",  # float32 LM head (tests/test_trl_dropin.py)
-    "log_unique_prompts",  # one console row per prompt (tests/test_trl_dropin.py)
-    "chat_template_kwargs",  # every apply_chat_template call (tests/test_trl_dropin.py)
-    "max_tool_calling_iterations",  # tools= / environment_factory turn bound (tests/test_trl_dropin.py)
-    "repetition_penalty",  # passed to the sampler (tests/test_trl_dropin.py)
-    "learning_rate",
-    "logging_steps",
-    "gradient_checkpointing",
-    "disable_dropout",
-    "remove_unused_columns",
-    "model_init_kwargs",
-    "trust_remote_code",
-    "max_completion_length",
-    "shuffle_dataset",
-    "generation_batch_size",
-    "steps_per_generation",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "use_vllm",
-    "vllm_mode",
-    "vllm_server_base_url",
-    "vllm_server_timeout",
-    "vllm_gpu_memory_utilization",
-    "vllm_max_model_length",
-    "beta",
-    "num_iterations",
-    "epsilon",
-    "epsilon_high",
-    "scale_rewards",
-    "loss_type",
-    "mask_truncated_completions",
-    "reward_weights",
-    "log_completions",
-    "num_completions_to_print",
-    "bf16",
-    "lr_scheduler_kwargs",
-    "torch_empty_cache_steps",
+#: Honoured TRL fields, each with where its effect is observed. `WIRED`: what the trainer's components receive, built
+#: by the trainer's own construction helpers (`wiring` below): field → (key of `wiring(config)`, the value the probe
+#: `NON_DEFAULT[field]`, or the third element when given, puts there; the same config with the field at TRL's default
+#: puts something else there).
+WIRED = {
+    # the sampler's parameters and the round producer (trainer_setup.producer_settings)
+    "temperature": ("producer.sampling.temperature", 0.7),
+    "top_p": ("producer.sampling.top_p", 0.9),
+    "top_k": ("producer.sampling.top_k", 20),
+    "min_p": ("producer.sampling.min_p", 0.05),
+    "repetition_penalty": ("producer.sampling.repetition_penalty", 1.1),
+    "generation_kwargs": ("producer.sampling.extra.suppress_tokens", [5]),
+    "max_completion_length": ("producer.sampling.max_tokens", 64),
+    "chat_template_kwargs": ("producer.chat_template_kwargs.enable_thinking", False),
+    "scale_rewards": ("producer.scale_rewards", "none"),  # TRL's False
+    "multi_objective_aggregation": ("producer.multi_objective_aggregation", "normalize_then_sum"),
+    "num_generations_eval": ("producer.num_generations_eval", 2),  # TRL's None: num_generations (4)
+    "mask_truncated_completions": ("producer.mask_truncated_completions", True),
+    # importance sampling against the sampler (trainer_setup.consumer_settings), TRL's names of our knobs
+    "vllm_importance_sampling_correction": ("consumer.importance_sampling_correction", False),
+    "vllm_importance_sampling_mode": ("consumer.importance_sampling_mode", "token_truncate"),
+    "vllm_importance_sampling_clip_max": ("consumer.importance_sampling_clip_max", 2.0),
+    "vllm_importance_sampling_clip_min": ("consumer.importance_sampling_clip_min", 0.5),
+    "vllm_importance_sampling_cap": ("consumer.importance_sampling_clip_max", 2.0),  # deprecated name of clip_max
+    # the round schedule (trainer_setup.scheduler_settings): 4 rows per micro-step, so 8 rows = 2 micro-steps
+    "generation_batch_size": ("scheduler.steps_per_generation", 2),
+    "steps_per_generation": ("scheduler.steps_per_generation", 2),
+    "num_iterations": ("scheduler.num_iterations", 2),
+    # the loss (PolicyObjective.from_config, as the trainer builds it)
+    "beta": ("loss.beta", 0.04),
+    "epsilon": ("loss.epsilon_low", 0.3),
+    "epsilon_high": ("loss.epsilon_high", 0.28),
+    "loss_type": ("loss.loss_type", "grpo"),
+    "delta": ("loss.delta", 1.5),
+    "sapo_temperature_neg": ("loss.sapo_temperature_neg", 2.0),
+    "sapo_temperature_pos": ("loss.sapo_temperature_pos", 2.0),
+    "vespo_k_pos": ("loss.vespo_k_pos", 1.0),
+    "vespo_lambda_pos": ("loss.vespo_lambda_pos", 1.0),
+    "vespo_k_neg": ("loss.vespo_k_neg", 1.0),
+    "vespo_lambda_neg": ("loss.vespo_lambda_neg", 1.0),
+    "importance_sampling_level": ("loss.importance_sampling_level", "sequence"),
+    "off_policy_mask_threshold": ("loss.off_policy_mask_threshold", 0.5),
+    "use_bias_correction_kl": ("loss.use_bias_correction_kl", False),
+    "top_entropy_quantile": ("entropy.top_entropy_quantile", 0.2),
+    "entropy_coef": ("entropy.coef", 0.01),
+    "use_adaptive_entropy": ("entropy.adaptive", True),
+    "entropy_coef_min": ("entropy.coef_min", 0.1),
+    "entropy_coef_max": ("entropy.coef_max", 0.5),
+    "entropy_coef_delta": ("entropy.delta", 0.01),
+    "entropy_target": ("entropy.target", 1.0),
+    "router_aux_loss_coef": ("aux_loss.coef", 0.01),  # TRL's None: the MoE model config's own (0.001 here)
+    # the reward weights (trainer_setup.reward_weights_tensor), one reward function: probed with [2.0], since the
+    # NON_DEFAULT probe [1.0] is also what TRL's None means for one function
+    "reward_weights": ("rewards.weights", [2.0], [2.0]),
+    # the generation backend and its servers (TRL's switches)
+    "use_vllm": ("backend.name", "vllm_server"),  # with vllm_mode='server'
+    "vllm_mode": ("backend.name", "vllm_server"),  # with use_vllm=True ('colocate': 'vllm')
+    "vllm_server_host": ("backend.urls", ["http://10.0.0.1:8000"]),
+    "vllm_server_port": ("backend.urls", ["http://0.0.0.0:9000"]),
+    "vllm_server_base_url": ("backend.urls", ["http://127.0.0.1:8000"]),
+    # TR-DPO reference updates (the trainer adds RefModelSyncCallback.from_config when sync_ref_model)
+    "sync_ref_model": ("ref_sync.on", True),
+    "ref_model_mixup_alpha": ("ref_sync.alpha", 0.5),
+    "ref_model_sync_steps": ("ref_sync.sync_steps", 10),
+    # tools= (trainer_setup.make_environment): 3 tool calls = 4 assistant turns (TRL's None: max_completion_length)
+    "max_tool_calling_iterations": ("tools.max_turns", 4),
 }
-#: the value a TRL-set field reads back as here, when it is not the value itself (TRL translates these too)
-READ_BACK = {"scale_rewards": "none"}
+#: honoured fields whose effect shows on the model `trainer_setup.prepare_models` returns (`test_model_fields_*`)
+MODEL = ("disable_dropout", "cast_lm_head_to_fp32", "model_init_kwargs")
+#: honoured fields whose effect shows on a real `GRPOTrainer` (`test_trainer_fields_*`)
+TRAINER = ("learning_rate", "lr_scheduler_kwargs", "remove_unused_columns", "shuffle_dataset")
+#: honoured fields whose effect another test observes, on a path that needs an engine, a server or a training run
+ELSEWHERE = {
+    "log_completions": "tests/test_logging.py::test_console_table_names_each_reward_and_the_policy_version",
+    "log_unique_prompts": "tests/test_trl_dropin.py::test_log_unique_prompts_prints_one_completion_per_prompt",
+    "trust_remote_code": "tests/test_security.py::test_model_with_custom_code_is_refused_and_its_code_never_runs",
+    "vllm_server_timeout": "tests/test_vllm_training.py::"
+    "test_killing_the_only_server_mid_training_fails_clearly_within_the_timeout",
+    "vllm_max_model_length": "tests/test_determinism.py::test_vllm_in_process_same_seed_same_run",
+}
+#: honoured fields no test here observes yet, and why (TrainingArguments' own, applied by `transformers.Trainer`, or
+#: an effect the CPU build cannot show)
+NOT_OBSERVED = {
+    "logging_steps": "TrainingArguments: applied by transformers.Trainer during train()",
+    "gradient_checkpointing": "TrainingArguments: applied by transformers.Trainer when train() starts",
+    "bf16": "TrainingArguments: mixed precision set up by transformers.Trainer / accelerate",
+    "torch_empty_cache_steps": "TrainingArguments: empties the CUDA/XPU/MPS cache; nothing to observe on CPU",
+    "vllm_gpu_memory_utilization": "the in-process engine's memory share; observing it needs a vLLM engine",
+    "num_completions_to_print": "rows of the console table; observing it needs a training run's console",
+}
+#: TRL fields accepted at any value because they mean nothing for this text-only trainer: the config's help says
+#: "no effect", and every component receives the same with either value
+NO_EFFECT = ("log_multimodal",)
+HONOURED = set(WIRED) | set(MODEL) | set(TRAINER) | set(ELSEWHERE) | set(NOT_OBSERVED)
 
 
 def _trl_own_fields():
@@ -242,7 +261,9 @@ def test_trl_default_is_accepted(name, tmp_path):
 def test_default_differences_name_real_fields_and_trl_values_still_work(tmp_path):
     for name in DEFAULT_DIFFERENCES:
         assert name in TRL_FIELDS and name in OUR_FIELDS, name
-        assert DEFAULT_DIFFERENCES[name].strip()
+        # the reason opens with both defaults, as they are: "<ours> here (TRL: <TRL's>"
+        ours, theirs = _default(OUR_FIELDS[name]), _default(TRL_FIELDS[name])
+        assert DEFAULT_DIFFERENCES[name].startswith(f"{ours} here (TRL: {theirs}"), (name, ours, theirs)
     c = GRPOConfig(output_dir=str(tmp_path), **BASE, bf16=None, min_p=None, num_completions_to_print=None)
     assert c.bf16 is True and c.min_p == 0.0 and c.num_completions_to_print is None  # TRL's meanings
 
@@ -264,18 +285,123 @@ def test_trl_non_default_works_or_raises_not_implemented(name, tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            c = GRPOConfig(output_dir=str(tmp_path), **BASE, **kw)
+            GRPOConfig(output_dir=str(tmp_path), **BASE, **kw)
     except NotImplementedError as e:
         assert f"GRPOConfig.{name}" in str(e), str(e)
         assert name in UNSUPPORTED_TRL_FIELDS or name == "use_bias_correction_kl", name
         return
     assert name not in UNSUPPORTED_TRL_FIELDS, f"{name} is listed unsupported but {NON_DEFAULT[name]!r} was accepted"
-    assert name in HONOURED, f"{name}={NON_DEFAULT[name]!r} was accepted but nothing honours it: refuse it instead"
-    want = READ_BACK.get(name, NON_DEFAULT[name])
-    if name == "vllm_importance_sampling_cap":
-        assert c.importance_sampling_clip_max == NON_DEFAULT[name]
-        return
-    assert getattr(c, name) == want, (name, getattr(c, name), want)
+    assert name in HONOURED or name in NO_EFFECT, (
+        f"{name}={NON_DEFAULT[name]!r} was accepted but nothing honours it: refuse it instead"
+    )
+
+
+# ---- honoured means: the trainer's components receive it ---------------------------------------------------------
+def _add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first integer
+        b: second integer
+    """
+    return a + b
+
+
+def _moe_config():
+    """A tiny Mixture-of-Experts model config (never instantiated): the MoE load-balancing loss reads it."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_local_experts=4)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def wiring(c) -> dict:
+    """What the trainer's components receive from config `c`, built with the trainer's own construction helpers."""
+    import torch
+
+    from grpo_async.algo.objective import PolicyObjective, ProcessOps
+    from grpo_async.algo.ref_sync import RefModelSyncCallback
+    from grpo_async.trainer_setup import (
+        consumer_settings,
+        make_environment,
+        producer_settings,
+        reward_weights_tensor,
+        scheduler_settings,
+    )
+
+    objective = PolicyObjective.from_config(c, _moe_config(), ProcessOps.single())
+    entropy = objective.entropy
+    ref_sync = RefModelSyncCallback.from_config(c, torch.nn.Linear(1, 1), lambda: None)
+    return _flat(
+        {
+            "producer": dataclasses.asdict(producer_settings(c)),
+            "consumer": dataclasses.asdict(consumer_settings(c)),
+            "scheduler": dataclasses.asdict(scheduler_settings(c)),
+            "loss": dataclasses.asdict(objective.settings),
+            "entropy": {
+                "top_entropy_quantile": objective.top_entropy_quantile,
+                **{k: getattr(entropy, k) for k in ("coef", "adaptive", "coef_min", "coef_max", "delta", "target")},
+            },
+            "aux_loss": {"coef": objective.aux_loss_coef, "router": objective.router},
+            "backend": {"name": c.generation_backend, "urls": c.server_urls},
+            "ref_sync": {"on": c.sync_ref_model, "alpha": ref_sync.alpha, "sync_steps": ref_sync.sync_steps},
+            "tools": {"max_turns": make_environment(None, [_add], args=c).max_turns},
+            "rewards": {"weights": reward_weights_tensor(c.reward_weights, 1).tolist()},
+        }
+    )
+
+
+def _config(tmp_path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return GRPOConfig(output_dir=str(tmp_path), **BASE, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(WIRED))
+def test_honoured_field_reaches_the_trainers_components(name, tmp_path):
+    """The probe value lands where `WIRED` says; the same config with the field at TRL's default does not put it
+    there (so the probe, not the rest of the config, made the difference)."""
+    key, want, *value = WIRED[name]
+    kw = {**_probe_kwargs(name), **({name: value[0]} if value else {})}
+    probe = wiring(_config(tmp_path, **kw))
+    at_default = wiring(_config(tmp_path, **{**kw, name: _default(TRL_FIELDS[name])}))
+    assert key in probe and probe[key] == want, (name, key, probe.get(key))
+    assert at_default.get(key) != want, (name, key, at_default.get(key))
+
+
+def test_no_effect_fields_say_so_and_change_nothing(tmp_path):
+    for name in NO_EFFECT:
+        assert "no effect" in OUR_FIELDS[name].metadata["help"].lower(), name
+        default = _default(TRL_FIELDS[name])
+        assert wiring(_config(tmp_path, **{name: not default})) == wiring(_config(tmp_path, **{name: default}))
+
+
+def test_every_honoured_field_has_one_observation():
+    groups = [set(WIRED), set(MODEL), set(TRAINER), set(ELSEWHERE), set(NOT_OBSERVED)]
+    assert sum(len(g) for g in groups) == len(HONOURED), "a field is listed in two groups"
+    assert not HONOURED & set(NO_EFFECT)
+    assert not HONOURED & set(UNSUPPORTED_TRL_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(ELSEWHERE))
+def test_elsewhere_names_a_test_that_sets_the_field(name):
+    """The named test exists, and the field is set in its file (the test observes the effect, not this one)."""
+    import ast
+    import os
+
+    path, test = ELSEWHERE[name].split("::")
+    src = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)).read()
+    assert test in {n.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef)}, ELSEWHERE[name]
+    assert name in src, (name, path)
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED_TRL_FIELDS)
@@ -300,9 +426,8 @@ def test_bias_corrected_kl_is_trls_default_with_and_without_kl(tmp_path):
 def test_every_trl_loss_type_is_implemented(loss, tmp_path):
     assert loss in LOSS_TYPES
     mode = "token_mask" if loss == "vespo" else "sequence_mask"  # VESPO takes token-level IS ratios (as TRL)
-    assert (
-        GRPOConfig(output_dir=str(tmp_path), **BASE, loss_type=loss, importance_sampling_mode=mode).loss_type == loss
-    )
+    c = GRPOConfig(output_dir=str(tmp_path), **BASE, loss_type=loss, importance_sampling_mode=mode)
+    assert wiring(c)["loss.loss_type"] == loss  # the loss the trainer's objective computes
 
 
 # ---- TRL's names of our knobs ------------------------------------------------------------------------------
@@ -318,10 +443,10 @@ def test_every_trl_loss_type_is_implemented(loss, tmp_path):
 def test_trl_alias_lands_in_our_knob(trl_name, value, other, tmp_path):
     ours = TRL_ALIASES[trl_name]
     c = GRPOConfig(output_dir=str(tmp_path), **BASE, **{trl_name: value})
-    assert getattr(c, ours) == value and getattr(c, trl_name) == value
+    assert wiring(c)[f"consumer.{ours}"] == value  # what the round consumer's importance sampling receives
     # one knob, one field: a copy carries it once, and changing our name changes what TRL's name reads
     assert trl_name not in {f.name for f in dataclasses.fields(c)}
-    assert dataclasses.replace(c) == c
+    assert getattr(dataclasses.replace(c), ours) == value
     assert getattr(dataclasses.replace(c, **{ours: other}), trl_name) == other
     assert getattr(dataclasses.replace(c, **{trl_name: other}), ours) == other  # TRL users copy with TRL's names
     c.__setattr__(trl_name, other)  # TRL's name is settable too
@@ -353,8 +478,8 @@ def test_deprecated_cap_sets_clip_max_with_a_warning(tmp_path):
 @pytest.mark.parametrize("value,ours", [(True, "group"), (False, "none"), ("batch", "batch")])
 def test_scale_rewards_accepts_trl_booleans(value, ours, tmp_path):
     c = GRPOConfig(output_dir=str(tmp_path), **BASE, scale_rewards=value)
-    assert c.scale_rewards == ours
-    assert dataclasses.replace(c) == c
+    assert wiring(c)["producer.scale_rewards"] == ours  # how the round producer normalises the advantages
+    assert dataclasses.replace(c).scale_rewards == ours  # a copy keeps our name of it
 
 
 def test_trl_server_host_and_port_become_the_server_url(tmp_path):
@@ -384,3 +509,90 @@ def test_generation_batch_size_and_steps_per_generation_follow_trl(tmp_path):
             theirs.steps_per_generation,
         )
     )
+
+
+# ---- honoured fields seen on the model and on a real trainer ------------------------------------------------------
+def _prepared(model, tokenizer, config):
+    """The policy as the trainer prepares it (`trainer_setup.prepare_models`, called by `GRPOTrainer.__init__`)."""
+    from grpo_async.trainer_setup import prepare_models
+
+    return prepare_models(model, config, tokenizer, None)[0]
+
+
+def test_model_fields_disable_dropout(tiny_model_path, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+
+    def dropout_ps(disable_dropout: bool) -> set[float]:
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=1, n_positions=64, vocab_size=len(tokenizer)))
+        model = _prepared(gpt2, tokenizer, _config(tmp_path, disable_dropout=disable_dropout))
+        return {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+
+    assert dropout_ps(False) == {0.1}  # TRL's default: GPT-2's dropout (0.1 everywhere) stays
+    assert dropout_ps(True) == {0.0}
+
+
+def test_model_fields_model_init_kwargs_and_cast_lm_head_to_fp32(tiny_model_path, tmp_path):
+    import torch
+
+    def dtypes(**kw) -> tuple[torch.dtype, torch.dtype]:
+        """(a decoder layer's weights, the LM head's weights) of the tiny Llama loaded by name."""
+        model = _prepared(tiny_model_path, None, _config(tmp_path, **kw))
+        return model.model.layers[0].mlp.up_proj.weight.dtype, model.get_output_embeddings().weight.dtype
+
+    bf16 = {"dtype": "bfloat16"}
+    assert dtypes() == (torch.float32, torch.float32)  # TRL's defaults: the float32 checkpoint as saved
+    assert dtypes(model_init_kwargs=bf16) == (torch.bfloat16, torch.bfloat16)  # from_pretrained(dtype=bfloat16)
+    assert dtypes(model_init_kwargs=bf16, cast_lm_head_to_fp32=True) == (torch.bfloat16, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def trl_default_and_probe_trainers(tiny_model_path, tmp_path_factory):
+    """Two real trainers on the tiny model: `TRAINER`'s fields at TRL's defaults, and at probe values."""
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.testing import tiny_config
+
+    at = {
+        "default": {f: _default(TRL_FIELDS[f]) for f in TRAINER},
+        "probe": {
+            "learning_rate": 1e-5,
+            "lr_scheduler_kwargs": {"num_cycles": 2},
+            "remove_unused_columns": True,
+            "shuffle_dataset": False,
+        },
+    }
+    trainers = {}
+    for which, fields in at.items():
+        args = tiny_config(tmp_path_factory.mktemp(which), lr_scheduler_type="cosine_with_restarts", **fields)
+        trainers[which] = GRPOTrainer(
+            model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64)
+        )
+    yield trainers
+    for t in trainers.values():
+        t.close()
+
+
+def test_trainer_fields_learning_rate_and_lr_scheduler_kwargs(trl_default_and_probe_trainers):
+    for which, lr, half_way in (("default", 1e-6, 0.5), ("probe", 1e-5, 1.0)):
+        t = trl_default_and_probe_trainers[which]
+        optimizer = t.create_optimizer()
+        assert optimizer.param_groups[0]["lr"] == lr, which
+        scheduler = t.create_scheduler(num_training_steps=10, optimizer=optimizer)
+        # cosine with hard restarts, no warm-up, step 5 of 10: 0.5 · (1 + cos(π · ((cycles · 0.5) mod 1)))
+        # 1 cycle (TRL's default: no kwargs): 0.5 · (1 + cos(π/2)) = 0.5; 2 cycles: 0.5 · (1 + cos(0)) = 1.0
+        assert scheduler.lr_lambdas[0](5) == pytest.approx(half_way), which
+
+
+def test_trainer_fields_remove_unused_columns_and_shuffle_dataset(trl_default_and_probe_trainers):
+    from grpo_async.demo_task import make_dataset
+
+    prompts = make_dataset(64)["prompt"]
+    first = {w: next(iter(t.get_train_dataloader())) for w, t in trl_default_and_probe_trainers.items()}
+    # the first round: 8 rows × 2 micro-steps = 16 rows = 4 prompts × G 4
+    assert {k for row in first["default"] for k in row} == {"prompt", "letter"}  # TRL's default keeps the columns
+    assert {k for row in first["probe"] for k in row} == {"prompt"}  # the reward's `letter` column is dropped
+    assert [row["prompt"] for row in first["probe"]] == [p for p in prompts[:4] for _ in range(4)]  # in order
+    assert [row["prompt"] for row in first["default"]][::4] != prompts[:4]  # shuffled (seed 0)
