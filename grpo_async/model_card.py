@@ -1,5 +1,6 @@
-"""The model card (`README.md` in `output_dir`) written by `GRPOTrainer.create_model_card`, which
-`Trainer.push_to_hub` calls before uploading the folder.
+"""The model card (`README.md` in `output_dir`) written by `GRPOTrainer.create_model_card`: as TRL 1.16 writes it,
+at every checkpoint (into `output_dir`, before the checkpoint is saved, so a hub push of the checkpoint carries it) and
+by `Trainer.push_to_hub` before uploading the folder; and by `save_model` into the folder it saves to.
 
 It records what a reader needs to reproduce the run: the method (GRPO with asynchronous generation and its
 settings), the base model, the reward functions and their weights, the datasets, every `GRPOConfig` value that
@@ -228,8 +229,18 @@ def peft_config_dict(model) -> dict | None:
     return {k: _plain(sorted(d[k]) if isinstance(d[k], set) else d[k]) for k in keep if k in d}
 
 
-def write_model_card(trainer, model_name=None, dataset_name=None, tags=None, **_ignored) -> str | None:
-    """Writes `README.md` into `trainer.args.output_dir` (main process only); returns its path there."""
+def card_model_name(args) -> str:
+    """The model's name on the card, as TRL names it: the last part of `hub_model_id`, else `output_dir`'s name."""
+    if args.hub_model_id:
+        return args.hub_model_id.split("/")[-1]
+    return os.path.basename(os.path.normpath(args.output_dir))
+
+
+def write_model_card(
+    trainer, model_name=None, dataset_name=None, tags=None, output_dir: str | None = None, **_ignored
+) -> str | None:
+    """Writes `README.md` into `output_dir` (default `trainer.args.output_dir`) on the main process only; returns its
+    path there (`None` on the other processes)."""
     if not trainer.is_world_process_zero():
         return None
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -242,15 +253,18 @@ def write_model_card(trainer, model_name=None, dataset_name=None, tags=None, **_
         args=trainer.args,
         base_model=str(base) if base else None,
         reward_funcs=list(zip(trainer.reward_func_names, weights, strict=True)),
-        model_name=model_name,
+        model_name=model_name or card_model_name(trainer.args),
         dataset_name=dataset_name,
         hub_model_id=trainer.args.hub_model_id,
         tags=[tags] if isinstance(tags, str) else tags,
         peft_config=peft_cfg,
         global_step=trainer.state.global_step,
     )
-    os.makedirs(trainer.args.output_dir, exist_ok=True)
-    path = os.path.join(trainer.args.output_dir, "README.md")
-    with open(path, "w", encoding="utf-8") as f:
+    output_dir = output_dir or trainer.args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "README.md")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(card)
+    os.replace(tmp, path)  # a reader (a hub upload of the folder) never sees half a card
     return path

@@ -91,3 +91,47 @@ def get_peft_config(model_args: ModelConfig):
         use_dora=model_args.use_dora,
         bias="none",
     )
+
+
+# ---- checks of the model's own config against the training settings (at trainer construction) ----------------------
+#: config attributes whose positive value marks a Mixture-of-Experts model (an expert no token was routed to gets no
+#: gradient in that step)
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _text_config(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def check_context_length(args, model_config) -> None:
+    """Refuse a `max_completion_length` that leaves no room for a prompt in the model's context: such completions
+    could not be generated or scored. (The prompt + completion budget, `grpo_async.loading.check_lengths`, is what
+    the recipes check; a trainer cannot, since `max_prompt_length` defaults to 512, a truncation bound, not a length.)
+
+    Raises:
+        `ValueError`: naming `GRPOConfig.max_completion_length`, its value and the model's context length.
+    """
+    from .loading import model_max_positions
+
+    limit = model_max_positions(model_config)
+    if limit is None or args.max_completion_length is None or args.max_completion_length < limit:
+        return
+    raise ValueError(
+        f"GRPOConfig.max_completion_length={args.max_completion_length} does not fit the model's context "
+        f"(max_position_embeddings={limit}) with even a one-token prompt: completions that long cannot be generated "
+        f"or scored. Set max_completion_length below {limit}, leaving room for the prompt."
+    )
+
+
+def needs_find_unused_parameters(model, args) -> bool:
+    """Whether DDP must look for parameters without gradients (`find_unused_parameters=True`), which costs a graph
+    traversal per step and makes DDP warn at every run when none are found. Needed only when a forward pass can leave
+    trainable parameters unused: a vision-language model trained on text (its vision tower; TRL's rule, off with
+    reentrant gradient checkpointing, which fails with it) or a Mixture-of-Experts model (experts no token was routed
+    to). transformers would turn it on for every model trained without gradient checkpointing.
+    """
+    config = model.config
+    if getattr(config, "vision_config", None) is not None:
+        return not (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+    text = _text_config(config)
+    return any(isinstance(getattr(text, n, None), int) and getattr(text, n) > 1 for n in EXPERT_COUNT_FIELDS)

@@ -43,9 +43,10 @@ from .generation.ref_client import RefLogpsClient
 from .generation.shared import SharedBackend
 from .logging_utils import MetricsJsonlCallback, log_completions
 from .model_card import write_model_card
+from .model_config import check_context_length, needs_find_unused_parameters
 from .pipeline import checkpointing as ckpt
 from .pipeline.consumer import RoundConsumer
-from .pipeline.metrics import loss_metrics, window_summary
+from .pipeline.metrics import ROUND_TOKENS, loss_metrics, window_summary
 from .pipeline.producer import RoundProducer
 from .pipeline.publisher import PolicyPublisher, lora_sync_mode
 from .pipeline.scheduler import Collectives, RoundScheduler
@@ -128,6 +129,9 @@ class GRPOTrainer(Trainer):
             model, args, processing_class, peft_config, quantization_config
         )
         self.is_peft = peft_config is not None
+        check_context_length(args, model.config)
+        if args.ddp_find_unused_parameters is None:  # transformers: True without gradient checkpointing (warns)
+            args.ddp_find_unused_parameters = needs_find_unused_parameters(model, args)
         train_dataset = check_datasets(train_dataset, eval_dataset, args, environment_factory)
         self.environment = trainer_environment(
             environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
@@ -167,6 +171,7 @@ class GRPOTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step = 0  # training_step calls
         self._train_step_time = 0.0
+        self._step_time = 0.0  # TRL's step_time: the training_step calls of an optimizer step, waits included
         main = self.accelerator.is_main_process
         self.sampler = SharedBackend(self._make_backend) if main else None
         self.publisher = PolicyPublisher(
@@ -213,7 +218,7 @@ class GRPOTrainer(Trainer):
             self.producer,
             self.consumer,
             publish=self._publish,
-            log=lambda k, v: self._metrics["train"][k].append(v),
+            log=self._log_round_metric,
         )
 
     # the reward functions belong to the round producer; TRL's attributes read and replace them there
@@ -325,14 +330,25 @@ class GRPOTrainer(Trainer):
                 raise peer_failure_error(e, self.accelerator, self._step, self.state.global_step, self.args) from e
             raise
         self._step += 1
+        self._step_time += time.perf_counter() - start
         self._train_step_time += time.perf_counter() - start - self.rounds.take_wait()  # compute only, no waits
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["timing/train_step"].append(self._train_step_time)
-            self._train_step_time = 0.0
+            self._metrics["train"]["step_time"].append(self._step_time)
+            self._train_step_time = self._step_time = 0.0
             self.rounds.end_step()  # logs async/overlap, async/trainer_wait, async/generator_idle of this step
         return loss
 
     # ---- metrics -------------------------------------------------------------------------------------------------
+    def _log_round_metric(self, key: str, value: float) -> None:
+        """A metric of the round being trained; its token count goes to `state.num_input_tokens_seen`, logged as
+        TRL's `num_tokens` (the running total, counted when a round is first trained, as TRL counts at generation)."""
+        if key == ROUND_TOKENS:
+            self.state.num_input_tokens_seen += int(value)
+            self._metrics["train"]["num_tokens"] = [float(self.state.num_input_tokens_seen)]
+        else:
+            self._metrics["train"][key].append(value)
+
     def _log_loss(self, out, inputs: MicroBatch) -> None:
         reduce = lambda t: self.accelerator.reduce(t, reduction="sum")  # noqa: E731
         metrics = loss_metrics(out, inputs, self.state.global_step, reduce=reduce, gather=self.accelerator.gather)
@@ -358,8 +374,15 @@ class GRPOTrainer(Trainer):
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs) -> None:
         """Writes `README.md` into `output_dir` (main process): method, base model, reward functions and weights,
-        datasets, non-default config, framework versions; `push_to_hub` calls it before uploading."""
+        datasets, non-default config, framework versions; `push_to_hub` calls it before uploading, and (as TRL)
+        every checkpoint save before saving."""
         write_model_card(self, model_name=model_name, dataset_name=dataset_name or kwargs.get("dataset"), tags=tags)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, plus the model card (`README.md`) in the saved folder when called by the user."""
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:  # a checkpoint's own save: the card goes to output_dir (`_save_checkpoint`)
+            write_model_card(self, output_dir=output_dir)
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -381,6 +404,7 @@ class GRPOTrainer(Trainer):
             metrics = self.producer.evaluate(dataset, eval_chunk_prompts(self.args))
             metrics["runtime"] = time.perf_counter() - start
         metrics = broadcast_object_list([metrics], from_process=0)[0]
+        metrics["num_tokens"] = float(self.state.num_input_tokens_seen)  # TRL's eval_num_tokens
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         metrics["epoch"] = self.state.epoch
         Trainer.log(self, metrics)
@@ -424,7 +448,9 @@ class GRPOTrainer(Trainer):
         return os.path.join(run_dir, ckpt.SAVING_DIR) if self._saving_into_staging else run_dir
 
     def _save_checkpoint(self, model, trial):
-        """Atomic (`pipeline/checkpointing.py`): written into a staging folder, renamed into place when complete."""
+        """Atomic (`pipeline/checkpointing.py`): written into a staging folder, renamed into place when complete.
+        As TRL, the model card in `output_dir` is refreshed first (a hub push of the checkpoint uploads it)."""
+        self.create_model_card()
         try:
             ckpt.atomic_save(
                 lambda: Trainer._save_checkpoint(self, model, trial),

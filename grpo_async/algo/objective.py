@@ -128,7 +128,8 @@ class EntropyController:
         """Restore the adaptive state (as TRL, only in adaptive mode: a static coef is the config's)."""
         if self.adaptive and state:
             self.coef = float(state["entropy_coef"])
-            self.last_world_entropy = float(state["last_world_entropy"])
+            last = state["last_world_entropy"]  # null in a strict-JSON checkpoint: no measurement yet
+            self.last_world_entropy = math.inf if last is None else float(last)
 
 
 def router_aux_settings(model_config, coef: float | None) -> tuple[float, tuple[int, int] | None]:

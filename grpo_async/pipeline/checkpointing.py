@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 
@@ -30,10 +31,27 @@ PIPELINE_STATE_FILE = "grpo_async_state.json"
 SAVING_DIR = "_grpo_async_saving"  # "_*" is left out of the Trainer's hub uploads of output_dir
 
 
+def strict_json(value):
+    """A copy of `value` that strict JSON can hold: non-finite floats (`inf`, `nan`, which Python's `json` writes as
+    the non-JSON `Infinity` / `NaN`) become `null`; `None` reads back as "no value" (e.g. no entropy measured yet).
+
+    >>> strict_json({"last_world_entropy": float("inf"), "rounds": [1, float("nan")], "coef": 0.5})
+    {'last_world_entropy': None, 'rounds': [1, None], 'coef': 0.5}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def write_pipeline_state(folder: str, state: dict) -> None:
+    """Write `state` as strict JSON (RFC 8259: no `Infinity` / `NaN`, see `strict_json`), atomically."""
     tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(state, f, indent=1)
+        json.dump(strict_json(state), f, indent=1, allow_nan=False)
     os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
 
 
@@ -72,7 +90,7 @@ def read_pipeline_state(checkpoint: str, geometry: dict) -> dict:
             "pipeline position (rounds, micro-steps) cannot be restored"
         )
     with open(path) as f:
-        saved = json.load(f)
+        saved = json.load(f)  # files written before strict JSON may hold `Infinity`: Python's json reads it
     diff = {k: (v, geometry.get(k)) for k, v in saved["geometry"].items() if geometry.get(k) != v}
     if diff:
         changed = ", ".join(f"{k}: {a} → {b}" for k, (a, b) in diff.items())

@@ -2,6 +2,30 @@
 
 from __future__ import annotations
 
+#: a round's metric that is not logged as it is: the prompt + completion tokens of the round (every rank's rows);
+#: the trainer adds it to `state.num_input_tokens_seen` and logs that running total as TRL's `num_tokens`
+ROUND_TOKENS = "round_tokens"
+
+
+def terminated_length_metrics(lengths: list[float], truncated: list[bool]) -> dict[str, float]:
+    """TRL 1.16's `completions/{mean,min,max}_terminated_length`: the lengths of the completions that ended on their
+    own (not cut by a token limit); all three are 0 when every completion was cut (as TRL).
+
+    >>> terminated_length_metrics([3.0, 8.0, 5.0], [False, True, False])
+    {'completions/mean_terminated_length': 4.0, 'completions/min_terminated_length': 3.0, \
+'completions/max_terminated_length': 5.0}
+    >>> terminated_length_metrics([8.0], [True])["completions/max_terminated_length"]
+    0.0
+    """
+    if len(lengths) != len(truncated):
+        raise ValueError(f"terminated_length_metrics: {len(lengths)} lengths but {len(truncated)} truncated flags")
+    ended = [float(n) for n, cut in zip(lengths, truncated, strict=True) if not cut] or [0.0]
+    return {
+        "completions/mean_terminated_length": sum(ended) / len(ended),
+        "completions/min_terminated_length": min(ended),
+        "completions/max_terminated_length": max(ended),
+    }
+
 
 def window_summary(window: dict[str, list[float]]) -> dict[str, float]:
     """One value per metric over a logging window: the extreme for `*_max`/`*/max` (and `async/pending`) and

@@ -29,6 +29,7 @@ from ..generation.shared import SharedBackend
 from ..rewards import RewardLogs, score_completions
 from .aggregation import chunk_slices
 from .distribute import pad
+from .metrics import ROUND_TOKENS, terminated_length_metrics
 from .types import MicroBatch, Round, RoundRequest
 
 
@@ -256,6 +257,7 @@ class RoundProducer:
                 "timing/rollout": t_gen,
                 "chunks/rollout": float(rollout_calls),
                 "timing/rewards": t_reward,
+                ROUND_TOKENS: float(batch.prompt_mask.sum() + completion_mask.sum()),  # TRL's num_tokens
                 **logs.metric_means(),
             }
         )
@@ -281,6 +283,7 @@ class RoundProducer:
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": sum(clipped) / R,
+            **terminated_length_metrics(lengths.tolist(), clipped),  # TRL's completions/*_terminated_length
             "reward": torch.nanmean(rewards).item(),
             "reward_std": nanstd(rewards).item(),
             "frac_reward_zero_std": group_std_is_zero(rewards, G).float().mean().item(),
