@@ -201,7 +201,6 @@ ELSEWHERE = {
     "trust_remote_code": "tests/test_security.py::test_model_with_custom_code_is_refused_and_its_code_never_runs",
     "vllm_server_timeout": "tests/test_vllm_training.py::"
     "test_killing_the_only_server_mid_training_fails_clearly_within_the_timeout",
-    "vllm_max_model_length": "tests/test_determinism.py::test_vllm_in_process_same_seed_same_run",
 }
 #: honoured fields no test here observes yet, and why (TrainingArguments' own, applied by `transformers.Trainer`, or
 #: an effect the CPU build cannot show)
@@ -211,6 +210,8 @@ NOT_OBSERVED = {
     "bf16": "TrainingArguments: mixed precision set up by transformers.Trainer / accelerate",
     "torch_empty_cache_steps": "TrainingArguments: empties the CUDA/XPU/MPS cache; nothing to observe on CPU",
     "vllm_gpu_memory_utilization": "the in-process engine's memory share; observing it needs a vLLM engine",
+    "vllm_max_model_length": "the in-process engine's max_model_len; observing it needs a vLLM engine (tests/"
+    "test_determinism.py runs one with it set, but does not check it)",
     "num_completions_to_print": "rows of the console table; observing it needs a training run's console",
 }
 #: TRL fields accepted at any value because they mean nothing for this text-only trainer: the config's help says
