@@ -282,6 +282,11 @@ def _details_overlap(d: dict) -> str:
         + (": " + ", ".join(f"{k} {v:+.3f}" for k, v in d["sync_loss"].items()) if d.get("sync_loss") else "")
         + ".",
     ]
+    if d.get("spread"):
+        lines += ["", "Spread over the repeats (each repeat summarized on its own):", "", "| | min | median | max |"]
+        lines.append("|---|---|---|---|")
+        for key, v in d["spread"].items():
+            lines.append(f"| `{key}` | {_f(v['min'])} | {_f(v['median'])} | {_f(v['max'])} |")
     return "\n".join(lines) + "\n"
 
 

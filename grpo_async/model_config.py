@@ -6,7 +6,7 @@ Our own small dataclass so that recipes do not depend on `trl`; it parses with `
 parser = HfArgumentParser((ModelConfig,))
 parser.add_argument("--max_steps", type=int, default=200)  # the recipe's own flags
 model_args, recipe_args = parser.parse_args_into_dataclasses()
-trainer = GRPOTrainer(model=..., peft_config=get_peft_config(model_args), ...)
+trainer = GRPOTrainer(model_args.model_name_or_path, rewards, args=args, peft_config=get_peft_config(model_args))
 ```
 """
 

@@ -141,9 +141,14 @@ class LogpsScorer:
     model's `disable_adapter`, which makes the policy its own reference).
 
     Example:
-        >>> ref = LogpsScorer(lambda: ref_model, temperature=0.7, padding_free=True, device="cpu")   # doctest: +SKIP
-        >>> ref(ids, mask, T).shape
-        torch.Size([b, T])
+        >>> import tempfile, torch
+        >>> from transformers import AutoModelForCausalLM
+        >>> from grpo_async.testing import build_tiny_model
+        >>> model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tempfile.mkdtemp() + "/tiny"))
+        >>> scorer = LogpsScorer(lambda: model, temperature=0.7, padding_free=False, device="cpu")
+        >>> ids, mask = torch.randint(3, 20, (2, 6)), torch.ones(2, 6, dtype=torch.long)  # b = 2 rows, P + T = 6
+        >>> scorer(ids, mask, 4).shape  # T = 4 completion tokens
+        torch.Size([2, 4])
     """
 
     def __init__(self, model, *, temperature: float, padding_free: bool, device, context=None):

@@ -6,7 +6,7 @@ weights change under it.
 
 Example:
     >>> shared = SharedBackend(lambda: HFBackend(model, tokenizer))   # doctest: +SKIP
-    >>> with shared.lock:
+    >>> with shared.lock:  # doctest: +SKIP
     ...     completions = shared.get().generate(prompt_ids, sampling)
 """
 

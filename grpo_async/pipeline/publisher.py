@@ -25,7 +25,7 @@ wait, and the server freezes its running requests around the load instead.
 
 Example:
     >>> publisher = PolicyPublisher(shared_backend, wait_idle=queue.wait_until_idle)   # doctest: +SKIP
-    >>> publisher.publish(model, version=trainer.state.global_step)   # every rank calls; seconds spent
+    >>> publisher.publish(model, version=trainer.state.global_step)  # doctest: +SKIP
     0.12
 """
 

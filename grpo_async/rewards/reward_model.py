@@ -9,7 +9,7 @@ without added special tokens; the reward is `logits[:, 0]`. The model reads the 
 
 Example:
     >>> rm = RewardModel.load("./my-reward-model")   # doctest: +SKIP
-    >>> rm(prompts=["2+2="], completions=["4"])
+    >>> rm(prompts=["2+2="], completions=["4"])  # doctest: +SKIP
     [1.73]
 """
 
