@@ -219,6 +219,7 @@ class GRPOTrainer(Trainer):
             self.consumer,
             publish=self._publish,
             log=self._log_round_metric,
+            steps_left=lambda: self.state.max_steps - self.state.global_step,  # no round generated past max_steps
         )
 
     # the reward functions belong to the round producer; TRL's attributes read and replace them there
@@ -291,8 +292,9 @@ class GRPOTrainer(Trainer):
         return self.sampler.built if self.sampler is not None else None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the job-queue thread and shut the backend down (`train()` can run again); a thread still stuck after
-        `timeout` seconds (e.g. pushing to a dead server) is a daemon: the backend is left to the process exit."""
+        """Stop the job-queue thread (a round in progress is aborted) and shut the backend down (`train()` can run
+        again); safe to call again. A thread still stuck after `timeout` seconds (in a reward, say) is joined again
+        at interpreter exit; the backend it uses is left open until then."""
         generator_busy = self.rounds.stop(timeout)
         if self.sampler is not None:
             if generator_busy:
@@ -300,6 +302,15 @@ class GRPOTrainer(Trainer):
                 self.sampler.forget()
             self.sampler.close()
         self.publisher.reset()
+
+    def end(self) -> None:
+        """Transformers' `Trainer.end` (finish the trackers, destroy the process group), after `close()`: the engine
+        (an in-process vLLM holds process groups of its own) shuts down while the process group still exists.
+        Safe with every backend, and before or after another `close()`."""
+        self.close()
+        end = getattr(super(), "end", None)  # transformers >= 5.18
+        if end is not None:
+            end()
 
     # ---- loss and step -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):

@@ -450,6 +450,7 @@ def scheduler_settings(a: GRPOConfig):
         reuse_order=a.reuse_order,
         max_queue_size=a.async_max_queue_size,
         generation_timeout=a.async_generation_timeout,
+        gradient_accumulation_steps=a.gradient_accumulation_steps,  # the horizon: rounds past max_steps never made
     )
 
 

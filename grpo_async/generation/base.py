@@ -25,6 +25,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+class GenerationAborted(RuntimeError):
+    """A `generate` call ended early because `abort()` was called (shutdown); its completions are discarded."""
+
+
 @dataclass
 class SamplingConfig:
     """Sampling parameters that mean the same on every backend.
@@ -103,6 +107,10 @@ class GenerationBackend(Protocol):
     # PEFT-named lora_A / lora_B tensors, the adapter's config as a dict) as policy `version` on top of the base
     # weights the engine loaded, which never move; the policy publisher calls it instead of `load_weights` when
     # `GRPOConfig.vllm_lora_sync` resolves to "adapter" (`grpo_async.weight_sync.lora`).
+
+    # Optional (every built-in backend): `abort()` is called from another thread at shutdown while `generate` may be
+    # running; that call (and every later one) then raises `GenerationAborted` as soon as the backend can stop (vLLM
+    # aborts its requests, hf stops at the next token, servers stop waiting for their answers), until `resume()`.
 
     def close(self) -> None: ...
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from ..weight_sync.buckets import group_by_module
-from .base import Completion, SamplingConfig, check_completions
+from .base import Completion, GenerationAborted, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,16 @@ class SeededSampling:
         return out.scatter_(1, tokens, 0.0)
 
 
+class AbortCriteria:
+    """A `StoppingCriteria` that ends every row of the `generate` call once `event` is set (`HFBackend.abort`)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 class HFBackend:
     """Generate with `model.generate` on a frozen copy of `model`.
 
@@ -99,6 +109,7 @@ class HFBackend:
         self.batch_size = batch_size
         self.version = 0
         self._lock = threading.Lock()
+        self._aborted = threading.Event()
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -125,8 +136,22 @@ class HFBackend:
             out: list[Completion] = []
             step = self.batch_size or len(prompt_ids)
             for start in range(0, len(prompt_ids), step):  # seeded: the chunk's first prompt is prompt `start`
+                self._check_aborted()
                 out.extend(self._generate_chunk(prompt_ids[start : start + step], sampling.for_prompt(start)))
+                self._check_aborted()  # the chunk stopped early: its completions are cut, never returned
             return check_completions(out, len(prompt_ids), sampling.n, "HFBackend")
+
+    def abort(self) -> None:
+        """End the `generate` call in progress at its next token (another thread may call it); `generate` raises
+        `GenerationAborted` until `resume()`."""
+        self._aborted.set()
+
+    def resume(self) -> None:
+        self._aborted.clear()
+
+    def _check_aborted(self) -> None:
+        if self._aborted.is_set():
+            raise GenerationAborted("HFBackend: generation aborted (shutting down)")
 
     def _generate_chunk(self, prompt_ids: list[list[int]], s: SamplingConfig) -> list[Completion]:
         pad = self.tokenizer.pad_token_id
@@ -172,6 +197,11 @@ class HFBackend:
             kwargs["num_return_sequences"] = 1
             input_ids, attention_mask = input_ids.repeat_interleave(s.n, 0), attention_mask.repeat_interleave(s.n, 0)
         kwargs.update(extra)
+        from transformers import StoppingCriteriaList
+
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [*kwargs.get("stopping_criteria", []), AbortCriteria(self._aborted)]
+        )
         gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
         seqs = gen.sequences[:, P:].cpu()  # [b*n, T]
         if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
@@ -194,4 +224,7 @@ class HFBackend:
         return completions
 
     def close(self) -> None:
-        self.model = None
+        """Drop the generation copy (idempotent); a `generate` call in progress is aborted."""
+        self._aborted.set()
+        with self._lock:
+            self.model = None

@@ -50,6 +50,19 @@ class SharedBackend:
         """The policy version the backend holds (None before it is built or received weights)."""
         return getattr(self._backend, "version", None)
 
+    def abort(self) -> None:
+        """Interrupt the `generate` call in progress, if the backend can (`GenerationBackend.abort`); called from
+        another thread, without the lock (the generating thread holds it)."""
+        backend = self._backend
+        if backend is not None and hasattr(backend, "abort"):
+            backend.abort()
+
+    def resume(self) -> None:
+        """Undo `abort`: the backend generates again."""
+        backend = self._backend
+        if backend is not None and hasattr(backend, "resume"):
+            backend.resume()
+
     def close(self) -> None:
         backend, self._backend = self._backend, None
         if backend is not None:

@@ -11,19 +11,37 @@ get_batch(0)  ◀─────────────────────
 Guarantees: a request is never dropped (a full queue makes `submit_batch` wait, then raise); every wait is
 bounded; an exception in `generate_fn` reaches the caller of `get_batch` as
 `RuntimeError("Async generation failed: ...")` chained from the original; a dead thread is reported, not waited on.
+
+Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
+within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
+exit (`atexit`), so the process never exits under a running torch thread (which aborts it: `terminate called
+without an active exception`, exit code 134).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+#: generators whose thread may still run: joined at interpreter exit (`_join_at_exit`)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _join_at_exit() -> None:
+    """Interrupt and join every generator thread still alive (bounded by each one's `generation_timeout`): the
+    interpreter must not finalize under a thread running torch code."""
+    for generator in list(_LIVE):
+        if generator.is_running():
+            generator.stop(generator.generation_timeout)
 
 
 @dataclass
@@ -62,6 +80,8 @@ class AsyncBatchGenerator:
             fetched at once. `submit_batch` waits for room, up to `generation_timeout`, then raises.
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
         name (`str`, *optional*): thread name, also the prefix of its log lines.
+        interrupt (`Callable[[], None]`, *optional*): called by `stop` (from the stopping thread) while a request
+            is running, to make `generate_fn` return early (raising); e.g. `RoundProducer.abort`.
     """
 
     def __init__(
@@ -70,6 +90,7 @@ class AsyncBatchGenerator:
         max_queue_size: int = 4,
         generation_timeout: float = 600.0,
         name: str = "grpo-async-generator",
+        interrupt: Callable[[], None] | None = None,
     ):
         if not callable(generate_fn):
             raise TypeError(f"AsyncBatchGenerator: generate_fn must be callable, got {type(generate_fn).__name__}")
@@ -84,6 +105,8 @@ class AsyncBatchGenerator:
         self.max_queue_size = max_queue_size
         self.generation_timeout = float(generation_timeout)
         self.name = name
+        self.interrupt = interrupt
+        self.started: list[int] = []  # batch ids whose generation started, in order (what the backend generated)
         self._requests: queue.Queue[BatchRequest] = queue.Queue()
         self._cond = threading.Condition()
         self._submitted: set[int] = set()
@@ -103,19 +126,37 @@ class AsyncBatchGenerator:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+        # (re-)registered last, so it runs first at exit: before the handlers of engines built since (vLLM's)
+        atexit.unregister(_join_at_exit)
+        atexit.register(_join_at_exit)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ask the thread to finish its current request and exit; join at most `timeout` seconds."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the thread: queued requests are dropped, the one in progress is interrupted (`interrupt`); join at
+        most `timeout` seconds. Returns whether the thread has exited (if not, it is joined again at exit)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning(
-                    "[%s] still running after %.1fs; it is a daemon and will not block exit", self.name, timeout
-                )
+            busy = self._busy_since is not None
+        if busy and self.interrupt is not None:
+            try:
+                self.interrupt()
+            except Exception as e:  # noqa: BLE001 - the join below still bounds the wait
+                logger.warning("[%s] interrupting the running request failed: %r", self.name, e)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning(
+                "[%s] still running after %.1fs (interrupted: %s); it is joined again at exit",
+                self.name,
+                timeout,
+                self.interrupt is not None,
+            )
+            return False
+        _LIVE.discard(self)
+        return True
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -236,12 +277,18 @@ class AsyncBatchGenerator:
                 except queue.Empty:
                     continue
                 with self._cond:
+                    if self._stop.is_set():  # stopped while it was queued: never started
+                        break
                     start = self._busy_since = time.perf_counter()
+                    self.started.append(request.batch_id)
                 try:
                     processed = self.generate_fn(request)
                     result = BatchResult(request.batch_id, processed, None, time.perf_counter() - start)
                 except Exception as e:  # returned to the trainer by get_batch
-                    logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
+                    if self._stop.is_set():
+                        logger.info("[%s] batch %d interrupted at shutdown: %r", self.name, request.batch_id, e)
+                    else:
+                        logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
                     result = BatchResult(request.batch_id, {}, e, time.perf_counter() - start)
                 with self._cond:
                     self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile

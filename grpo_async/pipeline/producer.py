@@ -15,6 +15,7 @@ Round(round_id=3, policy_version=v, batch=MicroBatch(prompt_ids [2, 3], completi
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 
 from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
 from ..envs.rollout import template_ids
-from ..generation.base import Completion, SamplingConfig, derive_seed
+from ..generation.base import Completion, GenerationAborted, SamplingConfig, derive_seed
 from ..generation.shared import SharedBackend
 from ..rewards import RewardLogs, score_completions
 from .aggregation import chunk_slices
@@ -97,6 +98,25 @@ class RoundProducer:
         self.environment = environment
         self.extra_columns = extra_columns or dict
         self.rollout_func = rollout_func
+        self.rounds_produced = 0  # rounds generated and scored (what the backend generated for training)
+        self._aborted = threading.Event()
+
+    # ---- shutdown -----------------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Interrupt the round in progress (called from another thread at shutdown): the backend aborts its
+        generation (`GenerationBackend.abort`), and a round whose generation already finished is not scored: the
+        call raises `GenerationAborted` instead. Until `resume()`."""
+        self._aborted.set()
+        self.backend.abort()
+
+    def resume(self) -> None:
+        """Undo `abort` (the generator thread has exited): rounds and evaluation generate again."""
+        self._aborted.clear()
+        self.backend.resume()
+
+    def _check_aborted(self, round_id: int) -> None:
+        if self._aborted.is_set():
+            raise GenerationAborted(f"round {round_id} aborted: the generator is shutting down")
 
     # ---- pieces -------------------------------------------------------------------------------------------
     def tokenize_prompts(self, prompts: list, template_kwargs: dict | None = None) -> tuple[list[list[int]], int]:
@@ -214,9 +234,11 @@ class RoundProducer:
                 raise RuntimeError(f"round {request.round_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
         prompts = [r["prompt"] for r in rows[::G]]
         prompt_ids, truncated = self.tokenize_prompts(prompts)
+        self._check_aborted(request.round_id)
         t0 = time.perf_counter()
         completions, version, rollout_calls = self.generate(prompts, rows, prompt_ids, request.round_id, G)
         t_gen = time.perf_counter() - t0
+        self._check_aborted(request.round_id)  # shutting down: the rewards (maybe slow) are not computed
         t0 = time.perf_counter()
         logs = RewardLogs()
         rewards_per_func = self.score(rows, completions, logs)  # [R, F]
@@ -271,6 +293,7 @@ class RoundProducer:
             "round": request.round_id,
             "extra": logs.extra,  # log_extra columns
         }
+        self.rounds_produced += 1
         return Round(request.round_id, version, batch, metrics, samples)
 
     def _metrics(self, completions, rewards, rewards_per_func, completion_mask, G) -> dict[str, float]:

@@ -1,0 +1,169 @@
+"""A run that finished exits 0, always (issue 21, items 1 and 2).
+
+Each test runs real training (the tiny model, this file as the script: `python test_clean_exit.py MODE SPEC`) in a
+subprocess and asserts the exit code is 0, stderr holds no `Aborted` / `terminate called` / traceback, and the
+pipeline generated exactly the rounds the trainer trained (`RoundProducer.rounds_produced`, and the reward's own
+call count): no round past `max_steps` is generated and thrown away.
+
+The slow part is a reward that runs torch work for `slow_seconds` on the rounds chosen by `slow_from` (1-based
+reward call number): rounds past the last step (the case of the issue: the interpreter exited under a torch thread
+still scoring a round nobody would train) or the last trained round itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BAD_SIGNS = ("Aborted", "terminate called", "Traceback", "still running after")
+
+
+def _run(mode: str, model: str, out, timeout: float = 240, **spec) -> tuple[dict, str]:
+    """Run this file as a training script; returns the `RESULT {...}` line it printed and its stderr."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
+        env.setdefault(k, v)
+    spec = {"model": str(model), "output_dir": str(out), **spec}
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), mode, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    tail = f"\n--- stdout ---\n{p.stdout[-3000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, f"exit code {p.returncode}{tail}"
+    for sign in BAD_SIGNS:
+        assert sign not in p.stderr, f"{sign!r} in stderr{tail}"
+    results = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, f"no RESULT line{tail}"
+    return json.loads(results[-1][len("RESULT ") :]), p.stderr
+
+
+def test_lora_generation_bound_run_exits_0_and_generates_no_round_past_max_steps(tiny_model_path, tmp_path):
+    """Issue 21.1: LoRA, hf backend, one round ahead, rounds after the last step slow (20 s of torch work, twice
+    the stop timeout): before the fix round 3 was generated and the process died with `Aborted` (134)."""
+    start = time.perf_counter()
+    result, _ = _run("train", tiny_model_path, tmp_path / "a", lora=True, max_steps=2, slow_from=3, slow_seconds=20)
+    assert result["global_step"] == 2
+    assert result["reward_calls"] == 2, result  # one round per optimizer step here: rounds 0 and 1, nothing ahead
+    assert result["rounds_produced"] == 2, result
+    assert result["threads"] == [], result  # no generator thread left behind
+    assert time.perf_counter() - start < 200  # never waited out a slow round (generous: the machine is shared)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        {"num_batches_ahead": 2},  # k = 2: two rounds would run past the end
+        {"num_batches_ahead": 1, "num_iterations": 2, "max_steps": 4},  # μ = 2: a round is 2 optimizer steps
+        {"num_batches_ahead": 1, "steps_per_generation": 4, "max_steps": 3},  # round of 2 steps, the last one half
+    ],
+    ids=["ahead2", "mu2", "half_round"],
+)
+def test_slow_last_round_exits_0_and_nothing_past_it(tiny_model_path, tmp_path, geometry):
+    """Issue 21.1: the last trained round is slow (3 s), every round after it would be slower (20 s); the run
+    waits for the last one, generates nothing after it and exits 0."""
+    kw = {"max_steps": 2, **geometry}
+    spg = kw.get("steps_per_generation", 2)  # GA is 2 in tiny_config; steps_per_generation defaults to it
+    steps_per_round = spg * kw.get("num_iterations", 1) / 2
+    rounds = -(-kw["max_steps"] // steps_per_round)  # rounds the trainer trains (the last one maybe in part)
+    rounds = int(rounds)
+    result, _ = _run("train", tiny_model_path, tmp_path / "b", slow_last=rounds, slow_seconds=3, **kw)
+    assert result["global_step"] == kw["max_steps"]
+    assert result["reward_calls"] == rounds, result
+    assert result["rounds_produced"] == rounds, result
+
+
+@pytest.mark.vllm
+def test_end_with_in_process_vllm_lora_and_a_second_close(tiny_model_path, tmp_path):
+    """Issue 21.2: `trainer.end()` (TRL's script calls it on transformers >= 5.18) after training on the in-process
+    vLLM engine, then `close()` again: no `Invalid process group specified` traceback, exit 0."""
+    result, _ = _run(
+        "end", tiny_model_path, tmp_path / "c", backend="vllm", lora=True, max_steps=2, slow_from=3, slow_seconds=20
+    )
+    assert result["global_step"] == 2
+    assert result["rounds_produced"] == 2, result
+    assert result["backend_after_end"] is None
+
+
+def test_end_with_hf_backend_then_close_twice(tiny_model_path, tmp_path):
+    result, _ = _run("end", tiny_model_path, tmp_path / "d", max_steps=1)
+    assert result["global_step"] == 1
+    assert result["backend_after_end"] is None
+
+
+# ---- the training script ------------------------------------------------------------------------------------------
+def _slow_torch_work(seconds: float) -> None:
+    """What a slow reward model does: torch ops, for `seconds`."""
+    import torch
+
+    a = torch.randn(256, 256)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        a = torch.tanh(a @ a)
+
+
+def main(mode: str, spec: dict) -> None:
+    import threading
+
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.testing import tiny_config
+
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        calls.append(len(completions))
+        n = len(calls)
+        slow = spec.get("slow_from") is not None and n >= spec["slow_from"]
+        if spec.get("slow_last") is not None:
+            slow = n >= spec["slow_last"]
+            seconds = spec["slow_seconds"] if n == spec["slow_last"] else 20.0
+        else:
+            seconds = spec.get("slow_seconds", 0)
+        if slow:
+            _slow_torch_work(seconds)
+        return letter_reward(prompts, completions, **kw)
+
+    config = {"max_steps": spec.get("max_steps", 2), "num_batches_ahead": spec.get("num_batches_ahead", 1)}
+    for key in ("num_iterations", "steps_per_generation"):
+        if key in spec:
+            config[key] = spec[key]
+    if spec.get("backend") == "vllm":
+        config["generation_backend"] = "vllm"
+    peft_config = None
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=reward,
+        args=tiny_config(spec["output_dir"], **config),
+        train_dataset=make_dataset(256),
+        peft_config=peft_config,
+    )
+    trainer.train()
+    trainer.save_model()
+    result = {
+        "global_step": trainer.state.global_step,
+        "reward_calls": len(calls),
+        "rounds_produced": getattr(trainer.producer, "rounds_produced", None),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grpo-async-generator")),
+    }
+    if mode == "end":
+        trainer.end()
+        trainer.close()  # a second close after end(): safe
+        result["backend_after_end"] = None if trainer.backend is None else type(trainer.backend).__name__
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))
