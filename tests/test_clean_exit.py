@@ -58,6 +58,7 @@ def test_lora_generation_bound_run_exits_0_and_generates_no_round_past_max_steps
     assert time.perf_counter() - start < 200  # never waited out a slow round (generous: the machine is shared)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "geometry",
     [
@@ -81,6 +82,57 @@ def test_slow_last_round_exits_0_and_nothing_past_it(tiny_model_path, tmp_path, 
     assert result["rounds_produced"] == rounds, result
 
 
+@pytest.mark.slow
+def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_path, tmp_path):
+    """A callback stops training after step 1 of 4 while round 1 (legitimately ahead) is generating on the hf
+    backend (8 calls of 160 forced tokens): `stop` aborts it at its next token (stopping criteria), its rewards are
+    never computed, the thread exits within its bound, exit 0."""
+    kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4)
+    result, _ = _run("train", tiny_model_path, tmp_path / "e", gen_kwargs={"min_new_tokens": 160}, **kw)
+    assert result["global_step"] == 1
+    assert result["reward_calls"] == 1 and result["rounds_produced"] == 1, result  # round 1 never scored
+    assert result["rounds_started"] == [0, 1], result
+    assert result["rounds_interrupted"] == [1], result  # aborted in progress, not finished and thrown away
+    assert result["threads"] == [], result
+
+
+@pytest.mark.slow
+def test_resume_generates_no_round_past_the_new_max_steps(tiny_model_path, tmp_path):
+    """Resumed from the step-2 checkpoint with max_steps=4 and one round ahead: rounds 2 and 3 only, exit 0."""
+    result, _ = _run(
+        "train", tiny_model_path, tmp_path / "f", max_steps=2, resume_max_steps=4, slow_from=5, slow_seconds=20
+    )
+    assert result["global_step"] == 4
+    assert result["reward_calls"] == 4, result  # 2 in the first run, 2 after resuming
+    assert result["rounds_started"] == [2, 3], result  # this trainer's rounds: nothing past step 4
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_agree_on_the_horizon(tiny_model_path, tmp_path):
+    """2 processes (accelerate, gloo): every rank stops submitting at the same round (a mismatch would leave one rank
+    waiting in the gather of `_submit`); the main process generated exactly the rounds trained; both exit 0."""
+    import subprocess as sp
+
+    spec = {"model": str(tiny_model_path), "output_dir": str(tmp_path / "g"), "max_steps": 2, "slow_from": 3}
+    spec.update(num_batches_ahead=2, slow_seconds=20, per_device_train_batch_size=4)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [os.path.abspath(__file__), "train", json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+    p = sp.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+    tail = f"\n--- stdout ---\n{p.stdout[-3000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, f"exit code {p.returncode}{tail}"
+    for sign in BAD_SIGNS:
+        assert sign not in p.stderr, f"{sign!r} in stderr{tail}"
+    results = [json.loads(line[len("RESULT ") :]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1], tail
+    main = next(r for r in results if r["rank"] == 0)
+    assert all(r["global_step"] == 2 for r in results), results
+    assert main["rounds_started"] == [0, 1] and main["reward_calls"] == 2, results
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_end_with_in_process_vllm_lora_and_a_second_close(tiny_model_path, tmp_path):
     """Issue 21.2: `trainer.end()` (TRL's script calls it on transformers >= 5.18) after training on the in-process
@@ -133,9 +185,19 @@ def main(mode: str, spec: dict) -> None:
         return letter_reward(prompts, completions, **kw)
 
     config = {"max_steps": spec.get("max_steps", 2), "num_batches_ahead": spec.get("num_batches_ahead", 1)}
-    for key in ("num_iterations", "steps_per_generation"):
+    for key in (
+        "num_iterations",
+        "steps_per_generation",
+        "max_completion_length",
+        "rollout_micro_batch_size",
+        "per_device_train_batch_size",
+    ):
         if key in spec:
             config[key] = spec[key]
+    if spec.get("gen_kwargs"):
+        config["generation_kwargs"] = spec["gen_kwargs"]
+    if spec.get("resume_max_steps"):
+        config.update(save_strategy="steps", save_steps=spec["max_steps"])
     if spec.get("backend") == "vllm":
         config["generation_backend"] = "vllm"
     peft_config = None
@@ -143,19 +205,37 @@ def main(mode: str, spec: dict) -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    trainer = GRPOTrainer(
-        model=spec["model"],
-        reward_funcs=reward,
-        args=tiny_config(spec["output_dir"], **config),
-        train_dataset=make_dataset(256),
-        peft_config=peft_config,
-    )
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == spec.get("stop_at_step"):
+                control.should_training_stop = True
+
+    def make_trainer(**overrides):
+        return GRPOTrainer(
+            model=spec["model"],
+            reward_funcs=reward,
+            args=tiny_config(spec["output_dir"], **{**config, **overrides}),
+            train_dataset=make_dataset(256),
+            peft_config=peft_config,
+            callbacks=[StopAt()],
+        )
+
+    trainer = make_trainer()
     trainer.train()
+    if spec.get("resume_max_steps"):
+        trainer.close()
+        trainer = make_trainer(max_steps=spec["resume_max_steps"])
+        trainer.train(resume_from_checkpoint=True)
     trainer.save_model()
     result = {
+        "rank": trainer.accelerator.process_index,
         "global_step": trainer.state.global_step,
         "reward_calls": len(calls),
         "rounds_produced": getattr(trainer.producer, "rounds_produced", None),
+        "rounds_started": getattr(trainer.rounds, "rounds_started", None),
+        "rounds_interrupted": getattr(trainer.rounds, "rounds_interrupted", None),
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grpo-async-generator")),
     }
     if mode == "end":

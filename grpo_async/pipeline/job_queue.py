@@ -107,6 +107,7 @@ class AsyncBatchGenerator:
         self.name = name
         self.interrupt = interrupt
         self.started: list[int] = []  # batch ids whose generation started, in order (what the backend generated)
+        self.interrupted: list[int] = []  # batch ids that ended with an error after `stop` (aborted at shutdown)
         self._requests: queue.Queue[BatchRequest] = queue.Queue()
         self._cond = threading.Condition()
         self._submitted: set[int] = set()
@@ -287,6 +288,7 @@ class AsyncBatchGenerator:
                 except Exception as e:  # returned to the trainer by get_batch
                     if self._stop.is_set():
                         logger.info("[%s] batch %d interrupted at shutdown: %r", self.name, request.batch_id, e)
+                        self.interrupted.append(request.batch_id)
                     else:
                         logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
                     result = BatchResult(request.batch_id, {}, e, time.perf_counter() - start)
