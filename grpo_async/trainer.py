@@ -33,8 +33,8 @@ from accelerate.utils import broadcast_object_list, gather_object
 from transformers import PreTrainedModel, Trainer
 
 from .algo.logprobs import LogpsScorer, score_tokens
-from .algo.loss import LossContext
-from .algo.objective import PolicyObjective, ProcessOps
+from .algo.loss import LossContext, gamma_weights, off_policy_mask
+from .algo.objective import PolicyObjective, ProcessOps, high_entropy_mask
 from .algo.ref_sync import RefModelSyncCallback
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
@@ -51,6 +51,7 @@ from .pipeline.producer import RoundProducer
 from .pipeline.publisher import PolicyPublisher, lora_sync_mode
 from .pipeline.scheduler import Collectives, RoundScheduler
 from .pipeline.types import MicroBatch
+from .rewards.reward_model import RewardModel
 from .trainer_setup import (
     ProducerAttribute,
     bound_collectives,
@@ -58,6 +59,7 @@ from .trainer_setup import (
     consumer_settings,
     default_args,
     eval_chunk_prompts,
+    experimental_warnings,
     is_peer_failure,
     peer_failure_error,
     prepare_models,
@@ -137,6 +139,11 @@ class GRPOTrainer(Trainer):
             environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
         )
         rewards, weights = prepare_rewards(reward_funcs, reward_processing_classes, args, self.environment)
+        experimental_warnings(rollout_func, environment_factory)  # TRL's, verbatim
+        self.tools = list(tools or [])  # TRL's attribute: the standalone tools
+        self.reward_processing_classes = [
+            f.tokenizer if isinstance(f, RewardModel) else None for f in rewards[0]
+        ]  # TRL's attribute: a reward model's tokenizer, None for a function
 
         super().__init__(
             model=model,
@@ -226,6 +233,53 @@ class GRPOTrainer(Trainer):
     reward_funcs = ProducerAttribute("reward_funcs")
     reward_func_names = ProducerAttribute("reward_names")
     reward_weights = ProducerAttribute("reward_weights")
+
+    # ---- TRL's public attributes and static helpers ----------------------------------------------------------------
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the MoE load-balancing loss is added (router logits returned, coefficient not 0)."""
+        return self.objective.router is not None
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's: the entropy bonus's coefficient now (moves between optimizer steps with `use_adaptive_entropy`)."""
+        return self.objective.entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.objective.entropy.coef = float(value)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's: `[B, T]` bool, the tokens whose entropy is at least the `threshold`-quantile of every process's
+        masked entropies (`algo.objective.high_entropy_mask`)."""
+        return high_entropy_mask(entropies, mask, threshold, self.objective.ops)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's: the off-policy sequence mask `[B, 1]` (1.0 kept, 0.0 dropped; `algo.loss.off_policy_mask`)."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(
+        advantages: torch.Tensor,
+        log_ratio_per_token: torch.Tensor,
+        mask: torch.Tensor,
+        importance_sampling_ratio: torch.Tensor | None,
+        k_pos: float = 2.0,
+        lambda_pos: float = 3.0,
+        k_neg: float = 3.0,
+        lambda_neg: float = 2.0,
+    ) -> torch.Tensor:
+        """TRL's: VESPO's gamma weights `[B, 1]`, without gradient (`algo.loss.gamma_weights`)."""
+        return gamma_weights(
+            advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg
+        )
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
@@ -412,7 +466,9 @@ class GRPOTrainer(Trainer):
         self._publish()
         metrics = None
         if self.accelerator.is_main_process:
-            metrics = self.producer.evaluate(dataset, eval_chunk_prompts(self.args))
+            batch_rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes  # TRL's eval batch
+            metrics, batches = self.producer.evaluate(dataset, eval_chunk_prompts(self.args), batch_rows)
+            metrics = {"loss": self._eval_loss(batches), **metrics}  # TRL's eval_loss: metric_for_best_model="loss"
             metrics["runtime"] = time.perf_counter() - start
         metrics = broadcast_object_list([metrics], from_process=0)[0]
         metrics["num_tokens"] = float(self.state.num_input_tokens_seen)  # TRL's eval_num_tokens
@@ -421,6 +477,46 @@ class GRPOTrainer(Trainer):
         Trainer.log(self, metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    @torch.no_grad()
+    def _eval_loss(self, batches: list[MicroBatch]) -> float:
+        """TRL's `eval_loss`: the GRPO loss of each process's share (`per_device_eval_batch_size` rows) of each eval
+        batch, computed as TRL's `prediction_step` does (no gradient accumulation; π_old = π, so the ratio is 1; the
+        KL term when `beta > 0`), averaged over rows as `Trainer.evaluation_loop` does. The main process computes
+        every process's share on the unwrapped model (evaluation generates there)."""
+        a, n_proc, dev = self.args, self.accelerator.num_processes, self.accelerator.device
+        model = self.accelerator.unwrap_model(self.model)
+        objective = PolicyObjective.from_config(a, model.config, ProcessOps.single())  # its own adaptive state
+        objective.load_state_dict(self.objective.state_dict())  # the entropy coefficient training has now
+        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+        ref = None
+        if a.beta:
+            ref = reference_scorer(self.ref_client, self.ref_model, lambda: model, lambda: model, scoring)
+        total, rows, was_training = 0.0, 0, model.training
+        model.eval()
+        try:
+            for batch in batches:
+                ctx = LossContext(
+                    max_completion_length=a.max_completion_length,
+                    num_items_in_batch=batch.num_items_in_batch,  # the whole eval batch's loss tokens (dapo, ...)
+                    num_processes=n_proc,
+                )
+                for lo in range(0, len(batch), a.per_device_eval_batch_size):
+                    part = batch.select(slice(lo, lo + a.per_device_eval_batch_size))
+                    T = part.completion_ids.size(1)
+                    ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
+                    mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
+                    if ref is not None:
+                        part.ref_logps = ref(ids, mask, T)  # [b, T]
+                    part = part.to(dev)
+                    scores = score_tokens(
+                        model, ids.to(dev), mask.to(dev), T, a.temperature, None, a.padding_free, **objective.scoring
+                    )
+                    out = objective(scores, part, ctx, end_of_window=False)
+                    total, rows = total + out.loss.item() * len(part), rows + len(part)
+        finally:
+            model.train(was_training)
+        return total / max(rows, 1)
 
     # ---- lifecycle and checkpoints -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

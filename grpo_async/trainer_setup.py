@@ -62,6 +62,24 @@ def default_args(model, args):
     return args
 
 
+def experimental_warnings(rollout_func, environment_factory) -> None:
+    """TRL 1.16's warnings (verbatim) for its experimental `rollout_func` and `environment_factory`; silenced, as in
+    TRL, by the environment variable `TRL_EXPERIMENTAL_SILENCE=1`."""
+    import os
+
+    if os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") == "1":
+        return
+    for name, given in (("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        if given is not None:
+            warnings.warn(
+                f"You are using '{name}', which is an experimental feature. This API may change or be removed at "
+                "any time without prior notice. Silence this warning by setting environment variable "
+                "TRL_EXPERIMENTAL_SILENCE=1.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def reward_weights_tensor(weights: list[float] | None, num_funcs: int) -> torch.Tensor:
     """`[F]` weights of the reward functions (all 1 when not given)."""
     if weights is not None and len(weights) != num_funcs:
@@ -287,8 +305,12 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config, quant
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
         model = load_model(model, **kwargs)
     else:
-        if args.model_init_kwargs:
-            raise ValueError("GRPOConfig.model_init_kwargs only applies when `model` is a name or path")
+        if args.model_init_kwargs is not None:  # TRL 1.16 ignores them with this warning (verbatim)
+            warnings.warn(
+                "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already instantiated. The "
+                "`model_init_kwargs` will be ignored.",
+                stacklevel=3,
+            )
         if quantization_config is not None:
             warnings.warn(
                 "You passed `quantization_config` to the trainer, but your model is already instantiated. The "

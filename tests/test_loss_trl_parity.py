@@ -514,8 +514,8 @@ def test_config_validates_the_loss_knobs(tmp_path):
 @pytest.mark.parametrize(
     "loss_type,level,match",
     [
-        ("luspo", "token", "loss_type='luspo' with importance_sampling_level='token'"),
-        ("vespo", "sequence", "loss_type='vespo' computes sequence-level importance weights itself"),
+        ("luspo", "token", "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`"),
+        ("vespo", "sequence", "VESPO computes sequence-level importance weights internally"),
         ("dapo", "sequence", "weights each sequence by its completion length"),
         ("cispo", "sequence", "weights each sequence by its completion length"),
     ],

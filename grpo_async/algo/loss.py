@@ -124,23 +124,25 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def combination_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
-    """TRL 1.16's warnings about known-bad combinations of `loss_type` and `importance_sampling_level`."""
+    """TRL 1.16's warnings (its texts, verbatim) about known-bad combinations of `loss_type` and
+    `importance_sampling_level`."""
     out = []
     if loss_type == "luspo" and importance_sampling_level != "sequence":
         out.append(
-            "loss_type='luspo' with importance_sampling_level='token': LUSPO is a sequence-level loss; set "
-            "importance_sampling_level='sequence' to mirror the paper's setup."
+            "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror the "
+            "paper's setup."
         )
     if loss_type == "vespo" and importance_sampling_level != "token":
         out.append(
-            "loss_type='vespo' computes sequence-level importance weights itself; importance_sampling_level should "
-            "be 'token' (the default)."
+            "VESPO computes sequence-level importance weights internally. `importance_sampling_level` should be "
+            "set to `'token'` (the default)."
         )
     if importance_sampling_level == "sequence" and loss_type in TOKEN_SUMMED_LOSS_TYPES:
         out.append(
-            f"importance_sampling_level='sequence' with loss_type={loss_type!r}: this loss sums per-token terms, "
-            "which weights each sequence by its completion length instead of optimizing the per-sequence objective; "
-            "set loss_type='grpo' for the GSPO paper's setup."
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+            "contributions, which effectively weights each sequence by its completion length instead of "
+            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
+            "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
         )
     return out
 

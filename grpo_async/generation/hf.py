@@ -192,10 +192,10 @@ class HFBackend:
             sampler = SeededSampling(sampling_warpers(params, device), seeds)
             kwargs.update(do_sample=False, output_scores=False, logits_processor=LogitsProcessorList([sampler]))
             kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)  # greedy: the model's defaults unused
-            # greedy decoding refuses num_return_sequences > 1: repeat each prompt n times here instead (as generate
-            # would: prompt-major)
-            kwargs["num_return_sequences"] = 1
-            input_ids, attention_mask = input_ids.repeat_interleave(s.n, 0), attention_mask.repeat_interleave(s.n, 0)
+        # as TRL: one sequence per repeated row (each prompt n times, prompt-major), so generation_kwargs apply per
+        # row (num_beams=2 gives each row its best beam; greedy decoding refuses num_return_sequences > 1)
+        kwargs["num_return_sequences"] = 1
+        input_ids, attention_mask = input_ids.repeat_interleave(s.n, 0), attention_mask.repeat_interleave(s.n, 0)
         kwargs.update(extra)
         from transformers import StoppingCriteriaList
 
@@ -203,12 +203,17 @@ class HFBackend:
             [*kwargs.get("stopping_criteria", []), AbortCriteria(self._aborted)]
         )
         gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
-        seqs = gen.sequences[:, P:].cpu()  # [b*n, T]
+        sequences = gen if isinstance(gen, torch.Tensor) else gen.sequences  # a custom generate may return a tensor
+        seqs = sequences[:, P:].cpu()  # [b*n, T]
+        scores = None if isinstance(gen, torch.Tensor) else getattr(gen, "scores", None)
         if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
             token_logps = torch.stack(sampler.logps[: seqs.shape[1]], dim=1).cpu()  # [b*n, T]
-        else:  # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
-            logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in gen.scores], dim=1).cpu()
+        elif scores and scores[0].shape[0] == seqs.shape[0] and kwargs.get("num_beams") in (None, 1):
+            # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
+            logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in scores], dim=1).cpu()
             token_logps = logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [b*n, T]
+        else:  # beam search, or no per-row scores: the copy scores its own sequences (temperature applied)
+            token_logps = self._score(sequences, attention_mask.to(device), P, s.temperature)  # [b*n, T]
         completions = []
         for row, lp in zip(seqs.tolist(), token_logps.tolist(), strict=True):
             end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), None)
@@ -222,6 +227,15 @@ class HFBackend:
                     reason = "stop"
             completions.append(Completion(completion_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
         return completions
+
+    def _score(self, sequences: torch.Tensor, prompt_mask: torch.Tensor, P: int, temperature: float) -> torch.Tensor:
+        """Log-probabilities `[b, T]` of the completion tokens `sequences[:, P:]` under the copy, logits divided by
+        `temperature` (tokens after a row's end are scored too and cut by the caller)."""
+        from ..algo.logprobs import selective_log_softmax
+
+        mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, P:])], dim=1)  # [b, P+T]
+        logits = self.model(input_ids=sequences, attention_mask=mask).logits[:, P - 1 : -1].float()  # [b, T, V]
+        return selective_log_softmax(logits / (temperature or 1.0), sequences[:, P:]).cpu()
 
     def close(self) -> None:
         """Drop the generation copy (idempotent); a `generate` call in progress is aborted."""

@@ -251,27 +251,8 @@ class RoundProducer:
 
         R = len(rows)
         prompt_rep = [c.extra.get("prompt_ids") or prompt_ids[i // G] for i, c in enumerate(completions)]  # [R]
-        completion_ids = [c.completion_ids for c in completions]
-        completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
-        truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
-        loss_mask = completion_mask.clone()  # [R, T] tokens trained on
-        if self.s.mask_env_responses and completions and "env_mask" in completions[0].extra:  # env/tool tokens:
-            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]  not trained
-        if self.s.mask_truncated_completions:
-            loss_mask[truncated_rows] = 0
-        batch = MicroBatch(
-            prompt_ids=pad(prompt_rep, self.tokenizer.pad_token_id, side="left"),  # [R, P]
-            prompt_mask=pad([[1] * len(p) for p in prompt_rep], 0, side="left"),  # [R, P]
-            completion_ids=pad(completion_ids, self.tokenizer.pad_token_id),  # [R, T]
-            completion_mask=completion_mask,
-            loss_mask=loss_mask,
-            sampler_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
-            advantages=advantages,
-            policy_version=torch.full((R,), version, dtype=torch.long),  # [R]
-            round_id=torch.full((R,), request.round_id, dtype=torch.long),  # [R]
-            row_index=torch.arange(R),  # [R]
-            num_items_in_batch=float(loss_mask.sum()),
-        )
+        batch = self._batch(prompt_rep, completions, advantages, version, request.round_id)
+        completion_mask = batch.completion_mask  # [R, T] tokens that exist
         metrics = self._metrics(completions, rewards, rewards_per_func, completion_mask, G)
         metrics.update(
             {
@@ -295,6 +276,31 @@ class RoundProducer:
         }
         self.rounds_produced += 1
         return Round(request.round_id, version, batch, metrics, samples)
+
+    def _batch(self, prompt_rep: list, completions: list[Completion], advantages, version: int, round_id: int):
+        """The `MicroBatch` `[R]` of completions (row i after prompt `prompt_rep[i]`), padded, with the loss mask."""
+        R = len(completions)
+        completion_ids = [c.completion_ids for c in completions]
+        completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
+        truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
+        loss_mask = completion_mask.clone()  # [R, T] tokens trained on
+        if self.s.mask_env_responses and completions and "env_mask" in completions[0].extra:  # env/tool tokens:
+            loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]  not trained
+        if self.s.mask_truncated_completions:
+            loss_mask[truncated_rows] = 0
+        return MicroBatch(
+            prompt_ids=pad(prompt_rep, self.tokenizer.pad_token_id, side="left"),  # [R, P]
+            prompt_mask=pad([[1] * len(p) for p in prompt_rep], 0, side="left"),  # [R, P]
+            completion_ids=pad(completion_ids, self.tokenizer.pad_token_id),  # [R, T]
+            completion_mask=completion_mask,
+            loss_mask=loss_mask,
+            sampler_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
+            advantages=advantages,
+            policy_version=torch.full((R,), version, dtype=torch.long),  # [R]
+            round_id=torch.full((R,), round_id, dtype=torch.long),  # [R]
+            row_index=torch.arange(R),  # [R]
+            num_items_in_batch=float(loss_mask.sum()),
+        )
 
     def _metrics(self, completions, rewards, rewards_per_func, completion_mask, G) -> dict[str, float]:
         R = len(completions)
@@ -323,13 +329,14 @@ class RoundProducer:
             m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
         return m
 
-    def evaluate(self, dataset, chunk_prompts: int) -> dict[str, float]:
+    def evaluate(self, dataset, chunk_prompts: int, batch_rows: int | None = None) -> tuple[dict, list[MicroBatch]]:
         """Generate `num_generations_eval` completions per prompt of `dataset` on the weights the sampler holds,
-        `chunk_prompts` prompts at a time, score them; the means."""
+        `chunk_prompts` prompts at a time, score them. Returns the means, and, when `batch_rows` is given, the rows
+        as TRL's eval batches of `batch_rows` rows (advantages computed within each batch, as TRL does), in order."""
         import itertools
 
         G = self.s.num_generations_eval
-        rewards_all, per_func_all, lengths = [], [], []
+        rewards_all, per_func_all, lengths, rows_kept = [], [], [], []
         stream = iter(dataset)  # a Dataset or a streaming IterableDataset alike, in order
         for lo in itertools.count(0, chunk_prompts):
             rows = list(itertools.islice(stream, chunk_prompts))
@@ -343,12 +350,26 @@ class RoundProducer:
             per_func_all.append(per_func)
             rewards_all.append(combine_rewards(per_func, self.reward_weights))
             lengths += [len(c.completion_ids) for c in completions]
+            if batch_rows is not None:
+                rows_kept += [(c.extra.get("prompt_ids") or prompt_ids[i // G], c) for i, c in enumerate(completions)]
         if not rewards_all:
             raise ValueError("evaluate(): the eval dataset yielded no prompts")
         rewards, per_func = torch.cat(rewards_all), torch.cat(per_func_all)
-        return {
+        batches = []
+        for lo in range(0, len(rows_kept), batch_rows or 1):  # rows_kept is empty without batch_rows
+            kept = rows_kept[lo : lo + batch_rows]
+            advantages = aggregate_advantages(
+                per_func[lo : lo + len(kept)],
+                self.reward_weights,
+                G,
+                self.s.scale_rewards,
+                self.s.multi_objective_aggregation,
+            )  # [b]
+            batches.append(self._batch([p for p, _ in kept], [c for _, c in kept], advantages, 0, -1))
+        metrics = {
             "reward": torch.nanmean(rewards).item(),
             "reward_std": nanstd(rewards).item(),
             "completions/mean_length": sum(lengths) / len(lengths),
             **{f"rewards/{n}": torch.nanmean(per_func[:, i]).item() for i, n in enumerate(self.reward_names)},
         }
+        return metrics, batches

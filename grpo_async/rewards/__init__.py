@@ -120,9 +120,10 @@ def prepare_reward_funcs(
     elif not isinstance(tokenizers, (list, tuple)):
         tokenizers = [tokenizers]
     if len(tokenizers) != len(funcs):
-        raise ValueError(
-            f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward functions; give one "
-            "per reward function (None for plain functions)"
+        raise ValueError(  # TRL's text; then ours: what to give
+            f"The number of reward processing classes ({len(tokenizers)}) must match the number of reward functions "
+            f"({len(funcs)}). reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward "
+            "functions; give one per reward function (None for plain functions)"
         )
     for i, (f, tok) in enumerate(zip(funcs, tokenizers, strict=True)):
         if isinstance(f, str):
