@@ -971,17 +971,18 @@ class GRPOConfig(TrainingArguments):
             raise _err(
                 "router_aux_loss_coef", f"must be >= 0 or None (the model's own), got {self.router_aux_loss_coef!r}"
             )
-        if (
+        if (  # TRL's rule: with vLLM only (hf: a sequence mode's [B, 1] ratio joins VESPO's sequence weight)
             self.loss_type == "vespo"
+            and self.generation_backend != "hf"
             and self.importance_sampling_correction
             and self.importance_sampling_mode.startswith("sequence")
         ):
             raise _err(
                 "importance_sampling_mode",
-                "loss_type='vespo' folds the importance-sampling ratio π_old / π_sampler into its sequence weights "
-                "token by token (TRL refuses sequence modes with VESPO too), got "
-                f"{self.importance_sampling_mode!r}; set importance_sampling_mode='token_mask' or 'token_truncate', "
-                "or importance_sampling_correction=False",
+                "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+                f"Got: {self.importance_sampling_mode}. (loss_type='vespo' folds the importance-sampling ratio "
+                "π_old / π_sampler into its sequence weights token by token; set importance_sampling_mode="
+                "'token_mask' or 'token_truncate', or importance_sampling_correction=False)",
             )
         for message in combination_warnings(self.loss_type, self.importance_sampling_level):
             warnings.warn(f"GRPOConfig: {message}", UserWarning, stacklevel=6)

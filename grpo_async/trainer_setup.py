@@ -94,33 +94,36 @@ def is_iterable(dataset) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = None) -> None:
+def check_dataset(
+    dataset, args: GRPOConfig, name: str, min_rows: int | None = None, prompt_optional: bool = False
+) -> None:
     """The earliest checks of a train/eval set: a 'prompt' column, enough prompts for one round; a streaming train set
     needs `max_steps` (its length is unknown), `dispatch_batches=False` (each process reads its own slice of the
     stream, as TRL) and one dataloader worker (several would interleave the stream and split the G copies)."""
     if isinstance(dataset, dict):  # several eval sets by name (a dict or a `datasets.DatasetDict`, as TRL takes)
         for key, ds in dataset.items():
-            check_dataset(ds, args, f"{name}[{key!r}]", min_rows)
+            check_dataset(ds, args, f"{name}[{key!r}]", min_rows, prompt_optional)
         return
     if is_iterable(dataset):
         columns = getattr(dataset, "column_names", None)  # None when the stream's features are unknown
-        if columns is not None and "prompt" not in columns:
+        if columns is not None and "prompt" not in columns and not prompt_optional:
             raise ValueError(f"{name} needs a 'prompt' column (text or chat messages); it has {columns}")
         if name == "train_dataset" and args.max_steps <= 0:
             raise ValueError(
                 "train_dataset is an IterableDataset (a stream of unknown length): set GRPOConfig.max_steps to a "
                 "positive number of optimizer steps"
             )
-        if args.accelerator_config.dispatch_batches:
+        if args.accelerator_config.dispatch_batches:  # TRL's text, then which set
             raise ValueError(
-                f"{name} is an IterableDataset, which needs accelerator_config.dispatch_batches=False (each process "
-                "reads its own slice of the stream); it is set to True"
+                "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                f"`accelerator_config`. Please set it to `False`. ({name} is an IterableDataset: each process reads "
+                "its own slice of the stream)"
             )
         args.accelerator_config.dispatch_batches = False
-        if name == "train_dataset" and args.dataloader_num_workers != 0:
-            warnings.warn(
-                f"train_dataset is an IterableDataset: dataloader_num_workers={args.dataloader_num_workers} would "
-                "interleave the stream and split each prompt's num_generations copies; using 0 (as TRL does)",
+        if name == "train_dataset" and args.dataloader_num_workers != 0:  # TRL's text (several would interleave the
+            warnings.warn(  # stream and split each prompt's num_generations copies)
+                "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the "
+                f"provided value ({args.dataloader_num_workers}).",
                 stacklevel=3,
             )
             args.dataloader_num_workers = 0
@@ -128,7 +131,7 @@ def check_dataset(dataset, args: GRPOConfig, name: str, min_rows: int | None = N
     columns = getattr(dataset, "column_names", None)
     if columns is None and len(dataset):
         columns = list(dataset[0].keys())
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and not prompt_optional:  # optional: environment_factory
         raise ValueError(f"{name} needs a 'prompt' column (text or chat messages); it has {columns}")
     need = min_rows if min_rows is not None else args.generation_batch_size // args.num_generations
     if len(dataset) < need:
@@ -176,10 +179,11 @@ def check_datasets(train_dataset, eval_dataset, args: GRPOConfig, environment_fa
 
         rows = args.generation_batch_size // args.num_generations
         train_dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+    optional = environment_factory is not None  # TRL: the environment's reset() writes a missing prompt
     if train_dataset is not None:
-        check_dataset(train_dataset, args, "train_dataset")
+        check_dataset(train_dataset, args, "train_dataset", prompt_optional=optional)
     if eval_dataset is not None:
-        check_dataset(eval_dataset, args, "eval_dataset", min_rows=1)
+        check_dataset(eval_dataset, args, "eval_dataset", min_rows=1, prompt_optional=optional)
     return train_dataset
 
 
@@ -225,7 +229,7 @@ def make_environment(
     check_environment(environment)
     for ds in _all_datasets(datasets):  # eval sets by name too
         first = next(iter(ds), None) if is_iterable(ds) else (ds[0] if len(ds) else None)
-        if first is not None and not is_conversational(first["prompt"]):
+        if first is not None and "prompt" in first and not is_conversational(first["prompt"]):
             raise ValueError(
                 "a multi-turn environment needs conversational prompts (lists of chat messages); the dataset's "
                 f"first prompt is {first['prompt']!r:.100}"

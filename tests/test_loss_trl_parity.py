@@ -505,8 +505,9 @@ def test_config_validates_the_loss_knobs(tmp_path):
         ValueError, match=r"GRPOConfig\.entropy_coef_min: need 0 <= entropy_coef_min <= entropy_coef_max"
     ):
         GRPOConfig(**base, entropy_coef_min=0.5, entropy_coef_max=0.1)
-    with pytest.raises(ValueError, match=r"GRPOConfig\.importance_sampling_mode: loss_type='vespo'"):
-        GRPOConfig(**base, loss_type="vespo")  # the default sequence_mask IS mode
+    with pytest.raises(ValueError, match=r"GRPOConfig\.importance_sampling_mode: VESPO loss requires"):
+        GRPOConfig(**base, loss_type="vespo", use_vllm=True)  # the default sequence_mask IS mode, with vLLM (TRL)
+    GRPOConfig(**base, loss_type="vespo")  # hf: TRL's defaults are accepted
     GRPOConfig(**base, loss_type="vespo", importance_sampling_mode="token_mask")
     GRPOConfig(**base, loss_type="vespo", importance_sampling_correction=False)
 

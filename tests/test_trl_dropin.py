@@ -66,7 +66,7 @@ def test_streaming_train_set_errors_name_what_to_set(tiny_model_path, tmp_path):
             args=tiny_config(tmp_path / "a", max_steps=-1, num_train_epochs=1),
             train_dataset=stream,
         )
-    with pytest.warns(UserWarning, match="dataloader_num_workers=2"):
+    with pytest.warns(UserWarning, match=r"require `dataloader_num_workers=0` .*overriding the provided value \(2\)"):
         t = GRPOTrainer(
             model=tiny_model_path,
             reward_funcs=letter_reward,

@@ -4,11 +4,12 @@ backend (`num_beams=2`), a model whose `generate` returns a bare tensor, and TRL
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 trl = pytest.importorskip("trl")
@@ -353,3 +354,62 @@ def test_reward_processing_classes_length_error_is_trls(tiny_model_path, tmp_pat
             args=tiny_config(tmp_path),
             train_dataset=Dataset.from_dict({"prompt": ["a"] * 8, "letter": ["a"] * 8}),
         )
+
+
+def test_iterable_dataset_texts_are_trls(tiny_model_path, tmp_path):
+    rows = make_dataset(16).to_list()
+    stream = IterableDataset.from_generator(lambda: (dict(r) for r in rows))
+    args = tiny_config(tmp_path, accelerator_config={"dispatch_batches": True})
+    with pytest.raises(ValueError, match=r"Iterable datasets require `dispatch_batches=False`, but it is set to"):
+        GRPOTrainer(tiny_model_path, letter_reward, args, stream)
+    with pytest.warns(UserWarning) as caught:
+        t = GRPOTrainer(tiny_model_path, letter_reward, tiny_config(tmp_path, dataloader_num_workers=3), stream)
+    text = "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; overriding the provided "
+    assert text + "value (3)." in [str(w.message) for w in caught]
+    assert t.args.dataloader_num_workers == 0
+
+
+# ---- loss_type='vespo' with TRL's defaults, environment-owned prompts ------------------------------------------
+def test_vespo_with_trls_defaults_trains_on_hf(tiny_model_path, tmp_path):
+    """TRL refuses VESPO's sequence-level IS modes only with vLLM; on hf its defaults train (the sequence ratio of the
+    default `sequence_mask` mode joins VESPO's sequence weight)."""
+    t = _trainer(tiny_model_path, tmp_path, loss_type="vespo", max_steps=2, num_batches_ahead=1)
+    assert t.args.importance_sampling_mode == "sequence_mask" and t.args.importance_sampling_correction
+    t.train()
+    losses = [e["loss"] for e in t.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert any("vespo/phi_seq_mean" in e for e in t.state.log_history)
+
+
+class OwnsPrompts:
+    """An environment that owns the data: `reset` writes the whole prompt (the dataset has only `environment`)."""
+
+    rows: list[dict] = []
+
+    def reset(self, **row) -> str:
+        OwnsPrompts.rows.append(row)
+        return "Say b"
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_a_dataset_of_only_an_environment_column(tiny_model_path, tmp_path):
+    """As TRL: with an `environment_factory`, `prompt` is optional; each rollout starts from an empty user message
+    that `reset()` completes, and the placeholder is not passed to `reset()`."""
+    seen = []
+
+    def prompts_seen(prompts, **kwargs):
+        seen.extend(prompts)
+        return [0.0] * len(prompts)
+
+    OwnsPrompts.rows = []
+    ds = Dataset.from_dict({"environment": ["own"] * 8})
+    args = tiny_config(tmp_path, max_steps=1, per_device_train_batch_size=4)
+    t = GRPOTrainer(tiny_model_path, prompts_seen, args, ds, environment_factory={"own": OwnsPrompts})
+    t.train()
+    t.close()
+    assert seen == [[{"role": "user", "content": "Say b"}]] * 8
+    assert OwnsPrompts.rows and all(r == {} for r in OwnsPrompts.rows)
+    with pytest.raises(ValueError, match="train_dataset needs a 'prompt' column"):  # without an environment: refused
+        GRPOTrainer(tiny_model_path, prompts_seen, tiny_config(tmp_path / "b"), ds)

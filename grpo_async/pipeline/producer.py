@@ -101,6 +101,13 @@ class RoundProducer:
         self.rounds_produced = 0  # rounds generated and scored (what the backend generated for training)
         self._aborted = threading.Event()
 
+    def prompt_of(self, row: dict):
+        """The row's prompt; with an environment, a row without one (the environment owns the data: its `reset`
+        writes the prompt, as in TRL) gets an empty user message, which stays out of the environment's row."""
+        if "prompt" in row or self.environment is None:
+            return row["prompt"]
+        return [{"role": "user", "content": ""}]
+
     # ---- shutdown -----------------------------------------------------------------------------------------------
     def abort(self) -> None:
         """Interrupt the round in progress (called from another thread at shutdown): the backend aborts its
@@ -159,7 +166,7 @@ class RoundProducer:
                 from ..envs.rollout import run_rollout_func
 
                 stop = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
-                return run_rollout_func(self.rollout_func, [r["prompt"] for r in rows], stop), version, 1
+                return run_rollout_func(self.rollout_func, [self.prompt_of(r) for r in rows], stop), version, 1
             if self.environment is not None:
                 from ..envs import run_rollouts
 
@@ -195,7 +202,7 @@ class RoundProducer:
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         for c, t in zip(completions, texts):
             c.text = t
-        prompts = [c.extra.get("prompt") or r["prompt"] for r, c in zip(rows, completions, strict=True)]
+        prompts = [c.extra.get("prompt") or self.prompt_of(r) for r, c in zip(rows, completions, strict=True)]
         formatted = [
             c.extra["messages"]  # multi-turn: the assistant's and the environment's messages
             if "messages" in c.extra
@@ -230,9 +237,9 @@ class RoundProducer:
     def __call__(self, request: RoundRequest) -> Round:
         G, rows = self.s.num_generations, request.rows
         for g in range(0, len(rows), G):
-            if any(rows[g + i]["prompt"] != rows[g]["prompt"] for i in range(G)):
+            if any(self.prompt_of(rows[g + i]) != self.prompt_of(rows[g]) for i in range(G)):
                 raise RuntimeError(f"round {request.round_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
-        prompts = [r["prompt"] for r in rows[::G]]
+        prompts = [self.prompt_of(r) for r in rows[::G]]
         prompt_ids, truncated = self.tokenize_prompts(prompts)
         self._check_aborted(request.round_id)
         t0 = time.perf_counter()
@@ -265,7 +272,7 @@ class RoundProducer:
             }
         )
         samples = {
-            "prompt": [c.extra.get("prompt") or r["prompt"] for r, c in zip(rows, completions, strict=True)],
+            "prompt": [c.extra.get("prompt") or self.prompt_of(r) for r, c in zip(rows, completions, strict=True)],
             "completion": [c.text for c in completions],
             "rewards": {name: rewards_per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
             "reward": rewards.tolist(),
@@ -342,7 +349,7 @@ class RoundProducer:
             rows = list(itertools.islice(stream, chunk_prompts))
             if not rows:
                 break
-            prompts = [r["prompt"] for r in rows]
+            prompts = [self.prompt_of(r) for r in rows]
             prompt_ids, _ = self.tokenize_prompts(prompts)
             rows_rep = [r for r in rows for _ in range(G)]
             completions, _, _ = self.generate(prompts, rows_rep, prompt_ids, -1 - lo, G)
