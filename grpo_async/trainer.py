@@ -60,6 +60,7 @@ from .trainer_setup import (
     default_args,
     eval_chunk_prompts,
     experimental_warnings,
+    is_iterable,
     is_peer_failure,
     peer_failure_error,
     prepare_models,
@@ -168,6 +169,7 @@ class GRPOTrainer(Trainer):
 
         a = args
         self.num_generations = a.num_generations
+        self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
         unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
         self.objective = PolicyObjective.from_config(a, unwrapped_config, ProcessOps.of(self.accelerator))
         self.compute_old_logps = (
@@ -296,6 +298,28 @@ class GRPOTrainer(Trainer):
             shuffle=self.args.shuffle_dataset,
             seed=self.args.seed,
         )
+
+    def _get_eval_sampler(self, eval_dataset):
+        """TRL's eval sampler: each prompt `num_generations_eval` times in a row, prompts shuffled (seeded)."""
+        G = self.num_generations_eval
+        return RepeatSampler(data_source=eval_dataset, mini_repeat_count=G, seed=self.args.seed)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """TRL's eval dataloader (`evaluate()` does not use it: it generates from the eval set itself): a streaming
+        set is shuffled (seeded) and repeated `num_generations_eval` times per prompt, read by one worker for this
+        loader only (`args.dataloader_num_workers` is left as it is), as TRL does."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        if not is_iterable(dataset):
+            return super().get_eval_dataloader(eval_dataset)
+        from .data.sampler import repeat_iterable
+
+        stream = repeat_iterable(dataset.shuffle(seed=self.args.seed), mini_repeat_count=self.num_generations_eval)
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(stream)
+        finally:
+            self.args.dataloader_num_workers = workers
 
     def get_train_dataloader(self):
         """The generation-batch dataloader (per device: `per_device_train_batch_size × steps_per_generation`

@@ -413,3 +413,22 @@ def test_a_dataset_of_only_an_environment_column(tiny_model_path, tmp_path):
     assert OwnsPrompts.rows and all(r == {} for r in OwnsPrompts.rows)
     with pytest.raises(ValueError, match="train_dataset needs a 'prompt' column"):  # without an environment: refused
         GRPOTrainer(tiny_model_path, prompts_seen, tiny_config(tmp_path / "b"), ds)
+
+
+def test_eval_dataloader_as_trls(tiny_model_path, tmp_path):
+    """TRL's `get_eval_dataloader`: each prompt num_generations_eval times in a row; a streaming eval set read by one
+    worker for that loader only (the config keeps its workers for the map-style loaders)."""
+    ev = make_dataset(6, seed=4)
+    stream = IterableDataset.from_generator(lambda: (dict(r) for r in ev.to_list()))
+    args = tiny_config(tmp_path, dataloader_num_workers=2, num_generations_eval=2, per_device_eval_batch_size=4)
+    t = GRPOTrainer(tiny_model_path, letter_reward, args, make_dataset(64), eval_dataset={"map": ev, "stream": stream})
+    assert t.num_generations_eval == 2
+    for name in ("map", "stream"):
+        loader = t.get_eval_dataloader(name)
+        rows = [r for batch in loader for r in batch]
+        assert loader.num_workers == (0 if name == "stream" else 2), name
+        assert len(rows) == 12 and sorted(r["prompt"][0]["content"] for r in rows[::2]) == sorted(
+            r["prompt"][0]["content"] for r in ev
+        )
+        assert all(rows[i] == rows[i + 1] for i in range(0, 12, 2)), name
+    assert t.args.dataloader_num_workers == 2
