@@ -25,11 +25,11 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
-from grpo_async.generation.base import Completion, SamplingConfig, check_completions
+from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.transports import (
@@ -279,15 +279,14 @@ class VLLMColocateBackend:
         else:
             self.transport = ColocateTransport(self.llm, bucket_mb)
         self.version: int | None = None
+        self._aborted = threading.Event()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
         params = to_vllm_sampling_params(sampling)
         if sampling.seed is not None:  # one request per prompt, its own seed (its n samples: seed + j, vLLM's rule)
             params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
-        )
+        outputs = self._run(prompt_ids, params)
         completions = []
         for req in outputs:  # vLLM returns requests in submission order
             for o in sorted(req.outputs, key=lambda o: o.index):
@@ -302,6 +301,34 @@ class VLLMColocateBackend:
                     )
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
+
+    def _run(self, prompt_ids: list[list[int]], params) -> list:
+        """`LLM.generate`, stepped here (`LLM.enqueue`, then `llm_engine.step()` until done) so that `abort()` can end
+        it between two engine steps: the requests are aborted in the engine (this thread, no race with a step) and
+        `GenerationAborted` is raised. Outputs in submission order."""
+        if self._aborted.is_set():
+            raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
+        llm = self.llm
+        while llm.llm_engine.has_unfinished_requests():  # left by an aborted call (vLLM aborts a request with n > 1
+            llm.llm_engine.step()  # by its children's ids, which enqueue does not return): finished, discarded
+        ids = llm.enqueue(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
+        )
+        engine, outputs = llm.llm_engine, []
+        while engine.has_unfinished_requests():
+            if self._aborted.is_set():
+                engine.abort_request(ids, internal=True)
+                raise GenerationAborted(f"VLLMColocateBackend: {len(ids)} requests aborted (shutting down)")
+            outputs += [o for o in engine.step() if o.finished]
+        return sorted(outputs, key=lambda o: int(o.request_id))  # vLLM's own order (LLM.generate)
+
+    def abort(self) -> None:
+        """Abort the `generate` call in progress after the engine step now running (any thread may call it);
+        `generate` raises `GenerationAborted` until `resume()`."""
+        self._aborted.set()
+
+    def resume(self) -> None:
+        self._aborted.clear()
 
     def load_weights(self, groups: Groups, version: int) -> None:
         self.transport.push(groups, version)
@@ -327,6 +354,9 @@ class VLLMColocateBackend:
         self.load_weights(group_by_module(state_dict), version)
 
     def close(self) -> None:
+        """Shut the engine down (idempotent): the transport, then the engine core. Called before the trainer's
+        process group is destroyed (`GRPOTrainer.end`), as the in-process engine's own groups need it."""
+        self._aborted.set()
         transport = self.__dict__.pop("transport", None)
         if transport is not None:
             transport.close()
@@ -334,8 +364,8 @@ class VLLMColocateBackend:
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.warning("VLLMColocateBackend.close: engine shutdown failed: %r", e)
 
 
 def _cpu_platform() -> bool:
@@ -376,6 +406,7 @@ class _CompletionsRouter:
         self.name = name
         self.model = model
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"{name}-http")
+        self.aborted = threading.Event()  # set by the backend's abort(): generate stops waiting for its requests
 
     @property
     def live_urls(self) -> list[str]:
@@ -434,12 +465,23 @@ class _CompletionsRouter:
         # seeded: each request its own seed (`SamplingConfig.for_prompt`); without it, G copies of a prompt (n = 1)
         # would sample the same completion
         futures = [self.pool.submit(self._one, p, sampling.for_prompt(i)) for i, p in enumerate(prompt_ids)]
+        pending = set(futures)
+        while pending:  # every request bounded by the client timeout; `abort()` stops the wait within 0.25 s
+            if self.aborted.is_set():
+                for f in pending:
+                    f.cancel()
+                raise GenerationAborted(f"{self.name}: generation aborted (shutting down), {len(pending)} requests")
+            _, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+            if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                break
         out: list[Completion] = []
         for f in futures:  # each request is bounded by the client timeout (and retried at most once per server)
             out.extend(f.result())
         return check_completions(out, len(prompt_ids), sampling.n, self.name)
 
     def close(self) -> None:
+        """Cancel queued requests and close the clients (idempotent); requests on the wire end by their timeout."""
+        self.aborted.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
@@ -626,7 +668,16 @@ class VLLMServerBackend:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self.load_weights(group_by_module(state_dict), version)
 
+    def abort(self) -> None:
+        """Stop waiting for the `generate` call in progress (any thread may call it): it raises `GenerationAborted`
+        within 0.25 s, until `resume()`; requests already on the wire end on the server."""
+        self.router.aborted.set()
+
+    def resume(self) -> None:
+        self.router.aborted.clear()
+
     def close(self) -> None:
+        """Close the weight transports and the router (idempotent)."""
         for tr in self.transports.values():
             tr.close()
         self.transports.clear()
@@ -717,6 +768,13 @@ class OpenAIRemoteBackend:
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self.load_weights(group_by_module(state_dict), version)
+
+    def abort(self) -> None:
+        """As `VLLMServerBackend.abort`."""
+        self.router.aborted.set()
+
+    def resume(self) -> None:
+        self.router.aborted.clear()
 
     def close(self) -> None:
         self.router.close()
