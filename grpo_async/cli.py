@@ -3,6 +3,7 @@
 ```
 grpo-async serve --model PATH [vLLM server flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 grpo-async plot OUTPUT_DIR            # PNG plots of reward, KL, length, timings, overlap from OUTPUT_DIR/metrics.jsonl
+grpo-async grpo --model_name_or_path PATH --dataset_name DATA --reward_funcs math_reward [any GRPOConfig flag]
 ```
 
 `grpo-async` alone prints the usage to stderr and exits 2 (as argparse does for a missing argument);
@@ -20,18 +21,21 @@ COMMANDS = {
     "serve": "vLLM's OpenAI-compatible server plus weight-update endpoints for the trainer "
     "(takes every `vllm serve` flag; `grpo-async serve --help` lists them)",
     "plot": "PNG plots of reward, KL, completion length, timings and overlap from OUTPUT_DIR/metrics.jsonl",
+    "grpo": "train with GRPO from the command line, as TRL's `trl grpo` (every GRPOConfig and ModelConfig field is "
+    "a flag, --config YAML; `grpo-async grpo --help` lists them)",
 }
 
 EPILOG = """examples:
   grpo-async serve --model PATH --port 8000 --api-key SECRET
-  grpo-async plot OUTPUT_DIR [--out PNG]"""
+  grpo-async plot OUTPUT_DIR [--out PNG]
+  grpo-async grpo --model_name_or_path PATH --dataset_name DATA --reward_funcs math_reward --max_steps 10"""
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The top-level parser: a command, then that command's own arguments (parsed by the command)."""
     p = argparse.ArgumentParser(
         prog="grpo-async",
-        description="Asynchronous GRPO: generation servers and training plots.",
+        description="Asynchronous GRPO: generation servers, training from the command line and training plots.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from .generation.serve import main as serve_main
 
         return serve_main(rest) or 0
+    if cmd == "grpo":
+        from .scripts.grpo import main as grpo_main
+
+        return grpo_main(rest)
     return _plot(rest)
 
 

@@ -5,16 +5,21 @@ completions of the final model (greedy and sampled), where it wrote the metrics 
 and ends with `RESULT demo_reward_first10=<a> demo_reward_last10=<b>`. The trained model (or LoRA adapter with
 `--use_peft`) and its model card (README.md) are saved to `--output_dir`.
 
+Every `GRPOConfig` and `ModelConfig` field is a flag (`--seed 3`, `--logging_steps 5`, `--beta 0.04`, ...), as in
+TRL's scripts; `--config recipes/configs/demo.yaml` sets defaults for any of them, and flags override the file. The
+demo's own defaults (`demo_defaults()`: learning rate 5e-4, 200 steps, ...) replace the dataclasses' where they differ.
+`--backend` is another name of `--generation_backend` (vllm when vLLM is installed, else hf; env `DEMO_BACKEND`).
+
 Launch on several processes with one of the accelerate configs, e.g.
 `accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/demo.py --backend hf`.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import time
+from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine starts in seconds
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
@@ -22,14 +27,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 from accelerate import PartialState
-from transformers import HfArgumentParser
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import LETTERS, letter_reward, make_dataset, make_ends_cleanly_for
 from grpo_async.loading import load_tokenizer
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics, use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
-from grpo_async.recipe_parser import apply_yaml_defaults
+from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 
 DATASET_NAME = "letter task (grpo_async.demo_task)"
@@ -77,73 +81,81 @@ def show_final_completions(trainer, tokenizer, max_new_tokens: int, sampled: int
                 print(f"  Say {c}: greedy {texts[0]!r}  sampled " + "  ".join(repr(t) for t in texts[1:]))
 
 
-def main(argv=None):
-    p = HfArgumentParser((ModelConfig,), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", default="demo_output")
-    p.add_argument("--max_steps", type=int, default=200)
-    p.add_argument(
-        "--backend",
-        default=os.environ.get("DEMO_BACKEND", _default_backend()),
-        help="vllm (in-process engine; the default when vLLM is installed) | hf (transformers generate)",
-    )
-    p.add_argument("--num_batches_ahead", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=5e-4)
-    p.add_argument("--per_device_train_batch_size", type=int, default=32)
-    p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--max_completion_length", type=int, default=16)
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
-    p.add_argument("--report_to", nargs="*", default=[], help="e.g. tensorboard (default: none)")
-    p.add_argument("--log_completions", action="store_true", help="completions table: console and parquet")
-    p.add_argument("--push_to_hub", action="store_true", help="upload the model and its card at the end")
-    p.add_argument("--hub_model_id", default=None)
-    apply_yaml_defaults(p, argv)  # --config recipes/configs/demo.yaml: defaults for the flags above
-    model_args, a = p.parse_args_into_dataclasses(argv)
+@dataclass
+class DemoArguments:
+    """The demo's own arguments (every `GRPOConfig` and `ModelConfig` field is a flag too)."""
 
+    dataset_size: int = field(default=4096, metadata={"help": "Prompts of the letter task (seeded by --seed)."})
+    sampled_completions: int = field(
+        default=2, metadata={"help": "Sampled completions of the final model shown per prompt (besides greedy)."}
+    )
+
+
+def demo_defaults() -> dict:
+    """The demo's defaults for `GRPOConfig` fields (`--config` YAML and flags override them): what `make demo`
+    trains with."""
+    return dict(
+        output_dir="demo_output",
+        max_steps=200,
+        generation_backend=os.environ.get("DEMO_BACKEND", _default_backend()),
+        num_batches_ahead=1,
+        learning_rate=5e-4,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_prompt_length=32,
+        max_completion_length=16,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+    )
+
+
+def parse_args(
+    argv: list[str] | None = None, is_main_process: bool = True
+) -> tuple[DemoArguments, GRPOConfig, ModelConfig]:
+    """The demo's arguments from `demo_defaults()`, `--config <yaml>` and the flags in `argv` (without the program
+    name; defaults to `sys.argv[1:]`). `--backend` is another name of `--generation_backend`; the progress bar is
+    off on processes other than the main one."""
+    return parse_recipe_args(
+        (DemoArguments, GRPOConfig, ModelConfig),
+        argv,
+        __doc__,
+        defaults={**demo_defaults(), "disable_tqdm": not is_main_process},
+        aliases={"backend": "generation_backend"},
+        prog="recipes/demo.py",
+    )
+
+
+def main(argv: list[str] | None = None) -> GRPOTrainer:
+    """Train, save, show the final model's completions; returns the (closed) trainer. `argv` as for `parse_args`."""
     # cpu=True on a machine without CUDA: gloo process group, so that main_process_first really waits
     state = PartialState(cpu=not torch.cuda.is_available())
+    script, args, model_args = parse_args(argv, state.is_main_process)
     if model_args.model_name_or_path is not None:
         model_dir = model_args.model_name_or_path
+        args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
     else:
         with state.main_process_first():  # one process writes the model folder, the others wait
             model_dir = build_tiny_model(
-                os.path.join(a.output_dir, "tiny-model"),
+                os.path.join(args.output_dir, "tiny-model"),
                 TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4),
             )
-    metrics = os.path.join(a.output_dir, METRICS_FILE)
+    metrics = os.path.join(args.output_dir, METRICS_FILE)
     if os.path.exists(metrics) and state.is_main_process:
         os.remove(metrics)
-    args = GRPOConfig(
-        output_dir=a.output_dir,
-        use_cpu=not torch.cuda.is_available(),
-        per_device_train_batch_size=a.per_device_train_batch_size,
-        gradient_accumulation_steps=1,
-        num_generations=a.num_generations,
-        max_prompt_length=32,
-        max_completion_length=a.max_completion_length,
-        temperature=1.0,
-        learning_rate=a.learning_rate,
-        lr_scheduler_type="constant",
-        beta=a.beta,
-        loss_type="dapo",
-        num_batches_ahead=a.num_batches_ahead,
-        generation_backend=a.backend,
-        max_steps=a.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=a.report_to,
-        log_completions=a.log_completions,
-        push_to_hub=a.push_to_hub,
-        hub_model_id=a.hub_model_id,
-        model_init_kwargs=model_args.model_init_kwargs() if model_args.model_name_or_path else None,
-        seed=0,
-        disable_tqdm=not state.is_main_process,
-    )
     tokenizer = load_tokenizer(model_dir)
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=[letter_reward, make_ends_cleanly_for(tokenizer)],
         args=args,
-        train_dataset=make_dataset(4096, seed=0),
+        train_dataset=make_dataset(script.dataset_size, seed=args.seed),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
@@ -152,25 +164,28 @@ def main(argv=None):
     trainer.train()
     trainer.close()
     trainer.save_model()  # every process: sharded (FSDP, ZeRO-3) weights are gathered
-    if a.push_to_hub:
+    if args.push_to_hub:
         trainer.push_to_hub(dataset_name=DATASET_NAME)  # writes the model card, then uploads
     else:
         trainer.create_model_card(dataset_name=DATASET_NAME)
     seconds = time.time() - start
-    show_final_completions(trainer, tokenizer, a.max_completion_length)  # every process (ZeRO-3 gathers weights)
+    # every process (ZeRO-3 gathers weights)
+    show_final_completions(trainer, tokenizer, args.max_completion_length, script.sampled_completions)
     if not trainer.accelerator.is_main_process:
-        return
+        return trainer
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
-    png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="grpo_async demo: letter task")
+    png = os.path.join(args.output_dir, "reward_curve.png")
+    png = plot_metrics(metrics, png, title="grpo_async demo: letter task")
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
     acc = trainer.accelerator
     print(
-        f"trained {len(rewards)} steps in {seconds:.0f}s on backend={a.backend}, "
+        f"trained {len(rewards)} steps in {seconds:.0f}s on backend={args.generation_backend}, "
         f"{acc.num_processes} process(es), distributed_type={acc.distributed_type.value}"
     )
     print(f"metrics: {os.path.abspath(metrics)}")
     print(f"plot:    {os.path.abspath(png)}")
     print(f"RESULT demo_reward_first10={first:.4f} demo_reward_last10={last:.4f}")
+    return trainer
 
 
 if __name__ == "__main__":

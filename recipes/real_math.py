@@ -16,18 +16,21 @@ and ends with
 
 ```bash
 make demo-real                                        # defaults below: ~11 minutes on 2 CPU cores
-python recipes/real_math.py --max_steps 40 --eval_problems 200 --output_dir real_output
+python recipes/real_math.py --max_steps 40 --eval_problems 200 --output_dir real_output --seed 1
 ```
+
+Every `GRPOConfig` and `ModelConfig` field is a flag (TRL's script convention), `--config <yaml>` sets defaults for
+any of them; `real_math_defaults()` holds the recipe's own defaults. `--model_name_or_path` replaces SmolLM2.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import random
 import re
 import time
+from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine starts in seconds
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
@@ -39,6 +42,8 @@ from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.envs import template_ids
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.logging_utils import METRICS_FILE, plot_metrics, use_concise_console
+from grpo_async.model_config import ModelConfig, get_peft_config
+from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.rewards.builtin import completion_text
 from grpo_async.testing import build_smollm2
 
@@ -98,70 +103,90 @@ def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
     return sum(stated_sum(t) == a + b for t, (a, b) in zip(texts, pairs, strict=True)) / len(pairs), texts
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", default="real_output")
-    p.add_argument("--max_steps", type=int, default=20)
-    p.add_argument("--train_problems", type=int, default=2000)
-    p.add_argument("--eval_problems", type=int, default=128)
-    p.add_argument("--num_generations", type=int, default=4)
-    p.add_argument("--per_device_train_batch_size", type=int, default=16)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--max_completion_length", type=int, default=64)
-    p.add_argument("--learning_rate", type=float, default=2e-5)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--num_batches_ahead", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+@dataclass
+class RealMathArguments:
+    """The recipe's own arguments (every `GRPOConfig` and `ModelConfig` field is a flag too)."""
 
-    model_path = build_smollm2()  # ~40 s the first time, cached afterwards
-    held_out = make_problems(a.eval_problems, seed=a.seed + 1)
-    train = make_problems(a.train_problems, seed=a.seed, exclude=set(held_out))
-    from datasets import Dataset
+    train_problems: int = field(default=2000, metadata={"help": "Training problems (pairs a, b; seeded by --seed)."})
+    eval_problems: int = field(
+        default=128, metadata={"help": "Held-out problems for greedy accuracy before and after training."}
+    )
 
-    args = GRPOConfig(
-        output_dir=a.output_dir,
+
+def real_math_defaults() -> dict:
+    """The recipe's defaults for `GRPOConfig` fields (`--config` YAML and flags override them)."""
+    return dict(
+        output_dir="real_output",
         use_cpu=not torch.cuda.is_available(),
         generation_backend="vllm",
         vllm_max_model_length=256,
         max_prompt_length=128,
-        max_completion_length=a.max_completion_length,
-        num_generations=a.num_generations,
-        per_device_train_batch_size=a.per_device_train_batch_size,
-        gradient_accumulation_steps=a.gradient_accumulation_steps,
-        num_batches_ahead=a.num_batches_ahead,
-        temperature=a.temperature,
-        learning_rate=a.learning_rate,
+        max_completion_length=64,
+        num_generations=4,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        num_batches_ahead=1,
+        temperature=0.7,
+        learning_rate=2e-5,
         lr_scheduler_type="constant",
-        max_steps=a.max_steps,
+        max_steps=20,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
         reward_weights=[1.0, 1.0],
-        seed=a.seed,
+        seed=0,
     )
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RealMathArguments, GRPOConfig, ModelConfig]:
+    """The recipe's arguments from `real_math_defaults()`, `--config <yaml>` and the flags in `argv` (without the
+    program name; defaults to `sys.argv[1:]`)."""
+    return parse_recipe_args(
+        (RealMathArguments, GRPOConfig, ModelConfig),
+        argv,
+        __doc__,
+        defaults=real_math_defaults(),
+        prog="recipes/real_math.py",
+    )
+
+
+def main(argv: list[str] | None = None) -> GRPOTrainer:
+    """Evaluate, train, evaluate; returns the (closed) trainer. `argv` as for `parse_args`."""
+    script, args, model_args = parse_args(argv)
+    if model_args.model_name_or_path is not None:
+        model_path = model_args.model_name_or_path
+        args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
+    else:
+        model_path = build_smollm2()  # ~40 s the first time, cached afterwards
+    held_out = make_problems(script.eval_problems, seed=args.seed + 1)
+    train = make_problems(script.train_problems, seed=args.seed, exclude=set(held_out))
+    from datasets import Dataset
+
     trainer = GRPOTrainer(
         model=model_path,
         reward_funcs=[sum_reward, boxed_format],
         args=args,
         train_dataset=Dataset.from_dict(as_rows(train)),
+        peft_config=get_peft_config(model_args),
     )
     use_concise_console(trainer)
     start = time.time()
-    before, _ = greedy_accuracy(trainer, held_out, a.max_completion_length)
+    before, _ = greedy_accuracy(trainer, held_out, args.max_completion_length)
     print(f"greedy accuracy before training on {len(held_out)} held-out problems: {before:.3f}", flush=True)
     trainer.train()
     trainer.sync_weights()  # the sampler gets the final weights
-    after, texts = greedy_accuracy(trainer, held_out, a.max_completion_length)
+    after, texts = greedy_accuracy(trainer, held_out, args.max_completion_length)
     seconds = time.time() - start
     print("final model, greedy, held-out problems:")
     for (x, y), text in list(zip(held_out, texts, strict=True))[:6]:
         print(f"  {x} + {y} = {x + y}: {text!r}")
-    metrics = os.path.join(a.output_dir, METRICS_FILE)
-    png = plot_metrics(metrics, os.path.join(a.output_dir, "reward_curve.png"), title="SmolLM2-135M: 2-digit addition")
-    print(f"trained {a.max_steps} steps in {seconds:.0f} s (evaluations included); plot: {os.path.abspath(png)}")
+    metrics = os.path.join(args.output_dir, METRICS_FILE)
+    png = os.path.join(args.output_dir, "reward_curve.png")
+    png = plot_metrics(metrics, png, title="SmolLM2-135M: 2-digit addition")
+    print(f"trained {args.max_steps} steps in {seconds:.0f} s (evaluations included); plot: {os.path.abspath(png)}")
     print(f"RESULT real_acc_before={before:.4f} real_acc_after={after:.4f}")
     trainer.close()
+    return trainer
 
 
 if __name__ == "__main__":

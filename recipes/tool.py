@@ -90,7 +90,13 @@ def build_dataset(a: ToolArguments, env: ToolEnv, seed: int):
 
 
 def main(argv=None):
-    script, args, model_args = parse_recipe_args((ToolArguments, GRPOConfig, ModelConfig), argv, __doc__)
+    script, args, model_args = parse_recipe_args(
+        (ToolArguments, GRPOConfig, ModelConfig),
+        argv,
+        __doc__,
+        aliases={"dataset_name": "dataset"},  # TRL's script names
+        prog="recipes/tool.py",
+    )
     if model_args.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required (a Hub id or a local folder)")
     args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
