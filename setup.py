@@ -44,5 +44,10 @@ setup(
         "math-verify>=0.7",  # grpo_async.rewards.math_reward
     ],
     extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "dev": TEST},
-    entry_points={"console_scripts": ["grpo-async=grpo_async.cli:main"]},
+    entry_points={
+        "console_scripts": ["grpo-async=grpo_async.cli:main"],
+        # vLLM calls this in each of its processes: `vllm serve --weight-transfer-config '{"backend": "grpo_async"}'`
+        # then receives our weight buckets (docs/trl-vllm-serve.md)
+        "vllm.general_plugins": ["grpo_async=grpo_async.weight_sync.vllm_engine:register"],
+    },
 )

@@ -75,15 +75,35 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str):
 
 
 def _make_vllm_server(args, model, tokenizer, model_path: str):
+    from .stock_server import detect_server_kind
     from .vllm_backends import VLLMServerBackend
 
     urls = list(args.server_urls)
     transport = server_transport(args, urls)
+    if detect_server_kind(urls[0], args.vllm_api_key) == "stock":  # a plain `vllm serve` / `trl vllm-serve`
+        return _make_stock_server(args, urls, transport)
     return VLLMServerBackend(
         urls,
         api_key=args.vllm_api_key,
         timeout=args.vllm_server_timeout,
         transport="broadcast" if transport == "none" else transport,
+        bucket_mb=args.weight_sync_bucket_mb,
+        max_concurrency=args.vllm_max_concurrency,
+        master_address=args.vllm_master_address,
+        inflight_updates=args.weight_sync_inflight,
+    )
+
+
+def _make_stock_server(args, urls: list[str], transport: str):
+    """A stock vLLM server (no `/ws/*` routes): weights through vLLM's RL API into our `grpo_async` weight-transfer
+    engine, over shared memory ('ipc' / 'auto' on this machine) or a gloo broadcast (see `stock_server`)."""
+    from .stock_server import StockVLLMServerBackend
+
+    return StockVLLMServerBackend(
+        urls,
+        api_key=args.vllm_api_key,
+        timeout=args.vllm_server_timeout,
+        transport="shm" if transport in ("shm", "cuda_ipc") else "broadcast",
         bucket_mb=args.weight_sync_bucket_mb,
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
