@@ -97,6 +97,20 @@ def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_pat
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_a_round_in_progress_on_in_process_vllm_is_aborted(tiny_model_path, tmp_path):
+    """As above on the in-process vLLM engine (forced 160-token completions, 8 calls a round): `stop` aborts the
+    engine's requests between two steps; round 1 is never scored, exit 0."""
+    kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4, backend="vllm")
+    result, _ = _run("train", tiny_model_path, tmp_path / "i", gen_kwargs={"min_tokens": 160}, **kw)
+    assert result["global_step"] == 1
+    assert result["reward_calls"] == 1 and result["rounds_produced"] == 1, result
+    assert result["rounds_started"] == [0, 1], result
+    assert result["rounds_interrupted"] == [1], result
+    assert result["threads"] == [], result
+
+
+@pytest.mark.slow
 def test_a_thread_stuck_in_a_reward_past_the_stop_timeout_is_joined_before_exit(tiny_model_path, tmp_path):
     """A callback stops training after step 1 while round 1 (legitimately ahead) is in its reward: 20 s of torch work
     no backend can abort, twice the 10 s stop timeout. The thread is joined at interpreter exit instead of being
