@@ -12,6 +12,7 @@ One reload session (layerwise reload, the sequence that works after vLLM repacke
 ```
 begin:  initialize_layerwise_reload(model)              # layers go to meta, loaders buffer until a layer is whole
 load:   model.load_weights([(hf_name, tensor), ...])     # once per bucket; vLLM fuses q/k/v and gate/up itself
+        lm_head.weight.weight_loader(embedding)         # tied LM head only (`tied_lm_head`): vLLM drops lm_head.*
 end:    finalize_layerwise_reload(model, model_config)  # ALWAYS (in `finally`): otherwise the model stays on meta
 ```
 
@@ -172,6 +173,7 @@ class WeightSyncWorker:
         st = self.__dict__.get("_ws")
         if st is None:
             st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None, "lora": None, "loras": []}
+            st["tied"] = None  # (LM head, HF name of the embedding it is tied to) during a full-weights session
             st["received"] = {"broadcast": 0, "shm": 0, "cuda_ipc": 0}  # buckets received, by transport
             self.__dict__["_ws"] = st
         return st
@@ -194,6 +196,7 @@ class WeightSyncWorker:
             self._ws_lora_manager()  # fail now if the engine has no LoRA support
             st["lora"] = {}
         else:
+            st["tied"] = tied_lm_head(self._ws_model())  # before the reload puts each layer's weights on meta
             with set_current_vllm_config(self.vllm_config):
                 initialize_layerwise_reload(self._ws_model())
         st["open"] = True
@@ -209,6 +212,11 @@ class WeightSyncWorker:
             return
         with set_current_vllm_config(self.vllm_config):
             self._ws_model().load_weights(named)
+            if st["tied"] is not None:  # vLLM's loader drops `lm_head.*` here: load the head from the embedding
+                head, embed_name = st["tied"]
+                for name, tensor in named:
+                    if name == embed_name:
+                        head.weight.weight_loader(head.weight, tensor)
 
     def _ws_end(self, lora: dict | None = None) -> None:
         """Close the open session: finalize a weight reload; install a LoRA session's adapter when `lora` (the closing
@@ -231,13 +239,13 @@ class WeightSyncWorker:
         try:
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
-            _retie_embeddings(self._ws_model())
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 fn = getattr(self.model_runner, reset, None)
                 if fn is not None:
                     fn()
         finally:
             st["open"] = False
+            st["tied"] = None
             self._ws_release()
 
     def _ws_lora_manager(self):
@@ -550,25 +558,20 @@ class WeightSyncWorker:
             yield unpack_bucket(layout, bufs)
 
 
-def _retie_embeddings(model) -> None:
-    """Models with tied input and output embeddings (SmolLM2, Gemma, Qwen2.5-0.5B, ...): vLLM's loader drops
-    `lm_head.*` for them (the LM head *is* the embedding), so the layerwise reload sees no weights for the LM head
-    and puts its previous kernel tensors back ("ParallelLMHead: Failed to load weights"): the sampler would score
-    every token with the old output embedding (measured on SmolLM2: logprobs off by up to 1.7 after one push). Tie
-    it to the freshly loaded embedding again and re-prepare its matmul kernel."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not getattr(text, "tie_word_embeddings", False):
-        return
-    lm_head = getattr(model, "lm_head", None)
+def tied_lm_head(model) -> tuple[torch.nn.Module, str] | None:
+    """`(lm_head, "model.embed_tokens.weight")` when vLLM serves `model` with its LM head tied to the input embedding
+    (one parameter: SmolLM2, Gemma, Qwen2.5-0.5B, ...), else None. Call it outside a reload session.
+
+    vLLM's `load_weights` drops `lm_head.*` for such a model (the head *is* the embedding), so a layerwise reload sees
+    no weights for the head layer: it would warn "ParallelLMHead: Failed to load weights", put the head's old tensors
+    back and keep its old CPU matmul kernel (prepacked from the weight at load time: the sampler would score every
+    token with the old output embedding; measured on SmolLM2 before the head was reloaded: logprobs off by up to 1.7
+    after one push). The worker therefore feeds the received embedding to the head's own weight loader as well: the
+    reload then processes the head like any other layer (its kernel prepared from the new weight), and says nothing.
+    """
+    head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None or embed is None or not hasattr(lm_head, "tie_weights"):
-        logger.warning("tied embeddings, but no lm_head / model.embed_tokens to tie again on %s", type(model).__name__)
-        return
-    if getattr(lm_head, "weight", None) is not embed.weight:
-        lm_head = model.lm_head = lm_head.tie_weights(embed)
-    # on CPU the LM head multiplies through a kernel prepared from its weight at load time (`cpu_linear`, oneDNN):
-    # prepare it again from the new weight, or the logits keep using the old one
-    method = getattr(lm_head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(lm_head)
+    weight = getattr(head, "weight", None)
+    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
+        return None
+    return head, "model.embed_tokens.weight"
