@@ -220,7 +220,7 @@ def test_model_whose_head_size_vllm_cannot_serve_is_refused_at_construction(tiny
     model = AutoModelForCausalLM.from_config(config)
     args = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4, num_generations=4,
-        use_vllm=True,
+        use_vllm=True, max_completion_length=16,
     )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     with pytest.raises(ValueError, match=rf"head size is {hidden // heads}.*supports head sizes \[32, 64"):
