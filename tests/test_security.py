@@ -1,7 +1,9 @@
 """Security defaults: loopback bind, the API key on every route, no pickles on weight routes, no remote code.
 
-One real `grpo-async serve` is started here WITHOUT `--host` (the defaults are what is under test). The routes and the
-pickle refusal on `/ws/update` are also checked in tests/test_vllm_backends.py; this file covers the rest.
+One real `grpo-async serve` is started here WITHOUT `--host` (the defaults are what is under test), its key given only
+through the `VLLM_API_KEY` variable (vLLM alone would guard `/v1` with it and leave the weight routes open). The
+routes and the pickle refusal on `/ws/update` with `--api-key` are also checked in tests/test_vllm_backends.py, the key
+from `--api-key-file` in tests/test_hardening.py; this file covers the rest.
 """
 
 import json
@@ -27,8 +29,8 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"
 def server(tiny_model_path):
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path)]
-    args += ["--port", str(port), "--api-key", KEY, *SERVER_ARGS]  # no --host: the default is under test
-    env = {**CPU_ENV, **os.environ, **SERVER_ENV}
+    args += ["--port", str(port), *SERVER_ARGS]  # no --host: the default is under test
+    env = {**CPU_ENV, **os.environ, **SERVER_ENV, "VLLM_API_KEY": KEY}  # the key only in the variable
     env.pop("VLLM_SERVER_DEV_MODE", None)
     fd, log_path = tempfile.mkstemp(prefix="grpo_security_", suffix=".log")
     before = frozenset(_shm_names())
@@ -77,6 +79,64 @@ def test_api_key_guards_the_remaining_routes(server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):  # no "Bearer ": refused too
         r = requests.request(method, server.url + path, json={}, headers=headers, timeout=10)
         assert r.status_code == 401, (method, path, headers, r.status_code)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("POST", "/ws/update", {"transport": "shm", "buckets": [], "segments": []}),
+        ("POST", "/ws/logprobs", {"sequences": [{"prompt_ids": [7], "completion_ids": [8]}]}),
+        ("POST", "/ws/init_broadcast", {"host": "127.0.0.1", "port": 1, "world_size": 2}),
+        ("GET", "/ws/info", None),
+        ("POST", "/tokenize", {"prompt": "abc"}),
+        ("GET", "/metrics", None),
+        ("GET", "/docs", None),
+        ("GET", "/health", None),
+        ("OPTIONS", "/ws/update", None),
+        ("OPTIONS", "/v1/completions", None),
+    ],
+)
+def test_a_key_from_vllm_api_key_guards_the_weight_routes_too(server, method, path, body):
+    cors = {"Origin": "http://elsewhere.example", "Access-Control-Request-Method": "POST"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, cors):
+        r = requests.request(method, server.url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
+
+
+def test_the_key_comes_from_the_flag_then_the_file_then_the_variable(tmp_path):
+    from grpo_async.generation.serve import make_parser, resolve_api_key
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    env = {"VLLM_API_KEY": "from-env"}
+    parse = make_parser().parse_args
+    both = ["--model", "m", "--api-key", "flag", "--api-key-file", str(key_file)]
+    assert resolve_api_key(parse(both), env) == "flag"
+    assert resolve_api_key(parse(["--model", "m", "--api-key-file", str(key_file)]), env) == "from-file"
+    assert resolve_api_key(parse(["--model", "m"]), env) == "from-env"
+    assert resolve_api_key(parse(["--model", "m"]), {}) is None
+    key_file.write_text("\n")
+    with pytest.raises(SystemExit, match=f"{key_file} is empty"):
+        resolve_api_key(parse(["--model", "m", "--api-key-file", str(key_file)]), {})
+    with pytest.raises(SystemExit, match="cannot read --api-key-file"):
+        resolve_api_key(parse(["--model", "m", "--api-key-file", str(tmp_path / "missing")]), {})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0"])
+def test_a_non_loopback_host_without_a_key_is_refused_before_the_engine_starts(tiny_model_path, host):
+    env = {**CPU_ENV, **os.environ, **SERVER_ENV}
+    env.pop("VLLM_API_KEY", None)
+    cmd = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path), "--host", host]
+    cmd += ["--port", str(free_port()), *SERVER_ARGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)  # today's main starts a server open to the network: never returns
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"grpo-async serve --host {host} without a key started instead of refusing")
+    assert proc.returncode != 0 and b"without an API key" in out and b"--api-key-file" in out, out[-2000:]
 
 
 @pytest.mark.vllm

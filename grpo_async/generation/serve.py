@@ -11,9 +11,14 @@ python -m grpo_async.generation.serve --model PATH --port 8000 --api-key SECRET
 # prints:  grpo-async serve: ready at http://127.0.0.1:8000
 ```
 
-Security: `--api-key` guards EVERY route (the OpenAI API, `/health`, `/ws/*`), not only `/v1`. vLLM's
-generic dev routes (`/collective_rpc`, `/pause`, `/sleep`, ...) are never exposed: `VLLM_SERVER_DEV_MODE` is forced
-off and those paths answer 404 even if a plugin registers them. Weight updates only go through:
+Security: the API key guards EVERY route and method (the OpenAI API, `/health`, `/ws/*`, `OPTIONS`), not only
+`/v1`, whichever way it is given: `--api-key KEY`, `--api-key-file PATH` (keeps it out of `ps` and shell history) or
+the `VLLM_API_KEY` variable (vLLM's own, which vLLM alone applies to `/v1` only). A server refuses to listen on a
+non-loopback host without a key. Every request body is capped (`--max-request-mb`, 413 beyond it) and a client gets
+`--header-timeout` seconds to send its request headers. vLLM's generic dev routes (`/collective_rpc`, `/pause`,
+`/sleep`, ...) are never exposed: `VLLM_SERVER_DEV_MODE` is forced off and those paths answer 404 even if a plugin
+registers them. The engine processes exit when the API process dies (even by SIGKILL). Weight updates only go
+through:
 
 | route | body (JSON only; pickled or non-JSON bodies get 415) | answer |
 |---|---|---|
@@ -62,10 +67,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import math
 import os
+import re
 import secrets
+import socket
 import sys
 
 from fastapi import HTTPException, Request
@@ -93,16 +101,29 @@ BLOCKED_PATHS = (
 )
 
 
-class GuardMiddleware:
-    """Pure ASGI middleware: 404 for vLLM's dev routes, 401 for any request without the API key (every path)."""
+#: `--max-request-mb` default: the largest request body any route accepts (413 beyond it)
+MAX_REQUEST_MB = 8.0
+#: `--header-timeout` default: seconds a client may take to send a request's headers (then the connection is closed)
+HEADER_TIMEOUT_S = 20.0
+#: the largest `timeout_s` `/ws/init_broadcast` accepts (the engine waits that long for the trainer's group)
+MAX_GROUP_TIMEOUT_S = 300.0
 
-    def __init__(self, app, api_keys: list[str] | None = None):
+
+class GuardMiddleware:
+    """Pure ASGI middleware: 404 for vLLM's dev routes, 401 for any request without the API key (every path and
+    method, `OPTIONS` included), 413 for a body over `max_body_bytes` (read before the app sees it, so no route can
+    be fed more)."""
+
+    def __init__(self, app, api_keys: list[str] | None = None, max_body_bytes: int = int(MAX_REQUEST_MB * 2**20)):
         self.app = app
         self.hashes = [hashlib.sha256(k.encode()).digest() for k in (api_keys or []) if k]
+        self.max_body_bytes = int(max_body_bytes)
 
-    async def _reply(self, send, status: int, message: str):
+    async def _reply(self, send, status: int, message: str, close: bool = False):
         body = json.dumps({"error": message}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -119,6 +140,31 @@ class GuardMiddleware:
             ok |= secrets.compare_digest(digest, h)
         return ok
 
+    def _too_large(self, size: int) -> str:
+        return (
+            f"request body of {size} bytes or more is over this server's limit of {self.max_body_bytes} bytes "
+            "(grpo-async serve --max-request-mb)"
+        )
+
+    async def _read_body(self, scope, receive, send) -> list[dict] | None:
+        """The request's body messages, or None after answering 413 (declared or streamed over the limit)."""
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._reply(send, 413, self._too_large(int(length)), close=True)
+            return None
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages  # the client went away: the app sees the disconnect
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await self._reply(send, 413, self._too_large(size), close=True)
+                return None
+            if not message.get("more_body", False):
+                return messages
+
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
@@ -127,11 +173,65 @@ class GuardMiddleware:
             if scope["type"] == "http":
                 return await self._reply(send, 404, f"{path} is not exposed by grpo-async serve")
             return None
-        if scope.get("method") != "OPTIONS" and not self._authorized(scope):
+        if not self._authorized(scope):
             if scope["type"] == "http":
                 return await self._reply(send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
             return None
-        return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await self.app(scope, receive, send)
+        messages = await self._read_body(scope, receive, send)
+        if messages is None:
+            return None
+
+        async def replay():  # the body as read, then the client's later messages (disconnect)
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def header_deadline_protocol(base: type, seconds: float) -> type:
+    """A uvicorn HTTP protocol class (`base`: uvicorn's h11 or httptools protocol) that closes a connection whose
+    client takes more than `seconds` to send a request's headers: from the connection's start, and from the first
+    byte of each later request on a kept-alive connection (uvicorn itself bounds only the idle time between requests).
+    """
+
+    class HeaderDeadline(base):
+        _header_timer = None
+
+        def _awaiting_headers(self) -> bool:  # no request parsed yet, or the last one answered
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = asyncio.get_running_loop().call_later(seconds, self._header_deadline)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_deadline(self) -> None:
+            self._header_timer = None
+            if self._awaiting_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._awaiting_headers():
+                self._arm()
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    HeaderDeadline.__name__ = HeaderDeadline.__qualname__ = f"HeaderDeadline{base.__name__}"
+    return HeaderDeadline
 
 
 async def _json_body(request: Request) -> dict:
@@ -169,12 +269,7 @@ def add_weight_routes(app) -> None:
     @app.post("/ws/init_broadcast")
     async def ws_init_broadcast(request: Request):
         body = await _json_body(request)
-        spec = {"host": str, "port": int, "world_size": int, "group_name": str, "timeout_s": (int, float)}
-        if set(body) - set(spec) or not {"host", "port", "world_size"} <= set(body):
-            raise HTTPException(400, f"init_broadcast takes keys {sorted(spec)} (host, port, world_size required)")
-        for k, typ in spec.items():
-            if k in body and (not isinstance(body[k], typ) or isinstance(body[k], bool)):
-                raise HTTPException(400, f"init_broadcast: {k!r} has the wrong type ({type(body[k]).__name__})")
+        await check_init_broadcast(body)
         async with lock:
             out = await engine(request).collective_rpc("ws_init_broadcast", kwargs=body)
         return {"ranks": [o["rank"] for o in out]}
@@ -221,6 +316,58 @@ def add_weight_routes(app) -> None:
                     await eng.resume_generation()
                     state["session_open"] = False
         return out[0]
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+
+
+async def check_init_broadcast(body: dict) -> None:
+    """Refuse (HTTP 400) an `/ws/init_broadcast` body the engine must not act on: wrong keys or types, a port outside
+    1..65535, a world size below 2, `timeout_s` not in (0, `MAX_GROUP_TIMEOUT_S`], a host that does not resolve, or
+    an address where no `TCPStore` answers within `timeout_s`. The checks run off the event loop and before the
+    engine is involved: joining a dead address would otherwise block the engine (and every completion) for the whole
+    timeout."""
+    spec = {"host": str, "port": int, "world_size": int, "group_name": str, "timeout_s": (int, float)}
+    if set(body) - set(spec) or not {"host", "port", "world_size"} <= set(body):
+        raise HTTPException(400, f"init_broadcast takes keys {sorted(spec)} (host, port, world_size required)")
+    for k, typ in spec.items():
+        if k in body and (not isinstance(body[k], typ) or isinstance(body[k], bool)):
+            raise HTTPException(400, f"init_broadcast: {k!r} has the wrong type ({type(body[k]).__name__})")
+    host, port, timeout = body["host"], body["port"], body.get("timeout_s", 60.0)
+    if not 1 <= port <= 65535:
+        raise HTTPException(400, f"init_broadcast: 'port' must be in 1..65535, got {port}")
+    if body["world_size"] < 2:
+        raise HTTPException(400, f"init_broadcast: 'world_size' must be >= 2 got {body['world_size']}")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_GROUP_TIMEOUT_S):
+        raise HTTPException(
+            400, f"init_broadcast: 'timeout_s' must be in (0, {MAX_GROUP_TIMEOUT_S:.0f}] seconds, got {timeout!r}"
+        )
+    if "group_name" in body and not _GROUP_NAME.fullmatch(body["group_name"]):
+        raise HTTPException(400, "init_broadcast: 'group_name' must be 1-200 characters of [A-Za-z0-9_.:-]")
+    if not host or len(host) > 253:
+        raise HTTPException(400, f"init_broadcast: 'host' must be a host name or address, got {host!r}")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM), timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        raise HTTPException(400, f"init_broadcast: host {host!r} does not resolve ({type(e).__name__}: {e})") from e
+    try:
+        await asyncio.to_thread(_probe_store, host, port, float(timeout))
+    except Exception as e:  # noqa: BLE001 - any failure means the engine would hang there
+        raise HTTPException(
+            400,
+            f"init_broadcast: no TCPStore answers at {host}:{port} within timeout_s={timeout:g} "
+            f"({type(e).__name__}: {str(e)[:200]}); the trainer hosts it before calling this route",
+        ) from e
+
+
+def _probe_store(host: str, port: int, timeout_s: float) -> None:
+    """Connect to the trainer's `TCPStore` as a client and make one round trip (raises if none answers in time)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store.num_keys()
 
 
 def _register_lora(app, ours: dict, spec: dict, resident: list) -> None:
@@ -296,9 +443,18 @@ def add_logprob_route(app) -> None:
             return [_rescaled(lps[P + j], tok, temperature) for j, tok in enumerate(s["completion_ids"])]
 
         try:
-            return {"logprobs": await asyncio.gather(*(one(s) for s in seqs))}
+            out = await asyncio.gather(*(one(s) for s in seqs))
         except ValueError as e:  # vLLM refuses the request (e.g. --max-logprobs too small, sequence too long)
             raise HTTPException(400, f"logprobs: {e}") from e
+        for i, lps in enumerate(out):
+            bad = [j for j, lp in enumerate(lps) if not math.isfinite(lp)]
+            if bad:  # the request was fine: the weights this server holds give NaN/inf (a server fault)
+                raise HTTPException(
+                    500,
+                    f"logprobs: the served model gives non-finite logprobs (sequence {i}, completion positions "
+                    f"{bad[:8]}): its weights hold NaN/inf; reload or push valid weights",
+                )
+        return {"logprobs": out}
 
 
 #: what `grpo-async serve --help` prints first: our flags and defaults, then vLLM's engine options
@@ -310,8 +466,13 @@ vLLM's OpenAI-compatible server plus the weight-sync routes a grpo_async trainer
 grpo-async options and defaults (they differ from `vllm serve`):
   MODEL                 a local model folder or a Hugging Face Hub id (same as --model)
   --host HOST           default 127.0.0.1: loopback only; pass --host 0.0.0.0 to listen on every interface
-  --api-key KEY         required on EVERY route (OpenAI API, /health, /ws/*, docs), not only /v1; clients send
-                        `Authorization: Bearer KEY`. A request without it, or with another key, gets HTTP 401.
+  --api-key KEY         required on EVERY route and method (OpenAI API, /health, /ws/*, docs, OPTIONS), not only
+                        /v1; clients send `Authorization: Bearer KEY`. A request without it, or with another key, gets
+                        HTTP 401. Also read from --api-key-file PATH (first line) or the VLLM_API_KEY variable (in
+                        that order of precedence). Required when --host is not a loopback address.
+  --api-key-file PATH   the API key, from a file (not visible in `ps` or shell history)
+  --max-request-mb MB   default 8: the largest request body any route accepts (HTTP 413 beyond it)
+  --header-timeout S    default 20: seconds a client may take to send a request's headers before it is cut off
   --frozen              refuse weight updates (HTTP 403): for a reference-model server (GRPOConfig.ref_server_url)
   --gpu-memory-utilization F
                         on a GPU: vLLM's default (0.92 of the GPU). On CPU, where it is the share of the machine's
@@ -347,7 +508,61 @@ def make_parser():
     parser.add_argument(
         "--frozen", action="store_true", help="grpo-async: refuse weight updates (403), e.g. for a reference server"
     )
+    parser.add_argument("--api-key-file", default=None, help="grpo-async: read the API key from this file")
+    parser.add_argument(
+        "--max-request-mb", type=float, default=MAX_REQUEST_MB, help="grpo-async: request body cap (413 beyond it)"
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help="grpo-async: seconds a client may take to send its request headers",
+    )
     return parser
+
+
+def resolve_api_key(args, environ: dict) -> str | None:
+    """The server's API key: `--api-key`, else the first line of `--api-key-file`, else `VLLM_API_KEY`; None when
+    none is given. Raises `SystemExit` naming the file when it cannot be read or is empty."""
+    given = [k for k in (args.api_key or []) if k]
+    if given:
+        if len(set(given)) > 1:
+            raise SystemExit("grpo-async serve: give one --api-key (several keys are not supported)")
+        return given[0]
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise SystemExit(f"grpo-async serve: cannot read --api-key-file {args.api_key_file}: {e}") from e
+        if not key:
+            raise SystemExit(f"grpo-async serve: --api-key-file {args.api_key_file} is empty")
+        return key
+    return environ.get("VLLM_API_KEY") or None
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether listening on `host` is reachable from this machine only (`None`/"" mean every interface: no)."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _check_limits(args) -> None:
+    if not (math.isfinite(args.max_request_mb) and args.max_request_mb > 0):
+        raise SystemExit(f"grpo-async serve: --max-request-mb must be a number > 0, got {args.max_request_mb}")
+    if not (math.isfinite(args.header_timeout) and args.header_timeout > 0):
+        raise SystemExit(f"grpo-async serve: --header-timeout must be seconds > 0, got {args.header_timeout}")
 
 
 def print_help(file=None) -> None:
@@ -402,7 +617,7 @@ def _default_cpu_chunked_prefill(args, argv: list[str]) -> None:
         args.enable_chunked_prefill = False
 
 
-async def _serve(args) -> None:
+async def _serve(args, api_key: str | None) -> None:
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -420,9 +635,13 @@ async def _serve(args) -> None:
             add_weight_routes(app)
         add_logprob_route(app)
         app.middleware_stack = None  # vLLM's bootstrap may have built it; ours must wrap everything
-        app.add_middleware(GuardMiddleware, api_keys=[k for k in (args.api_key or []) if k])  # outermost
+        app.add_middleware(  # outermost
+            GuardMiddleware, api_keys=[api_key] if api_key else [], max_body_bytes=int(args.max_request_mb * 2**20)
+        )
         await init_app_state(engine_client, app.state, args, supported_tasks)
-        kwargs = {}
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        kwargs = {"http": header_deadline_protocol(AutoHTTPProtocol, args.header_timeout)}
         log_config = get_uvicorn_log_config(args)
         if log_config is not None:
             kwargs["log_config"] = log_config
@@ -474,6 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     _default_cpu_memory(args, argv)
     _default_cpu_chunked_prefill(args, argv)
+    _default_shutdown_timeout(args, argv)
     if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
         raise SystemExit(
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "
@@ -481,9 +701,44 @@ def main(argv: list[str] | None = None) -> None:
         )
     if getattr(args, "model_tag", None):  # `grpo-async serve MODEL ...` like `vllm serve MODEL`
         args.model = args.model_tag
+    _check_limits(args)
+    # our guard applies the key to every route; vLLM (which would read either and guard /v1 only) gets neither, so
+    # it neither logs the key with the other arguments nor passes the variable on to the engine processes
+    api_key = resolve_api_key(args, os.environ)
+    args.api_key = None
+    os.environ.pop("VLLM_API_KEY", None)
+    if api_key is None and not getattr(args, "uds", None) and not is_loopback_host(args.host):
+        raise SystemExit(
+            f"grpo-async serve: refusing to listen on {args.host or 'every interface'} without an API key: anyone "
+            "who reaches the port could replace the weights. Give one with --api-key-file PATH, --api-key KEY or "
+            "the VLLM_API_KEY variable, or listen on 127.0.0.1."
+        )
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args))
+    uvloop.run(_serve(args, api_key))
+    exit_after_clean_shutdown()
+
+
+#: seconds a SIGTERM/SIGINT lets the engine drain and exit by itself (vLLM's default, 0, SIGKILLs it at once: its
+#: shared memory and semaphores are then left to the resource tracker, which warns about each)
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def _default_shutdown_timeout(args, argv: list[str]) -> None:
+    if not _passed(argv, "--shutdown-timeout"):
+        args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
+
+
+def exit_after_clean_shutdown(code: int = 0) -> None:
+    """Leave after the server shut down cleanly: the exit handlers run (logging flushed; multiprocessing unlinks this
+    process's semaphores and shared memory), then the process exits without the interpreter's module teardown, where
+    triton's nanobind bindings list every object still alive as "leaked" (harmless at exit, alarming in a log)."""
+    import atexit
+
+    atexit._run_exitfuncs()  # what interpreter exit runs first; then it would tear the modules down
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _is_subclass_path(qualname: str) -> bool:

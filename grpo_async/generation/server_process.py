@@ -1,19 +1,25 @@
 """Start and stop `grpo-async serve` processes (tests, benchmark, recipes that launch their own servers).
 
 Each server runs in its own session (process group), so `stop()` / `kill()` take down the API process together with
-vLLM's engine-core and worker children: no orphans.
+vLLM's engine-core and worker children: no orphans. When only the API process dies (out of memory, `kill -9` of its
+pid), its engine and worker processes notice within about a second and exit (`exit_with_parent`, started in every
+process vLLM starts with the worker extension loaded).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from grpo_async.weight_sync.transports import free_port
+
+logger = logging.getLogger(__name__)
 
 #: environment every CPU server gets unless the caller overrides it.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -127,7 +133,9 @@ def launch_server(
     Args:
         model (`str`): model folder.
         port (`int`, *optional*): defaults to a free port.
-        api_key (`str`, *optional*): passed as `--api-key`.
+        api_key (`str`, *optional*): the server's key, passed in its `VLLM_API_KEY` variable (not on the command
+            line, which `ps` shows to every user); without it the server has no key (the caller's `VLLM_API_KEY`
+            is not passed on).
         extra_args (`list[str]`, *optional*): more `vllm serve` flags, e.g. `["--dtype", "float32"]`.
         env (`dict`, *optional*): extra environment (on top of `os.environ` and `CPU_ENV`).
         log_path (`str`, *optional*): where stdout+stderr go; defaults to a temp file.
@@ -138,11 +146,12 @@ def launch_server(
 
     port = port or free_port(host)
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--host", host, "--port", str(port)]
-    if api_key:
-        args += ["--api-key", api_key]
     args += list(extra_args)
     full_env = {**CPU_ENV, **os.environ, **SERVER_ENV, **(env or {})}
     full_env.pop("VLLM_SERVER_DEV_MODE", None)
+    full_env.pop("VLLM_API_KEY", None)
+    if api_key:  # through the environment: not in the command line, which `ps` shows to every user
+        full_env["VLLM_API_KEY"] = api_key
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")
         os.close(fd)
@@ -173,3 +182,37 @@ def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
         time.sleep(0.5)
     server.stop()
     raise TimeoutError(f"grpo-async serve at {server.url} not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+_parent_watch: threading.Thread | None = None
+
+
+def exit_with_parent(interval: float = 0.5, grace: float = 10.0) -> bool:
+    """In a process started by `multiprocessing` (vLLM's engine core and workers): watch the parent and exit when it
+    dies, so an API server or trainer killed by SIGKILL or the OOM killer leaves no engine holding memory and
+    `/dev/shm`. Does nothing (returns False) in a process not started by `multiprocessing`, or when already watching.
+
+    A named daemon thread polls `os.getppid()` every `interval` seconds; once the parent is gone (the process was
+    re-parented) it sends this process SIGTERM (vLLM's handlers shut the engine down), then SIGKILL after `grace`
+    seconds if it is still alive. A poll rather than `prctl(PR_SET_PDEATHSIG)`, which fires when the *thread* that
+    started the process ends, e.g. a trainer's generation thread, not the process.
+    """
+    import multiprocessing
+
+    global _parent_watch
+    parent = multiprocessing.parent_process()
+    if parent is None or _parent_watch is not None:
+        return False
+    ppid = parent.pid
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            time.sleep(interval)
+        logger.warning("exit-with-parent: parent process %d is gone; pid %d exits", ppid, os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _parent_watch = threading.Thread(target=watch, name=f"exit-with-parent-{ppid}", daemon=True)
+    _parent_watch.start()
+    return True

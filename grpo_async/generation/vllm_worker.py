@@ -37,6 +37,7 @@ from datetime import timedelta
 
 import torch
 
+from grpo_async.generation.server_process import exit_with_parent
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
 
 logger = logging.getLogger("grpo_async.ws_worker")
@@ -575,3 +576,6 @@ def tied_lm_head(model) -> tuple[torch.nn.Module, str] | None:
     if weight is None or embed is None or weight is not getattr(embed, "weight", None):
         return None
     return head, "model.embed_tokens.weight"
+
+
+exit_with_parent()  # in vLLM engine/worker processes: exit when the process that started them dies (server_process)
