@@ -488,13 +488,13 @@ class GRPOTrainer(Trainer):
             return out
         start = time.perf_counter()
         self._publish()
-        metrics = None
+        generated = None
         if self.accelerator.is_main_process:
             batch_rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes  # TRL's eval batch
-            metrics, batches = self.producer.evaluate(dataset, eval_chunk_prompts(self.args), batch_rows)
-            metrics = {"loss": self._eval_loss(batches), **metrics}  # TRL's eval_loss: metric_for_best_model="loss"
-            metrics["runtime"] = time.perf_counter() - start
-        metrics = broadcast_object_list([metrics], from_process=0)[0]
+            generated = self.producer.evaluate(dataset, eval_chunk_prompts(self.args), batch_rows)
+        metrics, batches = broadcast_object_list([generated], from_process=0)[0]
+        metrics = {"loss": self._eval_loss(batches), **metrics}  # TRL's eval_loss: metric_for_best_model="loss"
+        metrics["runtime"] = time.perf_counter() - start
         metrics["num_tokens"] = float(self.state.num_input_tokens_seen)  # TRL's eval_num_tokens
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         metrics["epoch"] = self.state.epoch
@@ -506,16 +506,16 @@ class GRPOTrainer(Trainer):
     def _eval_loss(self, batches: list[MicroBatch]) -> float:
         """TRL's `eval_loss`: the GRPO loss of each process's share (`per_device_eval_batch_size` rows) of each eval
         batch, computed as TRL's `prediction_step` does (no gradient accumulation; π_old = π, so the ratio is 1; the
-        KL term when `beta > 0`), averaged over rows as `Trainer.evaluation_loop` does. The main process computes
-        every process's share on the unwrapped model (evaluation generates there)."""
+        KL term when `beta > 0`), averaged over rows as `Trainer.evaluation_loop` does. Every process computes every
+        share (the same forward passes in the same order, so sharded/wrapped models stay in step; no reduction)."""
         a, n_proc, dev = self.args, self.accelerator.num_processes, self.accelerator.device
-        model = self.accelerator.unwrap_model(self.model)
-        objective = PolicyObjective.from_config(a, model.config, ProcessOps.single())  # its own adaptive state
+        model, unwrapped = self.model, (lambda: self.accelerator.unwrap_model(self.model))
+        objective = PolicyObjective.from_config(a, unwrapped().config, ProcessOps.single())  # its own adaptive state
         objective.load_state_dict(self.objective.state_dict())  # the entropy coefficient training has now
         scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
         ref = None
         if a.beta:
-            ref = reference_scorer(self.ref_client, self.ref_model, lambda: model, lambda: model, scoring)
+            ref = reference_scorer(self.ref_client, self.ref_model, lambda: model, unwrapped, scoring)
         total, rows, was_training = 0.0, 0, model.training
         model.eval()
         try:

@@ -432,3 +432,45 @@ def test_eval_dataloader_as_trls(tiny_model_path, tmp_path):
         )
         assert all(rows[i] == rows[i + 1] for i in range(0, 12, 2)), name
     assert t.args.dataloader_num_workers == 2
+
+
+EVAL_SCRIPT = """
+import json, sys
+from grpo_async import GRPOTrainer
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.testing import tiny_config
+
+model, out = sys.argv[1], sys.argv[2]
+args = tiny_config(out, max_steps=1, beta=0.1, per_device_eval_batch_size=2, top_entropy_quantile=0.5)
+t = GRPOTrainer(model, letter_reward, args, make_dataset(64))
+before = t.evaluate(make_dataset(3, seed=1))
+t.train()
+after = t.evaluate(make_dataset(3, seed=1))
+json.dump([before["eval_loss"], after["eval_loss"]], open(f"{out}/rank{t.accelerator.process_index}.json", "w"))
+t.end()
+"""
+
+
+@pytest.mark.multiprocess
+def test_eval_loss_on_two_processes(tiny_model_path, tmp_path):
+    """Two real processes (accelerate launch, DDP over gloo): evaluate() before and after a training step returns
+    the same eval_loss on both ranks (every process computes every share: the wrapped model stays in step)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "eval_mp.py"
+    script.write_text(EVAL_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(
+        [*cmd, str(script), tiny_model_path, str(out)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert all(math.isfinite(v) for v in ranks[0])
