@@ -476,7 +476,8 @@ class GRPOTrainer(Trainer):
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`num_generations_eval` completions per eval prompt on the current weights (published first, after any round
-        in flight), scored; logs `<prefix>_reward`, `_reward_std`, `_rewards/<func>`, `_completions/mean_length`."""
+        in flight), scored; logs TRL's `<prefix>_loss` (`_eval_loss`), `_reward`, `_reward_std`, `_rewards/<func>`,
+        `_completions/mean_length`."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset  # Trainer: an eval set's name
         if dataset is None:
