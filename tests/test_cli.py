@@ -52,3 +52,68 @@ def test_plot_draws_the_png(tmp_path):
     assert proc.returncode == 0, proc.stderr
     png = tmp_path / "metrics.png"
     assert proc.stdout.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_drains_on_sigterm_unless_told_otherwise():
+    """vLLM's `--shutdown-timeout` defaults to 0 (its engine is SIGKILLed at once, leaving its shared memory to the
+    resource tracker); `grpo-async serve` lets it drain and exit by itself, unless the flag is given."""
+    from grpo_async.generation.serve import SHUTDOWN_TIMEOUT_S, _default_shutdown_timeout, make_parser
+
+    for argv, want in (([], SHUTDOWN_TIMEOUT_S), (["--shutdown-timeout", "0"], 0), (["--shutdown-timeout", "3"], 3)):
+        args = make_parser().parse_args(["--model", "m", *argv])
+        assert args.shutdown_timeout == (0 if not argv else want)  # vLLM's own default first
+        _default_shutdown_timeout(args, ["--model", "m", *argv])
+        assert args.shutdown_timeout == want, argv
+
+
+def _live_group_members(pgid: int) -> list[str]:
+    """`pid name` of the processes in group `pgid` that are still running (zombies, already dead, left out)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(f"{entry} {name}")
+    return members
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_serve_stops_cleanly_on_sigterm(tiny_model_path, tmp_path, target):
+    """SIGTERM to the server process (`kill PID`, systemd) or to its whole process group (a job scheduler, Ctrl-C's
+    SIGINT alike): exit 0, engine processes gone, no nanobind leak lists or resource-tracker
+    warnings on its stderr."""
+    import signal
+    import time
+
+    from vllm_utils import SERVER_ARGS
+
+    from grpo_async.generation.server_process import launch_server
+
+    log = tmp_path / "serve.log"
+    server = launch_server(tiny_model_path, extra_args=SERVER_ARGS, log_path=str(log), ready_timeout=300)
+    try:
+        if target == "process":
+            os.kill(server.proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        rc = server.proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while _live_group_members(server.proc.pid) and time.monotonic() < deadline:  # engine core, worker
+            time.sleep(0.2)
+        left = _live_group_members(server.proc.pid)
+        assert not left, f"processes of the server's group alive 10 s after it exited: {left}\n{server.log_tail()}"
+    finally:
+        server.stop()
+    text = log.read_text(errors="replace")
+    shutdown = text[text.find("shutdown triggered") :]
+    assert rc == 0, shutdown[-3000:]
+    for noise in ("nanobind: leaked", "resource_tracker", "leaked semaphore", "leaked shared_memory", "Traceback"):
+        assert noise not in text, f"{noise!r} in the server's output after SIGTERM:\n{shutdown[-3000:]}"

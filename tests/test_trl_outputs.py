@@ -215,3 +215,22 @@ def test_ddp_find_unused_parameters_only_when_needed(run, tiny_model_path):
         output_dir="/tmp/unused", report_to=[], use_cpu=True, gradient_checkpointing_kwargs={"use_reentrant": True}
     )
     assert needs_find_unused_parameters(model(vlm), reentrant) is False  # TRL: reentrant checkpointing fails with it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_process_ddp_run_does_not_warn_about_unused_parameters(tiny_model_path, tmp_path):
+    """2 real DDP processes (gloo on CPU): DDP's warning for a needless `find_unused_parameters=True` is gone."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [os.path.join(here, "mp_train.py"), tiny_model_path, str(tmp_path), "1", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "GRPO_TEST_MAX_STEPS": "2"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2] and all(r["seen"] for r in ranks)  # both ranks trained under DDP
+    assert "find_unused_parameters=True was specified" not in proc.stderr + proc.stdout
