@@ -41,9 +41,9 @@ def trained_model(path: str, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
         emb = model.model.embed_tokens.weight
-        emb.add_(torch.randn(emb.shape, generator=gen) * 0.5)
+        emb.add_(torch.randn(emb.shape, generator=gen) * 0.1)
     return model
 
 
