@@ -491,7 +491,8 @@ class GRPOTrainer(Trainer):
         self._publish()
         generated = None
         if self.accelerator.is_main_process:
-            batch_rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes  # TRL's eval batch
+            batch_rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes  # TRL's eval batch,
+            batch_rows = math.lcm(batch_rows, self.num_generations_eval)  # whole groups (TRL: checked if evaluating)
             generated = self.producer.evaluate(dataset, eval_chunk_prompts(self.args), batch_rows)
         metrics, batches = broadcast_object_list([generated], from_process=0)[0]
         metrics = {"loss": self._eval_loss(batches), **metrics}  # TRL's eval_loss: metric_for_best_model="loss"
