@@ -452,6 +452,7 @@ t.end()
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_eval_loss_on_two_processes(tiny_model_path, tmp_path):
     """Two real processes (accelerate launch, DDP over gloo): evaluate() before and after a training step returns
     the same eval_loss on both ranks (every process computes every share: the wrapped model stays in step)."""
