@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import subprocess
 import sys
 
@@ -63,8 +64,12 @@ def sampler_logprobs(url: str, prompt: list[int], completion: list[int]) -> list
 
 
 def distinct_tokens(completions, completion_ids, **kw):
-    """Varies within every group, so every step moves the weights (an untrained model scores 0 on the letter task)."""
-    return [len(set(ids)) / max(len(ids), 1) for ids in completion_ids]
+    """Distinct-token share plus seeded noise: varies within every group, so every step moves the weights (an
+    untrained model's completions can tie on the share alone, and a group of equal rewards trains nothing)."""
+    return [len(set(ids)) / max(len(ids), 1) + NOISE.random() for ids in completion_ids]
+
+
+NOISE = random.Random(0)
 
 
 class CheckStockServer(TrainerCallback):
