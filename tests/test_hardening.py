@@ -129,10 +129,10 @@ def test_init_broadcast_refuses_bad_values_with_400(server, change, message):
 
 
 @pytest.mark.vllm
-@pytest.mark.xfail(
+@pytest.mark.skip(
     reason="open (issue 22 item 6): the /ws/init_broadcast answer to a silent peer came back as a dropped connection "
-    "(RemoteDisconnected) in the one run so far; a TCPStore client whose peer resets keeps retrying past its timeout",
-    strict=False,
+    "(RemoteDisconnected) in the one run so far; a TCPStore client whose peer resets keeps retrying past its timeout. "
+    "Skipped, not xfail: a non-strict xfail can never fail and cost 2 minutes of every suite run"
 )
 def test_init_broadcast_to_a_silent_peer_does_not_stall_completions(server):
     """A peer that accepts the connection and never answers (what a dead or wrong store address looks like to the
