@@ -52,12 +52,14 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (simulates a crash); vLLM's leaked shared memory is removed."""
+        owned = group_shm(self.proc.pid)
         self._signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        remove_orphan_shm(self.shm_before)
+        remove_orphan_shm(self.shm_before, owned)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL whatever is left after `timeout` seconds."""
+        owned = group_shm(self.proc.pid)
         if self.proc.poll() is None:
             self._signal(signal.SIGTERM)
             try:
@@ -69,7 +71,7 @@ class ServerProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        remove_orphan_shm(self.shm_before)
+        remove_orphan_shm(self.shm_before, owned)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -85,15 +87,50 @@ def _shm_names() -> set[str]:
         return set()
 
 
-def remove_orphan_shm(before: frozenset[str] | set[str]) -> list[str]:
-    """Unlink `/dev/shm/psm_*` and `sem.mp-*` that appeared after `before` and that no live process maps any more.
+def _mapped_shm(pid: str) -> set[str]:
+    """The `/dev/shm` names process `pid` maps."""
+    names = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    names.add(fields[5].strip().removesuffix(" (deleted)")[len("/dev/shm/") :])
+    except OSError:
+        pass
+    return names
+
+
+def group_shm(pgid: int) -> set[str]:
+    """The `/dev/shm` names mapped by the live processes of process group `pgid` (a server and its engine)."""
+    names: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:  # fields after the name: state, ppid, pgrp
+            names |= _mapped_shm(entry)
+    return names
+
+
+def remove_orphan_shm(before: frozenset[str] | set[str], owned: set[str] | None = None) -> list[str]:
+    """Unlink `/dev/shm/psm_*` and `sem.mp-*` that appeared after `before`, that the stopped server's processes
+    mapped (`owned`, read while they were alive; `None`: any) and that no live process maps any more.
 
     vLLM's engine keeps its message queues (and multiprocessing its semaphores) in shared memory; a SIGKILLed server
-    cannot unlink them.
+    cannot unlink them. Only the server's own segments are candidates: another program on the machine may have
+    created a semaphore its child has not opened yet (unmapped for that moment), and unlinking it would kill that
+    child's start (`SemLock._rebuild: FileNotFoundError`, seen when two runs shared the machine).
     """
     import glob
 
     new = _shm_names() - set(before)
+    if owned is not None:
+        new &= owned
     if not new:
         return []
     mapped: set[str] = set()
