@@ -99,17 +99,24 @@ def interleaved_trainer(warmup: int, block: int):
                 raise ValueError("the interleaved run needs num_batches_ahead=1")
             produce, consume, last = self.rounds.producer, self.rounds.consumer, []
 
-            def producer(request):  # generator thread
-                if mode_of(request.round_id - 1, warmup, block) == "train_alone" and last:
-                    rnd, v = last[0], self.state.global_step  # the last round again, at once
-                    batch = dataclasses.replace(
-                        rnd.batch,
-                        policy_version=torch.full_like(rnd.batch.policy_version, v),
-                        round_id=torch.full_like(rnd.batch.round_id, request.round_id),
-                    )
-                    return dataclasses.replace(rnd, round_id=request.round_id, policy_version=v, batch=batch)
-                last[:] = [produce(request)]
-                return last[0]
+            trainer = self
+
+            class Producer:  # the scheduler calls it (generator thread) and aborts it at shutdown
+                abort, resume = produce.abort, produce.resume
+
+                def __call__(self, request):
+                    if mode_of(request.round_id - 1, warmup, block) == "train_alone" and last:
+                        rnd, v = last[0], trainer.state.global_step  # the last round again, at once
+                        batch = dataclasses.replace(
+                            rnd.batch,
+                            policy_version=torch.full_like(rnd.batch.policy_version, v),
+                            round_id=torch.full_like(rnd.batch.round_id, request.round_id),
+                        )
+                        return dataclasses.replace(rnd, round_id=request.round_id, policy_version=v, batch=batch)
+                    last[:] = [produce(request)]
+                    return last[0]
+
+            producer = Producer()
 
             def consumer(rnd, version):  # trainer thread, after the next round was submitted
                 mode = mode_of(version, warmup, block)
@@ -382,7 +389,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.smoke:
         a.layers, a.hidden, a.prompts, a.G, a.T = 1, 64, 2, 2, 8
-        a.steps, a.block, a.cycles, a.warmup, a.repeats = 3, 1, 1, 1, 1
+        a.steps, a.block, a.cycles, a.warmup, a.repeats = 3, 2, 1, 1, 1  # one measured step per mode
         a.out = os.path.join(HERE, "out", "smoke", "overlap.json")
         a.plot = os.path.join(HERE, "out", "smoke", "overlap.png")
     if a.child is not None:
