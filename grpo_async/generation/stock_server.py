@@ -41,7 +41,15 @@ import torch
 
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.weight_sync.buckets import NamedTensors, bucket_layout, pack_bucket
-from grpo_async.weight_sync.transports import ServerClient, ServerError, address_seen_by, free_port, is_loopback
+from grpo_async.weight_sync.transports import (
+    ServerClient,
+    ServerError,
+    address_seen_by,
+    free_port,
+    is_loopback,
+    pooled_segment,
+    unlink_segments,
+)
 
 logger = logging.getLogger("grpo_async.stock_server")
 
@@ -143,16 +151,6 @@ class _Post(threading.Thread):
             raise self.error
 
 
-def _unlink_all(pool: dict) -> None:
-    for shm in pool.values():
-        try:
-            shm.close()
-            shm.unlink()
-        except (FileNotFoundError, BufferError):
-            pass
-    pool.clear()
-
-
 class StockServerTransport:
     """Pushes weight buckets into one stock vLLM server through its RL API and our `grpo_async` engine.
 
@@ -185,7 +183,7 @@ class StockServerTransport:
         self.pause = "wait"  # or "keep": in-flight updates
         self.pg = self.store = None
         self._pool: dict = {}  # shm: (bucket index, dtype) -> segment, reused push after push
-        self._finalizer = weakref.finalize(self, _unlink_all, self._pool)
+        self._finalizer = weakref.finalize(self, unlink_segments, self._pool)
         if transport == "broadcast":
             self._join(master_address or address_seen_by(client.url))
         else:
@@ -261,15 +259,7 @@ class StockServerTransport:
         return sum(layout["buffers"].values())
 
     def _segment(self, key, nbytes: int):
-        from multiprocessing import shared_memory
-
-        shm = self._pool.get(key)
-        if shm is None or shm.size < nbytes:
-            if shm is not None:
-                _unlink_all({key: shm})
-            shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
-            self._pool[key] = shm
-        return shm
+        return pooled_segment(self._pool, key, nbytes)
 
     def close(self) -> None:
         """Leave the server's weight-transfer engine and release the group / shared memory (idempotent)."""

@@ -141,6 +141,20 @@ def validate_lora_spec(spec: object) -> dict:
 LORA_SPEC_KEYS = {"name", "id", "config", "keep"}
 
 
+def close_segments(segments) -> None:
+    """Close shared-memory segments whose views were dropped (a view still referenced makes `close()` raise: collect
+    cycles once and retry, else leave the segment to the garbage collector with a warning)."""
+    for shm in segments:
+        try:
+            shm.close()
+        except BufferError:  # a view is still referenced: collect cycles once, then try again
+            gc.collect()
+            try:
+                shm.close()
+            except BufferError:
+                logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
+
+
 class AttachedSegment:
     """A POSIX shared-memory segment the trainer created, mapped here read-write without registering it with
     Python's resource tracker (`SharedMemory(name=...)` does on Python < 3.13): the trainer owns and unlinks it.
@@ -314,15 +328,7 @@ class WeightSyncWorker:
         st = self._ws_state()
         segments = [k for k in st["keep"] if not isinstance(k, torch.Tensor)]
         st["keep"] = []
-        for shm in segments:
-            try:
-                shm.close()
-            except BufferError:  # a view is still referenced: collect cycles once, then try again
-                gc.collect()
-                try:
-                    shm.close()
-                except BufferError:
-                    logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
+        close_segments(segments)
 
     # ------------------------------------------------------------------ public methods (ws_*)
     def ws_info(self) -> dict:

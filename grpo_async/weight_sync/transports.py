@@ -534,7 +534,8 @@ class BroadcastTransport(_ServerTransport):
         self.pg = self.store = None
 
 
-def _unlink_all(pool: dict) -> None:
+def unlink_segments(pool: dict) -> None:
+    """Close and unlink every shared-memory segment of `pool` (`{key: SharedMemory}`), then empty it."""
     for shm in pool.values():
         try:
             shm.close()
@@ -542,6 +543,19 @@ def _unlink_all(pool: dict) -> None:
         except (FileNotFoundError, BufferError):
             pass
     pool.clear()
+
+
+def pooled_segment(pool: dict, key, nbytes: int):
+    """`pool[key]`, a shared-memory segment of at least `nbytes` bytes: reused while big enough, else replaced."""
+    from multiprocessing import shared_memory
+
+    shm = pool.get(key)
+    if shm is None or shm.size < nbytes:
+        if shm is not None:
+            unlink_segments({key: shm})
+        shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
+        pool[key] = shm
+    return shm
 
 
 class ShmTransport(_ServerTransport):
@@ -558,19 +572,11 @@ class ShmTransport(_ServerTransport):
 
         super().__init__(client, bucket_mb, timeout)
         self._pool: dict = {}
-        self._finalizer = weakref.finalize(self, _unlink_all, self._pool)
+        self._finalizer = weakref.finalize(self, unlink_segments, self._pool)
         self._counter = 0
 
     def _segment(self, key, nbytes: int):
-        from multiprocessing import shared_memory
-
-        shm = self._pool.get(key)
-        if shm is None or shm.size < nbytes:
-            if shm is not None:
-                _unlink_all({key: shm})
-            shm = shared_memory.SharedMemory(create=True, size=max(int(nbytes), 1))
-            self._pool[key] = shm
-        return shm
+        return pooled_segment(self._pool, key, nbytes)
 
     def _start_push(self) -> None:
         self._counter = 0  # segments are reused push after push, one per bucket and dtype

@@ -28,7 +28,6 @@ POST /resume
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_async.generation.vllm_worker import AttachedSegment
+from grpo_async.generation.vllm_worker import AttachedSegment, close_segments
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
 
 logger = logging.getLogger("grpo_async.vllm_engine")
@@ -279,15 +278,7 @@ class GrpoAsyncWeightTransferEngine(WeightTransferEngine[GrpoAsyncInitInfo, Grpo
 
     def _release_segments(self) -> None:
         segments, self.segments = self.segments, []
-        for shm in segments:
-            try:
-                shm.close()
-            except BufferError:  # a view is still referenced: collect cycles once, then try again
-                gc.collect()
-                try:
-                    shm.close()
-                except BufferError:
-                    logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
+        close_segments(segments)
 
 
 def register() -> None:
