@@ -251,7 +251,8 @@ def main(argv=None) -> dict:
         "--smoke",
         action="store_true",
         help="a smoke run in seconds: a 2-layer hidden-64 random Llama, 2 prompts x G=2 x T=8, 1 step, 1 repeat, no "
-        "warm-up, engines eager, modes trl and ours_async_colocate unless --modes says otherwise; writes "
+        "warm-up, engines eager, modes trl, trl_default_bf16, trl_tuned and ours_async_colocate unless --modes says "
+        "otherwise; writes "
         "bench/out/vs_trl_smoke.json and .png and prints the RESULT lines (its numbers mean nothing)",
     )
     ap.add_argument(
@@ -284,7 +285,8 @@ def main(argv=None) -> dict:
         ap.error("--smoke runs its own tiny model; leave --model out")
     if a.smoke:
         a.model = "smoke"
-        a.modes = a.modes or ["trl", "ours_async_colocate"]
+        # every TRL reference the published record has (each prints its RESULT line) and one of ours
+        a.modes = a.modes or ["trl", "trl_default_bf16", "trl_tuned", "ours_async_colocate"]
     a.modes = a.modes or list(MODES)
     preset = MODELS[a.model]
     for k in ("prompts", "G", "T", "steps", "warmup", "repeats"):
