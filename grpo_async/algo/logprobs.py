@@ -9,39 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(logits)[..., index]` without materialising the `[B, T, V]` log-softmax as a result.
-
-    logits: `[B, T, V]`, index: `[B, T]` → `[B, T]`.
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)  # [B, T]
-        # one call over the chunk: its temporaries are the size of the logits the chunk already holds
-        norm = torch.logsumexp(logits, dim=-1)  # [B, T]
-        return picked - norm
-    # bf16/fp16: logsumexp is not accurate enough, go row by row in the logits' dtype
-    out = []
-    for row_logits, row_index in zip(logits, index, strict=True):
-        row = torch.log_softmax(row_logits, dim=-1)  # [T, V]
-        out.append(row.gather(dim=-1, index=row_index.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(out)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 128) -> torch.Tensor:
-    """Shannon entropy (nats) of `softmax(logits / temperature)`, in float32 whatever the logits' dtype, `chunk_rows`
-    rows at a time so the float32 copy never exceeds `chunk_rows × V`. Differentiable. `[..., V]` → `[...]`.
-
-    A non-contiguous `[B, T, V]` (the padded path's `logits[:, :-1]`) is walked row by row rather than reshaped,
-    which would copy all of it."""
-    if logits.dim() > 2 and not logits.is_contiguous():
-        return torch.stack([entropy_from_logits(row, temperature, chunk_rows) for row in logits.unbind(0)])
-    flat = logits.reshape(-1, logits.size(-1))  # [N, V] (a view)
-    out = []
-    for chunk in flat.split(chunk_rows):
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)  # [n, V]
-        out.append(-(logp.exp() * logp).sum(-1))  # [n]
-    return (torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)).reshape(logits.shape[:-1])
+from .logits import entropy_from_logits, selective_log_softmax
+from .packing import pack_rows, packed_token_scores, unpack_completion
+from .prefix_sharing import pack_shared, sharing_cost, sharing_supported
 
 
 @dataclass
@@ -71,6 +41,7 @@ def score_tokens(
     entropy: bool = False,
     entropy_grad: bool = False,
     router: tuple[int, int] | None = None,
+    share_prefix: bool = False,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
     optionally each position's entropy and the MoE load-balancing loss.
@@ -85,16 +56,22 @@ def score_tokens(
             gradient (no `[B, T, V]` float32 copy is kept for the backward pass).
         router (`(num_experts, top_k)`, *optional*): request the router logits and return the load-balancing loss
             (Mixtral's `load_balancing_loss_func`, over real tokens only, as the model's own forward does).
+        share_prefix (`bool`): score the rows of a chunk that share a prompt as prompt-sharing trees
+            (`algo.prefix_sharing`) where the cost model says it is cheaper; same values as unshared. Falls back to
+            unshared rows, with one warning, where the model cannot do it exactly.
     """
-    from .packing import pack_rows, packed_token_scores, unpack_completion
-
     batch_size = batch_size or input_ids.size(0)
+    cost = None
+    if share_prefix and sharing_supported(model, router):
+        cost = sharing_cost(model)
     logps, entropies, aux = [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start : start + batch_size]  # [b, P+T]
         am = attention_mask[start : start + batch_size]  # [b, P+T]
-        if padding_free:
+        packed = pack_shared(ids, am, logits_to_keep, cost, padding_free) if cost is not None else None
+        if packed is None and padding_free:
             packed = pack_rows(ids, am, logits_to_keep)
+        if packed is not None:
             lp, ent, aux_loss = packed_token_scores(model, packed, temperature, entropy, entropy_grad, router)
             logps.append(unpack_completion(lp, packed))  # [b, T]
             if ent is not None:
@@ -129,10 +106,12 @@ def completion_logps(
     temperature: float = 1.0,
     batch_size: int | None = None,
     padding_free: bool = False,
+    share_prefix: bool = False,
 ) -> torch.Tensor:
     """`score_tokens(...).logps`: `[B, T]` log-probabilities of the completion tokens (values at padded positions are
     meaningless; mask them)."""
-    return score_tokens(model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, padding_free).logps
+    args = (model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, padding_free)
+    return score_tokens(*args, share_prefix=share_prefix).logps
 
 
 class LogpsScorer:
@@ -151,9 +130,10 @@ class LogpsScorer:
         torch.Size([2, 4])
     """
 
-    def __init__(self, model, *, temperature: float, padding_free: bool, device, context=None):
+    def __init__(self, model, *, temperature: float, padding_free: bool, device, context=None, share_prefix=False):
         self.model, self.context = model, context
         self.temperature, self.padding_free, self.device = temperature, padding_free, device
+        self.share_prefix = share_prefix
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
@@ -167,5 +147,6 @@ class LogpsScorer:
                 T,
                 self.temperature,
                 padding_free=self.padding_free,
+                share_prefix=self.share_prefix,
             )
         return logps.cpu()  # [b, T]

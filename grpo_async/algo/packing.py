@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .logits import entropy_from_logits, selective_log_softmax
+
 
 @dataclass
 class PackedRows:
@@ -42,6 +44,9 @@ class PackedRows:
         rows (`[N]`), cols (`[N]`): where each completion token sits in the `[B, T]` completion block.
         shape (`(B, T)`): the completion block's shape.
         real (`[K, W]` bool): bin positions holding a real token (not filler).
+        attention (`[K, W, W]` bool, *optional*): which bin positions each position attends to, when the bins are
+            not plain concatenations of rows (`algo.prefix_sharing`'s trees); `None`: restarting position ids
+            delimit the rows.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +59,7 @@ class PackedRows:
     cols: torch.Tensor
     shape: tuple[int, int]
     real: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
@@ -155,13 +161,14 @@ def packed_token_scores(
     """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch `[N]`, their
     entropies `[N]` (float32, with `entropy`; differentiable with `entropy_grad`) and, with `router =
     (num_experts, top_k)`, the MoE load-balancing loss `[]` over the real tokens (filler left out)."""
-    from .logprobs import entropy_from_logits, selective_log_softmax
-
     device = packed.input_ids.device
+    mask = None  # None + restarting position ids: transformers builds the block-diagonal mask
+    if packed.attention is not None:  # a custom mask: [K, 1, W, W], as the model's attention implementation takes it
+        mask = attention_mask_4d(packed.attention.to(device), model)
     out = model(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
-        attention_mask=None,  # None + restarting position ids: transformers builds the block-diagonal mask
+        attention_mask=mask,
         use_cache=False,  # with a cache, the packed-sequence detection is skipped
         logits_to_keep=packed.keep.to(device),
         **({"output_router_logits": True} if router is not None else {}),
@@ -180,6 +187,17 @@ def packed_token_scores(
         num_experts, top_k = router
         aux_loss = load_balancing_loss_func(out.router_logits, num_experts, top_k, packed.real.to(device))
     return logps, entropies, aux_loss
+
+
+def attention_mask_4d(allowed: torch.Tensor, model) -> torch.Tensor:
+    """`allowed [K, W, W]` (query, key) → the `[K, 1, W, W]` mask transformers passes through unchanged: boolean for
+    SDPA (any query dtype, autocast included), additive (0 / dtype min) in the model's dtype for eager attention."""
+    allowed = allowed.unsqueeze(1)  # [K, 1, W, W]
+    base = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if getattr(base.config, "_attn_implementation", "sdpa") == "sdpa":
+        return allowed
+    dtype = next(base.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def packed_completion_logps(model, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:

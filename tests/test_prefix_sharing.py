@@ -1,0 +1,225 @@
+"""Shared-prompt forward (`grpo_async.algo.prefix_sharing`, issue 25): hand-worked packing and planning; per-token
+log-probs, every loss type and the gradients equal the unshared computation (≤ 1e-5, float32) on the tiny model and
+SmolLM2, padding-free on and off, with PEFT; the fallback warning where the attention cannot take the tree mask."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_async.algo import prefix_sharing
+from grpo_async.algo.logprobs import score_tokens
+from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings, grpo_loss
+from grpo_async.algo.prefix_sharing import SharingCost, find_groups, pack_shared, plan_group
+
+SHARE_ALL = SharingCost(per_token=1.0, per_pair=0.0)  # always cheapest as one tree
+# SmolLM2-135M's shapes (hidden 576, 9 heads of 64, 3 key-value heads, MLP 1536)
+SMOLLM2_COST = SharingCost.of(
+    type("C", (), dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536))()
+)
+
+
+def test_pack_shared_hand_worked():
+    # the docstring's example: prompt [5 6] shared by completions [7 8] and [9]
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
+    packed = pack_shared(ids, mask, 2, SHARE_ALL)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert packed.target_ids.tolist() == [7, 8, 9]
+    assert packed.keep[packed.logits_pos].tolist() == [1, 2, 1]
+    assert packed.rows.tolist() == [0, 0, 1] and packed.cols.tolist() == [0, 1, 0]
+    # query ↓ key →: prompt causal; 7 sees 5 6 7; 8 sees 5 6 7 8; 9 sees 5 6 and itself, never 7 8
+    assert packed.attention[0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+
+
+def test_pack_shared_two_groups_bins_and_filler():
+    # groups {0, 2} (prompt [5 6]) and {1} (prompt [7]): tree widths 2+2+1 = 5 and 1+2 = 3
+    ids = torch.tensor([[5, 6, 8, 9], [0, 7, 10, 11], [5, 6, 12, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 0]])
+    assert find_groups(ids, mask, 2) == [[0, 2], [1]]
+    packed = pack_shared(ids, mask, 2, SHARE_ALL, padding_free=False)  # one tree per bin, the narrower padded
+    assert packed.input_ids.tolist() == [[5, 6, 8, 9, 12], [7, 10, 11, 0, 0]]
+    assert packed.real.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    filler = packed.attention[1, 3:]  # each filler position attends to itself only (no empty softmax row)
+    assert filler.int().tolist() == [[0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]
+    assert pack_shared(ids, mask, 2, SHARE_ALL, padding_free=True).input_ids.shape == (2, 5)  # 5 + 3 > 5
+
+
+def test_nothing_shared_returns_none():
+    ids, mask = torch.tensor([[5, 6, 8], [7, 6, 9]]), torch.ones(2, 3, dtype=torch.long)
+    assert pack_shared(ids, mask, 1, SHARE_ALL) is None  # two different prompts
+    same = torch.tensor([[5, 8, 8], [5, 9, 9]])  # one tree of 5: 25 pairs; two rows of 3: 18
+    assert pack_shared(same, mask, 2, SharingCost(per_token=0.0, per_pair=1.0)) is None  # sharing costs more
+
+
+def test_plan_group_follows_the_cost():
+    # SmolLM2, G = 8: prompt 256 / completions 32 → one tree (512² pairs beat 8 rows of 288); 32 / 256 → unshared
+    assert plan_group(256, [32] * 8, SMOLLM2_COST) == [list(range(8))]
+    assert plan_group(32, [256] * 8, SMOLLM2_COST) == [[i] for i in range(8)]
+    assert plan_group(4, [3, 1, 2], SHARE_ALL) == [[0, 1, 2]]
+
+
+def test_empty_prompt_is_refused():
+    ids, mask = torch.tensor([[0, 8], [0, 9]]), torch.tensor([[0, 1], [0, 1]])
+    with pytest.raises(ValueError, match="no real token before it"):
+        pack_shared(ids, mask, 1, SHARE_ALL)
+
+
+def _batch(vocab: int, groups: int, G: int, P: int, T: int, seed: int = 0):
+    """`groups` prompts × `G` completions: prompts left-padded to different lengths, completions right-padded to
+    different lengths (one empty), rows of a group consecutive."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(10, vocab, (groups, P), generator=g).repeat_interleave(G, 0)  # [B, P]
+    completions = torch.randint(10, vocab, (groups * G, T), generator=g)  # [B, T]
+    pmask = torch.ones(groups * G, P, dtype=torch.long)
+    for k in range(groups):
+        pmask[k * G : (k + 1) * G, : 3 * k] = 0  # group k: 3k padding tokens
+    cmask = torch.ones(groups * G, T, dtype=torch.long)
+    lengths = torch.randint(1, T + 1, (groups * G,), generator=g)
+    lengths[1] = 0  # a completion with no token (e.g. a failed rollout)
+    cmask[torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
+    return torch.cat([prompts, completions], 1), torch.cat([pmask, cmask], 1)
+
+
+def _loss_and_grads(model, ids, mask, T, share: bool, padding_free: bool, loss_type: str):
+    """Per-token log-probs (masked), the loss (`loss_type`, β > 0, ratios ≠ 1, an entropy bonus) and every
+    parameter's gradient."""
+    model.zero_grad()
+    kw = dict(entropy=True, entropy_grad=True, share_prefix=share)
+    scores = score_tokens(model, ids, mask, T, 0.7, None, padding_free, **kw)
+    cmask = mask[:, -T:].float()  # [B, T]
+    g = torch.Generator().manual_seed(1)
+    B = ids.size(0)
+    advantages = torch.randn(B, generator=g)
+    old = scores.logps.detach() + 0.05 * torch.randn(B, T, generator=g)  # ratios ≠ 1: clipping engages
+    ref = scores.logps.detach() + 0.1 * torch.randn(B, T, generator=g)
+    out = grpo_loss(
+        scores.logps,
+        advantages,
+        cmask,
+        settings=LossSettings(loss_type=loss_type, beta=0.04),
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        sampler_per_token_logps=old,
+        ctx=LossContext(num_items_in_batch=float(cmask.sum()), max_completion_length=T),
+    )
+    loss = out.loss - 0.01 * (scores.entropies * cmask).sum() / cmask.sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return scores.logps.detach() * cmask, loss.detach(), grads
+
+
+def _assert_same(a, b, tol=1e-5):
+    logps_a, loss_a, grads_a = a
+    logps_b, loss_b, grads_b = b
+    assert (logps_a - logps_b).abs().max().item() <= tol
+    assert abs(loss_a.item() - loss_b.item()) <= tol
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, grad in grads_a.items():
+        assert (grad - grads_b[name]).abs().max().item() <= tol, name
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_tiny_every_loss_type_equals_unshared(tiny, loss_type, padding_free):
+    ids, mask = _batch(tiny.config.vocab_size, groups=2, G=4, P=24, T=8)
+    # the real cost model shares these shapes (prompt 24 ≫ completions ≤ 8)
+    packed = pack_shared(ids, mask, 8, prefix_sharing.sharing_cost(tiny), padding_free)
+    assert packed is not None and packed.input_ids.size(0) <= 2  # 8 rows → 2 trees
+    unshared = _loss_and_grads(tiny, ids, mask, 8, False, padding_free, loss_type)
+    shared = _loss_and_grads(tiny, ids, mask, 8, True, padding_free, loss_type)
+    _assert_same(unshared, shared)
+
+
+def test_tiny_eager_attention_equals_unshared(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="eager")
+    ids, mask = _batch(model.config.vocab_size, groups=2, G=3, P=20, T=6, seed=3)
+    _assert_same(
+        _loss_and_grads(model, ids, mask, 6, False, False, "grpo"),
+        _loss_and_grads(model, ids, mask, 6, True, False, "grpo"),
+    )
+
+
+def test_peft_lora_equals_unshared(tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():  # B = 0 at init would make the adapter's A-gradients all zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ids, mask = _batch(base.config.vocab_size, groups=2, G=4, P=24, T=8, seed=5)
+    for padding_free in (False, True):
+        unshared = _loss_and_grads(model, ids, mask, 8, False, padding_free, "dapo")
+        shared = _loss_and_grads(model, ids, mask, 8, True, padding_free, "dapo")
+        assert all("lora_" in n for n in shared[2])  # only the adapter trains
+        _assert_same(unshared, shared)
+
+
+@pytest.mark.slow
+def test_smollm2_equals_unshared(smollm2_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    ids, mask = _batch(model.config.vocab_size, groups=1, G=4, P=48, T=6, seed=7)
+    assert pack_shared(ids, mask, 6, prefix_sharing.sharing_cost(model)) is not None  # SmolLM2's cost shares it
+    for padding_free in (False, True):
+        unshared = _loss_and_grads(model, ids, mask, 6, False, padding_free, "grpo")
+        shared = _loss_and_grads(model, ids, mask, 6, True, padding_free, "grpo")
+        _assert_same(unshared, shared)
+
+
+def test_flex_attention_falls_back_with_one_warning(tiny_model_path, caplog):
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, dtype=torch.float32, attn_implementation="flex_attention"
+    )
+    ids, mask = _batch(model.config.vocab_size, groups=2, G=3, P=16, T=5)
+    with caplog.at_level(logging.WARNING, logger="grpo_async.algo.prefix_sharing"):
+        with torch.no_grad():
+            shared = score_tokens(model, ids, mask, 5, share_prefix=True).logps
+            score_tokens(model, ids, mask, 5, share_prefix=True)
+            unshared = score_tokens(model, ids, mask, 5).logps
+    warnings = [r.getMessage() for r in caplog.records if "share_prompt_prefix" in r.getMessage()]
+    assert len(warnings) == 1 and "'flex_attention' takes no custom 4D attention mask" in warnings[0]
+    assert torch.equal(shared, unshared)  # the unshared path ran
+
+
+def test_attention_that_ignores_the_mask_is_probed_and_refused(tiny_model_path, caplog):
+    """A registered attention implementation that always runs plain causal attention (ignores any mask): the probe
+    sees the shared log-probs differ and the run falls back with the reason."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_only(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **{**kwargs, "is_causal": True})
+
+    AttentionInterface.register("causal_only_test", causal_only)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, dtype=torch.float32, attn_implementation="causal_only_test"
+    )
+    ids = torch.randint(10, model.config.vocab_size, (1, 16)).repeat(3, 1)  # no padding: causal is all it needs
+    ids[:, 12:] = torch.randint(10, model.config.vocab_size, (3, 4))
+    mask = torch.ones_like(ids)
+    with caplog.at_level(logging.WARNING, logger="grpo_async.algo.prefix_sharing"):
+        with torch.no_grad():
+            shared = score_tokens(model, ids, mask, 4, share_prefix=True).logps
+            unshared = score_tokens(model, ids, mask, 4).logps
+    warnings = [r.getMessage() for r in caplog.records if "share_prompt_prefix" in r.getMessage()]
+    assert len(warnings) == 1 and "ignores a custom 4D attention mask" in warnings[0], warnings
+    assert torch.equal(shared, unshared)
