@@ -228,6 +228,7 @@ class RoundProducer:
                 completion_ids,
                 columns,
                 timeout=self.s.reward_timeout,
+                abort=self._aborted,  # the generator's shutdown does not wait out a hung reward
             )
         finally:  # e.g. environment_factory instances go back to their pool
             if getattr(self.environment, "release", None) is not None and "env_state" in columns:

@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -157,8 +158,12 @@ def _timeout_error(names: list[str], timeout: float) -> RewardTimeoutError:
     )
 
 
-def _in_worker(fn: Callable[[], object], timeout: float | None, thread_name: str):
-    """Run `fn()` in a daemon thread and wait at most `timeout` seconds. Returns `(finished, result, exception)`."""
+def _in_worker(
+    fn: Callable[[], object], timeout: float | None, thread_name: str, abort: threading.Event | None = None
+):
+    """Run `fn()` in a daemon thread and wait at most `timeout` seconds, or until `abort` is set (checked every 0.05 s:
+    the generator's shutdown must not wait out a hung function). Returns `(finished, result, exception)`; raises
+    `GenerationAborted` when `abort` ended the wait."""
     box: dict = {}
     done = threading.Event()
 
@@ -171,17 +176,27 @@ def _in_worker(fn: Callable[[], object], timeout: float | None, thread_name: str
             done.set()
 
     threading.Thread(target=run, name=thread_name, daemon=True).start()
-    finished = done.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    finished = False
+    while not finished:
+        if abort is not None and abort.is_set():
+            from ..generation.base import GenerationAborted
+
+            raise GenerationAborted(f"{thread_name}: the reward call was abandoned (the generator is shutting down)")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        finished = done.wait(0.05 if left is None else min(left, 0.05))
     return finished, box.get("out"), box.get("err")
 
 
-def _call_sync(func, name: str, kwargs: dict, timeout: float | None):
-    if timeout is None:
+def _call_sync(func, name: str, kwargs: dict, timeout: float | None, abort: threading.Event | None = None):
+    if timeout is None and abort is None:
         try:
             return func(**kwargs)
         except Exception as e:
             raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    finished, out, err = _in_worker(lambda: func(**kwargs), timeout, f"reward-{name}")
+    finished, out, err = _in_worker(lambda: func(**kwargs), timeout, f"reward-{name}", abort)
     if not finished:
         raise _timeout_error([name], timeout)
     if err is not None:
@@ -189,7 +204,13 @@ def _call_sync(func, name: str, kwargs: dict, timeout: float | None):
     return out
 
 
-def _call_async(funcs: dict[int, RewardFunc], names: Sequence[str], kwargs: dict, timeout: float | None) -> dict:
+def _call_async(
+    funcs: dict[int, RewardFunc],
+    names: Sequence[str],
+    kwargs: dict,
+    timeout: float | None,
+    abort: threading.Event | None = None,
+) -> dict:
     """Await every async function concurrently on a private event loop in a worker thread (so a caller that already
     runs a loop works too). Each gets `timeout` seconds; one that blocks the loop is caught by the outer deadline."""
     finished: set[int] = set()
@@ -207,7 +228,7 @@ def _call_async(funcs: dict[int, RewardFunc], names: Sequence[str], kwargs: dict
         return await asyncio.gather(*(one(i, f) for i, f in funcs.items()), return_exceptions=True)
 
     outer = None if timeout is None else timeout + 1.0
-    done, outs, err = _in_worker(lambda: asyncio.run(everything()), outer, "reward-async")
+    done, outs, err = _in_worker(lambda: asyncio.run(everything()), outer, "reward-async", abort)
     if not done:
         raise _timeout_error([names[i] for i in funcs if i not in finished], timeout)
     if err is not None:
@@ -261,11 +282,14 @@ def score_completions(
     completion_ids: list[list[int]],
     columns: dict[str, list],
     timeout: float | None = None,
+    abort: threading.Event | None = None,
 ) -> torch.Tensor:
     """Call every reward function once on the whole round. Returns `[B, F]` float32 with NaN for `None`.
 
-    Synchronous functions run one after the other (each in a worker thread when `timeout` is set), then the
-    `async def` ones all at once. `timeout` (seconds, per function call) raises `RewardTimeoutError` naming it.
+    Synchronous functions run one after the other (each in a worker thread when `timeout` or `abort` is set), then
+    the `async def` ones all at once. `timeout` (seconds, per function call) raises `RewardTimeoutError` naming it.
+    `abort` (set by another thread, e.g. the generator's shutdown) ends the wait for a function within 0.05 s with
+    `GenerationAborted`; the function's thread is abandoned, as on a timeout.
     """
     n = len(completions)
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
@@ -275,9 +299,9 @@ def score_completions(
         if _is_async(f):
             async_funcs[i] = f
         else:
-            results[i] = _call_sync(f, name, kwargs, timeout)
+            results[i] = _call_sync(f, name, kwargs, timeout, abort)
     if async_funcs:
-        for i, out in _call_async(async_funcs, names, kwargs, timeout).items():
+        for i, out in _call_async(async_funcs, names, kwargs, timeout, abort).items():
             results[i] = out
     table = torch.empty(n, len(funcs), dtype=torch.float32)  # [B, F]
     for i, (out, name) in enumerate(zip(results, names, strict=True)):

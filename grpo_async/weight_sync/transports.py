@@ -228,6 +228,11 @@ class WeightTransport(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport's resources (process group, shared memory); idempotent."""
 
+    def discard(self) -> None:
+        """Release the transport's resources without asking anything of the receiver (it stopped answering, or
+        answered garbage, and leaves the rotation: a goodbye request would only wait another timeout)."""
+        self.close()
+
 
 # ---------------------------------------------------------------------------------------------- colocate (in-process)
 class ColocateTransport(WeightTransport):
@@ -353,23 +358,29 @@ class _Stream:
     def __init__(self, transport: _ServerTransport, version: int | None, base: dict):
         self.transport, self.version, self.base = transport, version, base
         self.begun = self.ended = False
+        self.session: str | None = None  # the server's id for this push (answered at begin; sent with the rest)
         self.total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}, "phases": {}}
 
     def send(self, bucket: NamedTensors) -> None:
         plan = BucketPlan(bucket, bucket_layout(bucket))
+        deadline = time.monotonic() + self.transport.timeout  # shared by this request and the abort after it
         try:
-            out = self.transport._session([plan], {**self.base, "begin": not self.begun, "end": False})
+            out = self.transport._session([plan], {**self.base, **self._id(), "begin": not self.begun, "end": False})
         except KeyboardInterrupt:
             raise  # never wait for the server when the user interrupts
         except BaseException:
             self.begun = True  # the server may have opened the session: close it
-            self.abort()
+            self.abort(deadline)
             raise
         self.begun = True
+        self.session = self.session or out.get("session")
         _ServerTransport._add(self.total, out)
 
+    def _id(self) -> dict:
+        return {"session": self.session} if self.session else {}
+
     def close(self) -> dict:
-        extra = {**self.base, "begin": not self.begun, "end": True, "version": self.version}
+        extra = {**self.base, **self._id(), "begin": not self.begun, "end": True, "version": self.version}
         out = self.transport._session([], extra)
         self.ended = True
         _ServerTransport._add(self.total, out)
@@ -378,20 +389,38 @@ class _Stream:
             self.total.pop("digests")
         return self.total
 
-    def abort(self) -> None:
-        """Make sure the server finalizes an interrupted session (its model never stays half-reloaded)."""
+    def abort(self, deadline: float | None = None) -> None:
+        """Make sure the server finalizes an interrupted session (its model never stays half-reloaded).
+
+        `deadline` (`time.monotonic()` seconds): the deadline of the operation that failed; the closing request gets
+        what is left of it, so a server that stopped answering costs `timeout` once, not twice (nothing is sent when
+        less than `MIN_ABORT_S` is left: such a server did not answer the request itself, and its session is left to
+        the server's own idle deadline). `None`: a fresh `timeout`."""
         if not self.begun or self.ended:
             return
         self.ended = True
         tr = self.transport
+        left = tr.timeout if deadline is None else deadline - time.monotonic()
+        if left < MIN_ABORT_S:
+            logger.warning(
+                "not closing the interrupted reload session on %s: it did not answer within the push's deadline "
+                "(timeout=%.0f s)",
+                tr.client.url,
+                tr.timeout,
+            )
+            return
         try:
             tr.client.post(
                 "/ws/update",
-                {"transport": tr.name, "buckets": [], "begin": False, **tr._empty_extra()},
-                timeout=tr.timeout,
+                {"transport": tr.name, "buckets": [], "begin": False, "abort": True, **self._id()} | tr._empty_extra(),
+                timeout=left,
             )
         except Exception as e:  # noqa: BLE001
             logger.warning("could not close the interrupted reload session on %s: %s", tr.client.url, e)
+
+
+#: an abort is not sent with less than this many seconds left of the failed push's deadline (`_Stream.abort`)
+MIN_ABORT_S = 0.5
 
 
 class BroadcastTransport(_ServerTransport):
@@ -520,12 +549,20 @@ class BroadcastTransport(_ServerTransport):
         return call.result(self.timeout)
 
     def close(self) -> None:
+        self._close(tell_server=True)
+
+    def discard(self) -> None:
+        self._close(tell_server=False)
+
+    def _close(self, tell_server: bool) -> None:
         if self.pg is None:
             return
-        try:
-            self.client.post("/ws/close_broadcast", {"group_name": self.group_name}, timeout=min(self.timeout, 10.0))
-        except Exception as e:  # noqa: BLE001 - server may be gone
-            logger.info("close_broadcast on %s: %s", self.client.url, e)
+        if tell_server:
+            try:
+                body = {"group_name": self.group_name}
+                self.client.post("/ws/close_broadcast", body, timeout=min(self.timeout, 10.0))
+            except Exception as e:  # noqa: BLE001 - server may be gone
+                logger.info("close_broadcast on %s: %s", self.client.url, e)
         try:
             if hasattr(self.pg, "shutdown"):
                 self.pg.shutdown()
