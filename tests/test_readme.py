@@ -42,8 +42,9 @@ def _sentence(text: str) -> str:
 def own_fields() -> list[dataclasses.Field]:
     """The `GRPOConfig` fields it adds to `TrainingArguments` or re-defaults, in the order the class declares them."""
     from grpo_async import GRPOConfig
+    from grpo_async.config import FIELD_GROUPS
 
-    declared = list(inspect.get_annotations(GRPOConfig))
+    declared = [name for cls in (GRPOConfig, *FIELD_GROUPS) for name in inspect.get_annotations(cls)]
     by_name = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     return [by_name[name] for name in declared if name in by_name]
 
@@ -68,10 +69,10 @@ def default_differences_table() -> str:
 def unsupported_fields_table() -> str:
     """TRL fields accepted only at TRL's default (`grpo_async.config.UNSUPPORTED_TRL_FIELDS`) and what to do
     instead."""
-    from grpo_async.config import _UNSUPPORTED
+    from grpo_async.config import UNSUPPORTED_TRL_INSTEAD
 
     rows = ["| field | instead |", "|---|---|"]
-    rows += [f"| `{k}` | {_cell(_sentence(v))} |" for k, v in _UNSUPPORTED.items()]
+    rows += [f"| `{k}` | {_cell(_sentence(v))} |" for k, v in UNSUPPORTED_TRL_INSTEAD.items()]
     return "\n".join(rows)
 
 
@@ -206,10 +207,10 @@ def test_every_config_field_has_its_row_with_its_real_default():
 
 def test_trl_tables_list_only_what_the_config_says():
     """The TRL doc's field rows are the config's unsupported / different / aliased fields or a known feature row."""
-    from grpo_async.config import _UNSUPPORTED, DEFAULT_DIFFERENCES, TRL_ALIASES, TRL_DEPRECATED
+    from grpo_async.config import DEFAULT_DIFFERENCES, TRL_ALIASES, TRL_DEPRECATED, UNSUPPORTED_TRL_INSTEAD
 
     listed = set(table_rows(_read(TRL_DOC)))
-    known = set(_UNSUPPORTED) | set(DEFAULT_DIFFERENCES) | set(TRL_ALIASES) | set(TRL_DEPRECATED)
+    known = set(UNSUPPORTED_TRL_INSTEAD) | set(DEFAULT_DIFFERENCES) | set(TRL_ALIASES) | set(TRL_DEPRECATED)
     extra = listed - known - set(TRL_DIFFERENCE_ROWS)
     assert not extra, f"docs/trl_compatibility.md lists fields the config no longer has as TRL differences: {extra}"
     missing = set(TRL_DIFFERENCE_ROWS) - listed

@@ -200,7 +200,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
         t.close()
     finally:
         BACKENDS.pop("scripted_tool_caller")
-        from grpo_async.config import SYNC_BY_BACKEND
+        from grpo_async.generation import SYNC_BY_BACKEND
 
         SYNC_BY_BACKEND.pop("scripted_tool_caller")
     tok = t.processing_class

@@ -351,7 +351,7 @@ def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_
         t.close()
     finally:
         BACKENDS.pop("scripted_counter")
-        from grpo_async.config import SYNC_BY_BACKEND
+        from grpo_async.generation import SYNC_BY_BACKEND
 
         SYNC_BY_BACKEND.pop("scripted_counter")
     tok = t.processing_class

@@ -1,4 +1,8 @@
-"""Generation backends behind one protocol (`base.GenerationBackend`), chosen by name from a registry."""
+"""Generation backends behind one protocol (`base.GenerationBackend`), chosen by name from a registry.
+
+The registry lives here: `BACKENDS` (name → factory) and `SYNC_BY_BACKEND` (name → the weight-sync transports the
+backend takes); `register_backend` adds to both. `GRPOConfig` only names a backend and checks the name against it.
+"""
 
 from __future__ import annotations
 
@@ -134,6 +138,29 @@ BACKENDS: dict[str, Callable] = {
     "vllm_server": _make_vllm_server,
     "openai": _make_openai,
 }
+#: every `GRPOConfig.weight_sync_transport` value ('none': the sampler keeps its initial weights)
+WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "ipc", "checkpoint_dir", "none")
+#: the weight-sync transports each backend can use; `register_backend` adds the registered backend's
+SYNC_BY_BACKEND: dict[str, tuple[str, ...]] = {
+    "hf": ("auto", "none"),
+    "vllm": ("auto", "none"),
+    "vllm_server": ("auto", "broadcast", "ipc", "none"),
+    "openai": ("auto", "checkpoint_dir", "none"),
+}
+#: why a backend takes only the transports it takes (the config's error quotes it)
+SYNC_WHY: dict[str, str] = {
+    "hf": "the sampler lives in this process and is updated in place",
+    "vllm": "the engine lives in this process and loads the weights in place",
+    "vllm_server": "a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
+    "it does not watch a checkpoint folder",
+    "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
+    "it can only reload a shared checkpoint folder",
+}
+
+
+def registered_backends() -> tuple[str, ...]:
+    """The names `GRPOConfig.generation_backend` accepts now: the built-ins and `register_backend`'s."""
+    return tuple(SYNC_BY_BACKEND)
 
 
 def register_backend(name: str, factory: Callable, weight_sync: tuple[str, ...] = ("auto", "none")) -> None:
@@ -144,8 +171,6 @@ def register_backend(name: str, factory: Callable, weight_sync: tuple[str, ...] 
     that load a model themselves; the trainer pushes its current weights before the first round anyway.
     `weight_sync`: the `weight_sync_transport` values the backend accepts; with `"auto"` the policy publisher streams
     the weights into its `load_weights`, with `"none"` the sampler keeps its initial weights."""
-    from ..config import SYNC_BY_BACKEND, SYNC_WHY, WEIGHT_SYNC_TRANSPORTS
-
     unknown = [t for t in weight_sync if t not in WEIGHT_SYNC_TRANSPORTS]
     if not callable(factory) or unknown or not weight_sync:
         raise ValueError(
@@ -200,8 +225,12 @@ __all__ = [
     "BACKENDS",
     "Completion",
     "GenerationBackend",
+    "SYNC_BY_BACKEND",
+    "SYNC_WHY",
     "SamplingConfig",
+    "WEIGHT_SYNC_TRANSPORTS",
     "make_backend",
     "register_backend",
+    "registered_backends",
     "server_transport",
 ]

@@ -1,0 +1,20 @@
+"""Completion-logging fields of `GRPOConfig`."""
+
+from dataclasses import dataclass, field
+
+from .checks import Number, checked_field
+
+
+@dataclass
+class CompletionLogFields:
+    """Which completions are printed when logging."""
+
+    log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
+    num_completions_to_print: int | None = checked_field(
+        Number(ge=0, integer=True, optional=True, what="an int >= 0 or None (all)"),
+        default=4,
+        metadata={"help": "Completions printed per log; None prints all of them."},
+    )
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "TRL: log images/videos with completions. Text-only here: no effect."}
+    )

@@ -1,0 +1,81 @@
+"""Pipeline fields of `GRPOConfig`: per-stage micro-batches, reuse order, and the async generation queue."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .checks import Number, checked_field
+
+#: orders of the μ passes over a round (`grpo_async.pipeline.aggregation.reuse_order` implements them)
+REUSE_ORDERS = ("epoch", "consecutive")
+#: rows (after the ×G repeat) per chunk of a stage; `None`: per_device_train_batch_size
+ROWS = Number(ge=1, integer=True, optional=True, what="an int >= 1 (rows, counted after the ×G repeat) or None")
+
+
+@dataclass
+class PipelineFields:
+    """How a round flows: rollout / ref-logps / old-logps chunk sizes, μ-pass order, rounds ahead, staleness."""
+
+    rollout_micro_batch_size: int | None = checked_field(
+        ROWS,
+        default=None,
+        metadata={
+            "help": "Completions per generate call (rows after the ×G repeat), on the main process, over the whole "
+            "round; must divide generation_batch_size. Default: per_device_train_batch_size. vLLM batches "
+            "internally: set it to generation_batch_size for one call per round.",
+        },
+    )
+    ref_logps_micro_batch_size: int | None = checked_field(
+        ROWS,
+        default=None,
+        metadata={
+            "help": "Rows per reference-model forward pass, on each process over its generation_batch_size / "
+            "processes rows (must divide them). Default: per_device_train_batch_size.",
+        },
+    )
+    old_logps_micro_batch_size: int | None = checked_field(
+        ROWS,
+        default=None,
+        metadata={
+            "help": "Rows per old-policy forward pass, on each process over its generation_batch_size / processes "
+            "rows (must divide them). Default: per_device_train_batch_size.",
+        },
+    )
+    reuse_order: Literal["epoch", "consecutive"] = field(
+        default="epoch",
+        metadata={
+            "help": f"Order of the μ passes over a round's micro-batches, one of {REUSE_ORDERS}: 'epoch' (a b | a b) "
+            "or 'consecutive' (a a b b: each micro-batch trained μ times in a row)."
+        },
+    )
+
+    num_batches_ahead: int = checked_field(
+        Number(ge=0, integer=True, what="an int >= 0 (0 = synchronous)"),
+        default=1,
+        metadata={
+            "help": "Rounds generated ahead of training (0 = synchronous). Staleness is counted in policy versions "
+            "(optimizer steps): with k rounds ahead a sample lags at most ceil(k × steps_per_round) versions when "
+            "its round starts (see max_staleness).",
+        },
+    )
+    async_generation_timeout: float = checked_field(
+        Number(gt=0, what="> 0 seconds"),
+        default=600.0,
+        metadata={"help": "Seconds any wait on the generator may last before raising."},
+    )
+    max_staleness: int | None = checked_field(
+        Number(ge=0, integer=True, optional=True, what="an int >= 0 (policy versions, i.e. optimizer steps) or None"),
+        default=None,
+        metadata={
+            "help": "Most policy versions (optimizer steps) a sample may lag: a sample generated from the weights of "
+            "step v and trained in a round starting from the weights of step s has staleness s - v; staler samples "
+            "are not trained (loss mask zeroed, counted in async/dropped_stale). Default: what the pipeline can "
+            "produce, ceil(num_batches_ahead × steps_per_round), so nothing is dropped; when the sampler never "
+            "receives weights (weight_sync_transport='none', or the openai backend without 'checkpoint_dir') there "
+            "is no limit and it must stay unset.",
+        },
+    )
+    async_max_queue_size: int | None = checked_field(
+        Number(ge=1, integer=True, optional=True),
+        default=None,
+        metadata={"help": "Rounds queued or completed-unfetched at once. Default num_batches_ahead+2."},
+    )

@@ -1,0 +1,43 @@
+"""Weight-sync fields of `GRPOConfig`: how the trainer's weights reach the sampler."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..generation import WEIGHT_SYNC_TRANSPORTS
+from .checks import Number, checked_field
+
+
+@dataclass
+class WeightSyncFields:
+    """The transport (the backend registry says which each backend takes), bucket size, in-flight updates, LoRA."""
+
+    weight_sync_transport: Literal[WEIGHT_SYNC_TRANSPORTS] = field(
+        default="auto",
+        metadata={
+            "help": f"One of {WEIGHT_SYNC_TRANSPORTS}; 'auto' picks the best the backend supports (with the openai "
+            "backend: no sync); 'none': the sampler keeps its initial weights."
+        },
+    )
+    weight_sync_bucket_mb: float = checked_field(
+        Number(gt=0),
+        default=256.0,
+        metadata={"help": "Size threshold of a weight-transfer bucket (modules are never split)."},
+    )
+    weight_sync_inflight: bool = field(
+        default=False,
+        metadata={
+            "help": "vllm_server only: push new weights as soon as the optimizer made them, while the round in flight "
+            "keeps generating (its running requests continue on the new weights). Off: a round finishes on the "
+            "weights it started with. Samples record the version their round started with."
+        },
+    )
+    vllm_lora_sync: Literal["auto", "adapter", "merged"] = field(
+        default="auto",
+        metadata={
+            "help": "With a PEFT LoRA adapter (peft_config), what a weight sync sends to vLLM: 'adapter' (only the "
+            "adapter's lora_A/lora_B tensors; the sampler serves base + LoRA with a new adapter per policy version "
+            "and its base weights never move; a vllm_server must run with --enable-lora --max-lora-rank R), "
+            "'merged' (merge the adapter, push every full weight, unmerge) or 'auto' ('adapter' for the in-process "
+            "vllm backend when vLLM can serve the adapter (LoRA, no DoRA, bias or modules_to_save), else 'merged')."
+        },
+    )
