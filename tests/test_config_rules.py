@@ -104,7 +104,7 @@ def test_numbers_refuse_bools_and_strings(check):
 
 def test_reuse_orders_match_the_pipeline():
     from grpo_async.config.pipeline import REUSE_ORDERS
-    from grpo_async.pipeline.aggregation import REUSE_ORDERS as IMPLEMENTED
+    from grpo_async.pipeline.rows import REUSE_ORDERS as IMPLEMENTED
 
     assert REUSE_ORDERS == IMPLEMENTED
 

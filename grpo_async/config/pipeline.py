@@ -5,7 +5,7 @@ from typing import Literal
 
 from .checks import Number, checked_field
 
-#: orders of the μ passes over a round (`grpo_async.pipeline.aggregation.reuse_order` implements them)
+#: orders of the μ passes over a round (`grpo_async.pipeline.rows.reuse_order` implements them)
 REUSE_ORDERS = ("epoch", "consecutive")
 #: rows (after the ×G repeat) per chunk of a stage; `None`: per_device_train_batch_size
 ROWS = Number(ge=1, integer=True, optional=True, what="an int >= 1 (rows, counted after the ×G repeat) or None")

@@ -24,7 +24,7 @@ import torch
 
 from ..algo.loss import importance_sampling_weights
 from ..generation.base import derive_seed
-from .distribute import process_slice
+from .rows import process_slice
 from .types import MicroBatch, Round
 
 logger = logging.getLogger(__name__)

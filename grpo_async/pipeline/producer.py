@@ -28,9 +28,8 @@ from ..envs.rollout import template_ids
 from ..generation.base import Completion, GenerationAborted, SamplingConfig, derive_seed
 from ..generation.shared import SharedBackend
 from ..rewards import RewardLogs, score_completions
-from .aggregation import chunk_slices
-from .distribute import pad
 from .metrics import ROUND_TOKENS, terminated_length_metrics
+from .rows import chunk_slices, pad
 from .types import MicroBatch, Round, RoundRequest
 
 

@@ -40,11 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .aggregation import reuse_order
 from .consumer import RoundConsumer
 from .job_queue import AsyncBatchGenerator, BatchRequest
 from .overlap import StepWindow
 from .producer import RoundProducer
+from .rows import reuse_order
 from .types import MicroBatch, Round, RoundRequest
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
-"""Per-stage chunk slices and reuse order (`grpo_async/pipeline/aggregation.py`): hand-worked values of the two
+"""Per-stage chunk slices and reuse order (`grpo_async/pipeline/rows.py`): hand-worked values of the two
 functions the package uses (`chunk_slices` in the round producer's rollout calls, `reuse_order` in the scheduler).
 That every stage then runs only full chunks of its own size in a real round is tested on the trainer
 (`tests/test_trainer.py::test_every_stage_runs_only_full_chunks_of_its_own_size`)."""
 
 import pytest
 
-from grpo_async.pipeline.aggregation import REUSE_ORDERS, chunk_slices, reuse_order
+from grpo_async.pipeline.rows import REUSE_ORDERS, chunk_slices, reuse_order
 from grpo_async.pipeline.scheduler import RoundScheduler
 from grpo_async.testing import tiny_config
 from grpo_async.trainer_setup import scheduler_settings

@@ -1,8 +1,9 @@
-"""Per-stage chunk sizes and the reuse order of a round's micro-batches. Pure functions of ints and lists.
+"""Rows of a generation round: each stage's chunks, each process's share, the reuse order, padding.
 
-The rollout, ref-logps and old-logps stages each run in chunks of their own micro-batch size over the rows of a round
-(`GRPOConfig` checks at construction that each size divides the rows its stage sees, so every chunk is full).
-Example with rollout = 2, ref_logps = 3, old_logps = 6 over a 12-row round (micro-batches a, b):
+Pure functions of ints, lists and (for `pad`) tensors. The rollout, ref-logps and old-logps stages each run in chunks
+of their own micro-batch size over the rows of a round (`GRPOConfig` checks at construction that each size divides
+the rows its stage sees, so every chunk is full); each process scores and trains its own slice of the round.
+Example with rollout = 2, ref_logps = 3, old_logps = 6 over a 12-row round (micro-batches a, b), one process:
 
 ```txt
 round           a0 a0 a1 a1 a2 a2 b0 b0 b1 b1 b2 b2            12 rows
@@ -11,6 +12,7 @@ ref_logps (3)   |a0 a0 a1|a1 a2 a2|b0 b0 b1|b1 b2 b2|           chunk_slices(12,
 old_logps (6)   |a0 a0 a1 a1 a2 a2|b0 b0 b1 b1 b2 b2|           chunk_slices(12, 6): 2 chunks
 reuse μ = 2     "consecutive": a a b b    ·    "epoch" (default): a b | a b
 ```
+With N processes, process i holds rows `process_slice(R, N, i)` = `[i·L, (i+1)·L)`, `L = R / N`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from numbers import Integral
 from typing import Any
+
+import torch
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -75,3 +79,28 @@ def reuse_order(items: list, num_iterations: int, order: str = "epoch") -> list:
     if order not in _REUSE_ORDERS:
         raise ValueError(f"order must be one of {REUSE_ORDERS}, got {order!r}")
     return _REUSE_ORDERS[order](list(items), _positive_int("num_iterations", num_iterations))
+
+
+# ---------------------------------------------------------------------------------------------- padding, shares
+def pad(seqs: list[list], value, side: str = "right", dtype=torch.long) -> torch.Tensor:
+    """Stack ragged rows into `[R, max_len]`, padding on `side` with `value`."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        if len(s):
+            t = torch.as_tensor(s, dtype=dtype)
+            if side == "right":
+                out[i, : len(s)] = t
+            else:
+                out[i, width - len(s) :] = t
+    return out
+
+
+def process_slice(total_rows: int, num_processes: int, process_index: int) -> slice:
+    """Rows of `process_index`: `[i·L, (i+1)·L)` with `L = total_rows / num_processes` (must divide)."""
+    if total_rows % num_processes != 0:
+        raise ValueError(f"round of {total_rows} rows cannot be split evenly over {num_processes} processes")
+    local = total_rows // num_processes
+    if local == 0:
+        raise RuntimeError(f"process {process_index} would receive no rows (round of {total_rows} rows)")
+    return slice(process_index * local, (process_index + 1) * local)
