@@ -69,14 +69,21 @@ import asyncio
 import hashlib
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
 import secrets
 import socket
 import sys
+import time
 
 from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from grpo_async.generation.reload_session import RELOAD_IDLE_TIMEOUT_S, SessionTracker
+
+logger = logging.getLogger("grpo_async.serve")
 
 WORKER_EXTENSION = "grpo_async.generation.vllm_worker.WeightSyncWorker"
 
@@ -251,27 +258,60 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def add_weight_routes(app) -> None:
-    """Register `/ws/*` on a vLLM FastAPI app (engine client read from `app.state.engine_client` per request)."""
+def add_weight_routes(app, idle_timeout: float = RELOAD_IDLE_TIMEOUT_S) -> None:
+    """Register `/ws/*` on a vLLM FastAPI app (engine client read from `app.state.engine_client` per request); the
+    reload session's state goes to `app.state.ws_sessions` (read by `/health`). A session with no request for
+    `idle_timeout` seconds is dropped."""
     from grpo_async.generation.vllm_worker import validate_update_request
 
     lock = asyncio.Lock()
-    state = {"session_open": False, "loras": {}}  # loras: policy adapter name -> id, registered as served models
+    sessions = app.state.ws_sessions = SessionTracker(idle_timeout=float(idle_timeout))
+    state = {"loras": {}}  # policy adapter name -> id, registered as served models
 
     def engine(request: Request):
         return request.app.state.engine_client
 
+    async def abort_session(eng, why: str) -> None:
+        """Drop the open session in the workers (nothing of it is loaded); call with `lock` held."""
+        s = sessions.current
+        sessions.close()
+        logger.warning("weight reload session %s dropped: %s", s.id, why)
+        await eng.collective_rpc("ws_abort")
+
+    def watch(eng, session_id: str) -> None:  # after each request that leaves the session open
+        async def expire():
+            async with lock:
+                if sessions.expired(session_id):
+                    await abort_session(eng, f"no request for {sessions.idle_timeout:g} s (--reload-idle-timeout)")
+
+        loop = asyncio.get_running_loop()
+        loop.call_later(sessions.idle_timeout + 0.1, lambda: loop.create_task(expire()))
+
     @app.get("/ws/info")
     async def ws_info(request: Request):
         workers = await engine(request).collective_rpc("ws_info")
-        return {"world_size": workers[0]["world_size"], "workers": workers, "version": workers[0]["version"]}
+        out = {"world_size": workers[0]["world_size"], "workers": workers, "version": workers[0]["version"]}
+        return {**out, "session": sessions.info()}
 
     @app.post("/ws/init_broadcast")
     async def ws_init_broadcast(request: Request):
         body = await _json_body(request)
         await check_init_broadcast(body)
-        async with lock:
-            out = await engine(request).collective_rpc("ws_init_broadcast", kwargs=body)
+        eng, name = engine(request), body.get("group_name", "grpo_async_ws")
+        async with lock:  # the workers join on a thread: the engine keeps generating while the trainer joins
+            out = await eng.collective_rpc("ws_init_broadcast", kwargs={**body, "background": True})
+            deadline = time.monotonic() + body.get("timeout_s", 60.0) + 10.0
+            while True:
+                status = await eng.collective_rpc("ws_init_status", kwargs={"group_name": name})
+                errors = [o["error"] for o in status if o["error"]]
+                if errors:
+                    await eng.collective_rpc("ws_close_broadcast", kwargs={"group_name": name})
+                    raise HTTPException(500, f"init_broadcast: joining the trainer's group failed: {errors[0]}")
+                if all(o["done"] for o in status):
+                    break
+                if time.monotonic() > deadline:
+                    raise HTTPException(504, f"init_broadcast: the process group {name!r} did not form in time")
+                await asyncio.sleep(0.05)
         return {"ranks": [o["rank"] for o in out]}
 
     @app.post("/ws/close_broadcast")
@@ -291,19 +331,40 @@ def add_weight_routes(app) -> None:
         except ValueError as e:
             raise HTTPException(400, f"bad weight-update request: {e}") from e
         eng = engine(request)
-        begin, end = body.get("begin", True), body.get("end", True)
+        begin, end, load = body.get("begin", True), body.get("end", True), body.get("load", True)
+        given = body.pop("session", None)
         async with lock:
-            if begin and not state["session_open"]:
+            s = sessions.current
+            if body.get("abort"):  # the sender gives its push up: drop it (only its own, when it names it)
+                if s is None or given not in (None, s.id):
+                    return {"aborted": False, "session": None}
+                await abort_session(eng, "the sender aborted it")
+                return {"aborted": True, "session": None}
+            if load and begin:
+                if s is not None:  # its sender is gone or gave up: the newest push wins
+                    await abort_session(eng, "a new push began")
+                s = sessions.open()
+            elif load and (s is None or given not in (None, s.id)):
+                raise HTTPException(
+                    409,
+                    f"weight reload session {given or ''} is not open (dropped after --reload-idle-timeout "
+                    f"{sessions.idle_timeout:g} s without a request, aborted, or replaced by a newer push's begin); "
+                    "start the push again with begin=true",
+                )
+            paused = False
+            if load and end:  # the staged push is loaded by this request: generation waits for it only
                 keep = body.get("pause", "wait") == "keep"  # frozen requests keep their KV: no cache clearing
                 await eng.pause_generation(mode="keep" if keep else "wait", clear_cache=not keep)
-                state["session_open"] = True
+                paused = True
+            sessions.busy_since = time.monotonic()
             try:
                 out = await eng.collective_rpc("ws_update", kwargs={"request": body})
-                errors = [o["error"] for o in out if "error" in o]
+                errors = [o for o in out if "error" in o]
                 if errors:
-                    end = True  # the worker finalized the session before answering
-                    raise HTTPException(500, f"weight update failed in the worker: {errors[0]}")
-                if body.get("lora") is not None and end and body.get("load", True):
+                    end = True  # the worker closed the session before answering, loading nothing
+                    status = 409 if all(o.get("incomplete") for o in errors) else 500
+                    raise HTTPException(status, f"weight update failed in the worker: {errors[0]['error']}")
+                if body.get("lora") is not None and end and load:
                     _register_lora(request.app, state["loras"], body["lora"], out[0].get("lora_adapters", []))
             except HTTPException:
                 raise
@@ -311,11 +372,17 @@ def add_weight_routes(app) -> None:
                 end = True
                 raise HTTPException(500, f"weight update failed in the worker: {type(e).__name__}: {e}") from e
             finally:
-                if end and state["session_open"]:
+                sessions.busy_since = None
+                if s is not None:
+                    s.last, s.requests = time.monotonic(), s.requests + 1
+                    if end:
+                        sessions.close()
+                    else:
+                        watch(eng, s.id)
+                if paused:
                     await eng.reset_prefix_cache()
                     await eng.resume_generation()
-                    state["session_open"] = False
-        return out[0]
+        return {**out[0], "session": s.id if s is not None and not end else None}
 
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
@@ -351,7 +418,7 @@ async def check_init_broadcast(body: dict) -> None:
     except (OSError, asyncio.TimeoutError) as e:
         raise HTTPException(400, f"init_broadcast: host {host!r} does not resolve ({type(e).__name__}: {e})") from e
     try:
-        await asyncio.to_thread(_probe_store, host, port, float(timeout))
+        await probe_store(host, port, float(timeout))
     except Exception as e:  # noqa: BLE001 - any failure means the engine would hang there
         raise HTTPException(
             400,
@@ -360,14 +427,44 @@ async def check_init_broadcast(body: dict) -> None:
         ) from e
 
 
-def _probe_store(host: str, port: int, timeout_s: float) -> None:
-    """Connect to the trainer's `TCPStore` as a client and make one round trip (raises if none answers in time)."""
-    from datetime import timedelta
+#: the store probe, run in a child process: `python -c PROBE_STORE host port timeout_s`
+PROBE_STORE = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+host, port, timeout = sys.argv[1], int(sys.argv[2]), timedelta(seconds=float(sys.argv[3]))
+TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False).num_keys()
+"""
+#: seconds the probe process may take beyond `timeout_s` (starting Python and importing torch on a busy machine)
+PROBE_START_S = 60.0
 
-    from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    store.num_keys()
+async def probe_store(host: str, port: int, timeout_s: float) -> None:
+    """Connect to the trainer's `TCPStore` as a client and make one round trip; raise if none answers in time.
+
+    In a child process, killed at `timeout_s` (+ its start-up): torch's store client, given a peer that accepts and
+    never answers (or resets), keeps waiting and retrying past its timeout, and in the server's own process that
+    held the request open (the client saw the connection dropped) while it held a thread."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        PROBE_STORE,
+        host,
+        str(port),
+        str(timeout_s),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s + PROBE_START_S)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        proc.kill()
+        await proc.wait()
+        raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+    if proc.returncode != 0:
+        lines = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
+        raise ConnectionError(lines[-1] if lines else f"probe exited with {proc.returncode}")
 
 
 def _register_lora(app, ours: dict, spec: dict, resident: list) -> None:
@@ -396,6 +493,28 @@ def _rescaled(position: dict, token: int, temperature: float) -> float:
     scaled = [lp.logprob / temperature for lp in position.values()]
     top = max(scaled)
     return position[token].logprob / temperature - (top + math.log(sum(math.exp(s - top) for s in scaled)))
+
+
+def add_health_route(app) -> None:
+    """Replace vLLM's `/health` (200, or an empty 503 once the engine died) by one that says what is wrong: 503 with
+    `{"error": reason}` for a dead engine and for a weight reload session stuck open (`SessionTracker.problem`)."""
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
+
+    @app.get("/health")
+    async def health(request: Request):
+        client = request.app.state.engine_client
+        try:
+            await client.check_health()
+        except Exception as e:  # noqa: BLE001 - EngineDeadError, or the engine client failing to answer
+            reason = f"the engine is dead ({type(e).__name__}: {str(e)[:300]}); restart this server"
+            return JSONResponse({"error": reason}, status_code=503)
+        if getattr(client, "errored", False):
+            return JSONResponse({"error": "the engine is dead (errored); restart this server"}, status_code=503)
+        sessions = getattr(request.app.state, "ws_sessions", None)
+        problem = sessions.problem() if sessions is not None else None
+        if problem:
+            return JSONResponse({"error": problem}, status_code=503)
+        return Response(status_code=200)
 
 
 def add_frozen_routes(app) -> None:
@@ -473,11 +592,20 @@ grpo-async options and defaults (they differ from `vllm serve`):
   --api-key-file PATH   the API key, from a file (not visible in `ps` or shell history)
   --max-request-mb MB   default 8: the largest request body any route accepts (HTTP 413 beyond it)
   --header-timeout S    default 20: seconds a client may take to send a request's headers before it is cut off
+  --reload-idle-timeout S
+                        default 60: a weight push (reload session) with no request for S seconds is dropped (its
+                        trainer died mid-push); /health answers 503 naming it from S/2 on. A new push's begin drops
+                        an open one at once. Nothing of a dropped, aborted or incomplete push is loaded.
   --frozen              refuse weight updates (HTTP 403): for a reference-model server (GRPOConfig.ref_server_url)
   --gpu-memory-utilization F
-                        on a GPU: vLLM's default (0.92 of the GPU). On CPU, where it is the share of the machine's
-                        RAM vLLM reserves, the default is half of the memory free at start (at most 0.9), so the
-                        server starts on a machine with other processes; pass a value to override it.
+                        on a GPU: vLLM's default (0.92 of the GPU). On CPU (where it is the share of the machine's
+                        RAM vLLM reserves) it is not used by default: the KV cache is sized instead (next option).
+  --kv-cache-memory-bytes N
+                        on CPU, default: what --max-model-len x --max-num-seqs tokens of this model need (K and V of
+                        every layer, +10%), at least one full-length request and 64 MiB, at most 4 GiB or a quarter of
+                        the RAM (cpu_kv_cache_bytes); printed at start. VLLM_CPU_KVCACHE_SPACE (GiB), this flag or
+                        --gpu-memory-utilization, when given, win. (vLLM's own CPU default reserves half the free RAM:
+                        9 GB for a 2-layer model, and two servers started together raced for it.)
   --worker-extension-cls
                         default grpo_async.generation.vllm_worker.WeightSyncWorker (needed by the /ws/* routes)
   --logprobs-mode       default processed_logprobs: the sampler's logprobs of the distribution it sampled from
@@ -517,6 +645,12 @@ def make_parser():
         type=float,
         default=HEADER_TIMEOUT_S,
         help="grpo-async: seconds a client may take to send its request headers",
+    )
+    parser.add_argument(
+        "--reload-idle-timeout",
+        type=float,
+        default=RELOAD_IDLE_TIMEOUT_S,
+        help="grpo-async: seconds a weight push may go without a request before the server drops it",
     )
     return parser
 
@@ -563,6 +697,10 @@ def _check_limits(args) -> None:
         raise SystemExit(f"grpo-async serve: --max-request-mb must be a number > 0, got {args.max_request_mb}")
     if not (math.isfinite(args.header_timeout) and args.header_timeout > 0):
         raise SystemExit(f"grpo-async serve: --header-timeout must be seconds > 0, got {args.header_timeout}")
+    if not (math.isfinite(args.reload_idle_timeout) and args.reload_idle_timeout > 0):
+        raise SystemExit(
+            f"grpo-async serve: --reload-idle-timeout must be seconds > 0, got {args.reload_idle_timeout}"
+        )
 
 
 def print_help(file=None) -> None:
@@ -605,6 +743,82 @@ def _default_cpu_memory(args, argv: list[str]) -> None:
     )
 
 
+#: the CPU KV cache `grpo-async serve` sizes is at most this (or a quarter of the RAM) and at least `KV_FLOOR_BYTES`
+KV_CAP_BYTES = 4 * 2**30
+KV_FLOOR_BYTES = 64 * 2**20
+#: `--max-num-seqs` assumed for sizing when not given (the cap bounds the result)
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def cpu_kv_cache_bytes(
+    bytes_per_token: int, max_model_len: int, max_num_seqs: int, total_ram: int, cap: int = KV_CAP_BYTES
+) -> int:
+    """Bytes of CPU KV cache for `max_num_seqs` requests of `max_model_len` tokens (+10%), within
+    [max(`KV_FLOOR_BYTES`, one full-length request), min(`cap`, `total_ram` / 4)], rounded up to MiB.
+
+    >>> cpu_kv_cache_bytes(2 * 2 * 2 * 32 * 4, 256, 4, 16 * 2**30) == KV_FLOOR_BYTES  # tiny model: the floor
+    True
+    >>> cpu_kv_cache_bytes(2 * 30 * 3 * 64 * 4, 8192, 256, 64 * 2**30) == KV_CAP_BYTES  # SmolLM2, fp32: the cap
+    True
+    """
+    one = int(bytes_per_token * max_model_len * 1.1)  # vLLM refuses a cache that cannot hold one full request
+    want = int(bytes_per_token * max_model_len * max_num_seqs * 1.1)
+    size = max(KV_FLOOR_BYTES, one, min(want, cap, total_ram // 4))
+    return -(-size // 2**20) * 2**20
+
+
+def _kv_bytes_per_token(args) -> tuple[int, int]:
+    """`(bytes of K and V per token over all layers, max_model_len)` from the model's config."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(
+        args.model, trust_remote_code=bool(args.trust_remote_code), revision=getattr(args, "revision", None)
+    )
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_dtype, dtype = str(getattr(args, "kv_cache_dtype", "auto")), str(args.dtype)
+    if kv_dtype.startswith("fp8"):
+        nbytes = 1
+    elif dtype in ("float32", "float") or (dtype == "auto" and str(getattr(text, "dtype", None)) == "torch.float32"):
+        nbytes = 4
+    else:
+        nbytes = 2
+    max_len = args.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * nbytes, int(max_len)
+
+
+def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
+    """On CPU, unless the user chose (`VLLM_CPU_KVCACHE_SPACE`, `--kv-cache-memory-bytes`,
+    `--gpu-memory-utilization`), set `--kv-cache-memory-bytes` to `cpu_kv_cache_bytes` of the model and say so.
+    Returns whether the KV cache size is now explicit (vLLM then skips its share-of-RAM check)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if environ.get("VLLM_CPU_KVCACHE_SPACE") or _passed(argv, "--kv-cache-memory-bytes"):
+        return True
+    if _passed(argv, "--gpu-memory-utilization"):
+        return False
+    import psutil
+
+    try:
+        per_token, max_len = _kv_bytes_per_token(args)
+    except Exception as e:  # noqa: BLE001 - an unusual config: vLLM's share of the RAM instead
+        print(f"grpo-async serve: CPU KV cache not sized from the model config ({e}): vLLM's RAM share", flush=True)
+        return False
+    seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    args.kv_cache_memory_bytes = cpu_kv_cache_bytes(per_token, max_len, seqs, psutil.virtual_memory().total)
+    print(
+        f"grpo-async serve: CPU KV cache {args.kv_cache_memory_bytes / 2**20:.0f} MiB (--max-model-len {max_len} x "
+        f"--max-num-seqs {seqs} at {per_token} bytes/token +10%, within [64 MiB, 4 GiB]); pass "
+        "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE to choose",
+        flush=True,
+    )
+    return True
+
+
 def _default_cpu_chunked_prefill(args, argv: list[str]) -> None:
     """On CPU, unless the user chose, turn chunked prefill off: vLLM CPU cannot rewind a seeded request's generator
     after a partial prefill (the trainer sends per-request seeds, `GRPOConfig.seeded_generation`)."""
@@ -632,8 +846,9 @@ async def _serve(args, api_key: str | None) -> None:
         if args.frozen:
             add_frozen_routes(app)
         else:
-            add_weight_routes(app)
+            add_weight_routes(app, idle_timeout=args.reload_idle_timeout)
         add_logprob_route(app)
+        add_health_route(app)
         app.middleware_stack = None  # vLLM's bootstrap may have built it; ours must wrap everything
         app.add_middleware(  # outermost
             GuardMiddleware, api_keys=[api_key] if api_key else [], max_body_bytes=int(args.max_request_mb * 2**20)
@@ -691,7 +906,10 @@ def main(argv: list[str] | None = None) -> None:
         print_help()
         return
     args = make_parser().parse_args(argv)
-    _default_cpu_memory(args, argv)
+    if getattr(args, "model_tag", None):  # `grpo-async serve MODEL ...` like `vllm serve MODEL`
+        args.model = args.model_tag
+    if not _default_cpu_kv_cache(args, argv, os.environ):
+        _default_cpu_memory(args, argv)
     _default_cpu_chunked_prefill(args, argv)
     _default_shutdown_timeout(args, argv)
     if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
@@ -699,8 +917,6 @@ def main(argv: list[str] | None = None) -> None:
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "
             f"(got {args.worker_extension_cls!r})"
         )
-    if getattr(args, "model_tag", None):  # `grpo-async serve MODEL ...` like `vllm serve MODEL`
-        args.model = args.model_tag
     _check_limits(args)
     # our guard applies the key to every route; vLLM (which would read either and guard /v1 only) gets neither, so
     # it neither logs the key with the other arguments nor passes the variable on to the engine processes

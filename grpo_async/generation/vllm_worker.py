@@ -16,8 +16,18 @@ load:   model.load_weights([(hf_name, tensor), ...])     # once per bucket; vLLM
 end:    finalize_layerwise_reload(model, model_config)  # ALWAYS (in `finally`): otherwise the model stays on meta
 ```
 
-A request may carry a whole session (`begin` and `end` true, the normal case) or a part of one (per-tensor mode used
-by the benchmark); any error finalizes the open session before it propagates.
+A request may carry a whole session (`begin` and `end` true, the normal case) or a part of one (one request per
+bucket, what the trainer sends); any error closes the open session before it propagates.
+
+Over `/ws/update` (`ws_update`) a full-weights session is *staged*: the buckets received are kept (views of the
+broadcast buffers, copies of shared memory / CUDA IPC memory) and the model is not touched until `end`, which first
+checks that the push is complete (every parameter of the served model, each fused q/k/v and gate/up shard included,
+and exactly the names the trainer declared with `expect` at `begin`, when it did), then runs the reload above in one
+go. An incomplete push is refused (`IncompletePushError`) and an aborted one (`abort`, an error, a sender that went
+away) is dropped: the served weights and their version stay what they were. vLLM's layerwise reload cannot be undone
+once a layer is whole (its old tensors are gone), so loading as the buckets arrive could leave half a push in the
+model; staging costs one copy of the pushed bytes (shared memory) or none (broadcast) and the memory to hold them.
+`ws_load_tensors` (colocate, in-process) loads as it goes, as before.
 
 A LoRA session (the request carries `"lora": {"name", "id", "config"}`, see `grpo_async.weight_sync.lora`) moves the
 adapter's tensors over the same transports but never touches the base weights: `begin` opens an empty adapter,
@@ -32,6 +42,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -82,6 +93,9 @@ def validate_update_request(req: object) -> dict:
         "group",
         "pause",
         "lora",
+        "session",
+        "abort",
+        "expect",
     }
     unknown = set(req) - allowed
     if unknown:
@@ -102,7 +116,14 @@ def validate_update_request(req: object) -> dict:
         validate_lora_spec(req["lora"])
     if req.get("pause", "wait") not in PAUSE_MODES:
         raise ValueError(f"'pause' must be one of {PAUSE_MODES}, got {req['pause']!r}")
-    for key in ("begin", "end", "load", "digests"):
+    if "session" in req and not (isinstance(req["session"], str) and 0 < len(req["session"]) <= 64):
+        raise ValueError(f"'session' must be the id /ws/update answered at begin, got {req['session']!r:.80}")
+    expect = req.get("expect")
+    if expect is not None and not (isinstance(expect, list) and all(isinstance(n, str) and n for n in expect)):
+        raise ValueError("'expect' must list the tensor names the push will send (strings)")
+    if expect is not None and not req.get("begin", True):
+        raise ValueError("'expect' is declared with begin=true (the first request of a push)")
+    for key in ("begin", "end", "load", "digests", "abort"):
         if key in req and not isinstance(req[key], bool):
             raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")
     if req["transport"] == "shm":
@@ -139,6 +160,62 @@ def validate_lora_spec(spec: object) -> dict:
 
 
 LORA_SPEC_KEYS = {"name", "id", "config", "keep"}
+
+
+class IncompletePushError(ValueError):
+    """A push closed (`end`) without every tensor the served model needs, or not exactly the names the trainer
+    declared with `expect`; the session is dropped and the served weights stay as they were."""
+
+
+class PushCoverage:
+    """Which HF checkpoint tensors a vLLM model needs, and which of them a set of received names misses.
+
+    vLLM loads fused parameters from several checkpoint tensors (`qkv_proj` from `q_proj`, `k_proj`, `v_proj`;
+    `gate_up_proj` from `gate_proj`, `up_proj`), one shard each. Every parameter of the served model must be covered,
+    each fused one by all of its shards; names are mapped as vLLM's loader maps them (the model's
+    `hf_to_vllm_mapper`, else its `packed_modules_mapping`). A tied LM head is the embedding (one parameter).
+
+    Example (a 1-layer Llama): receiving every checkpoint tensor but `model.layers.0.self_attn.k_proj.weight` gives
+    `missing(...) == ["model.layers.0.self_attn.qkv_proj.weight (shard 'k' missing)"]`.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        self.mapper = mapper if hasattr(mapper, "map_name") else None
+        stacked = dict(getattr(self.mapper, "orig_to_new_stacked", None) or {})
+        if not stacked:  # a model without a stacked mapper: its packed modules name the shards
+            for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
+                stacked.update({f".{part}": (f".{fused}", part) for part in parts})
+        self.stacked = {sub: (new, str(shard)) for sub, (new, shard) in stacked.items()}
+        self.needed: dict[str, frozenset[str]] = {}
+        for name, _ in model.named_parameters():  # shared parameters (a tied head) are listed once
+            self.needed[name] = frozenset(sh for new, sh in self.stacked.values() if f"{new}." in f"{name}.")
+
+    def target(self, hf_name: str) -> tuple[str, str | None] | None:
+        """`(vLLM parameter name, shard)` a checkpoint tensor is loaded into, None when vLLM ignores it."""
+        shard = next((sh for sub, (_, sh) in self.stacked.items() if f"{sub}." in f"{hf_name}."), None)
+        if self.mapper is not None:
+            name = self.mapper.map_name(hf_name)
+            return None if name is None else (name, shard)
+        for sub, (new, sh) in self.stacked.items():
+            if f"{sub}." in f"{hf_name}.":
+                return hf_name.replace(f"{sub}.", f"{new}.", 1), sh
+        return hf_name, None
+
+    def missing(self, names) -> list[str]:
+        """The served model's parameters (and fused shards) that `names` (HF checkpoint names) do not cover."""
+        got: dict[str, set] = {}
+        for n in names:
+            t = self.target(n)
+            if t is not None:
+                got.setdefault(t[0], set()).add(t[1])
+        out = []
+        for name, shards in self.needed.items():
+            if name not in got:
+                out.append(name)
+            elif shards - got[name]:
+                out.append(f"{name} (shard {', '.join(repr(x) for x in sorted(shards - got[name]))} missing)")
+        return out
 
 
 def close_segments(segments) -> None:
@@ -190,6 +267,9 @@ class WeightSyncWorker:
             st = {"pgs": {}, "last_group": None, "open": False, "keep": [], "version": None, "lora": None, "loras": []}
             st["tied"] = None  # (LM head, HF name of the embedding it is tied to) during a full-weights session
             st["received"] = {"broadcast": 0, "shm": 0, "cuda_ipc": 0}  # buckets received, by transport
+            st["staged"] = None  # a staged full-weights session: the buckets received so far, loaded at `end`
+            st["names"], st["expect"] = set(), None  # names received in the open session; the trainer's `expect`
+            st["coverage"] = None  # PushCoverage of the served model (computed once, outside a reload)
             self.__dict__["_ws"] = st
         return st
 
@@ -200,64 +280,142 @@ class WeightSyncWorker:
         dev = getattr(self, "device", None)
         return dev if isinstance(dev, torch.device) else torch.device("cpu")
 
-    def _ws_begin(self, lora: dict | None = None) -> None:
+    def _ws_begin(self, lora: dict | None = None, staged: bool = False, expect: list[str] | None = None) -> None:
+        """Open a session: an adapter (`lora`), a staged full-weights push (`staged`: nothing touches the model before
+        a complete `end`) or a direct one (each bucket loaded as it comes; colocate). `expect`: every name the push
+        will send (checked at `end`)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         st = self._ws_state()
         if st["open"]:
             raise RuntimeError("a weight reload session is already open (begin sent twice without end)")
+        st["names"], st["expect"] = set(), None if expect is None else set(expect)
         if lora is not None:  # an adapter session: the base weights stay as they are
             self._ws_lora_manager()  # fail now if the engine has no LoRA support
             st["lora"] = {}
+        elif staged:
+            if st["coverage"] is None:
+                st["coverage"] = PushCoverage(self._ws_model())
+            st["staged"] = []
         else:
             st["tied"] = tied_lm_head(self._ws_model())  # before the reload puts each layer's weights on meta
             with set_current_vllm_config(self.vllm_config):
                 initialize_layerwise_reload(self._ws_model())
         st["open"] = True
 
-    def _ws_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.config import set_current_vllm_config
-
+    def _ws_load(self, named: list[tuple[str, torch.Tensor]], copy: bool = True) -> None:
+        """Take one bucket: keep it (adapter, staged session; a copy unless `copy` is False, for buffers this session
+        owns) or load it into the model (direct session)."""
         st = self._ws_state()
         if not st["open"]:
             raise RuntimeError("weights sent without an open reload session (send begin=true first)")
+        st["names"].update(n for n, _ in named)
         if st["lora"] is not None:  # copies: the received tensors may be views of shared memory or live parameters
             st["lora"].update({n: t.detach().to("cpu", copy=True) for n, t in named})
             return
+        if st["staged"] is not None:  # shared memory / CUDA IPC buffers are the trainer's, reused by its next bucket
+            st["staged"].append([(n, t.detach().clone() if copy else t) for n, t in named])
+            return
+        self._ws_load_into_model(named, st["tied"])
+
+    def _ws_load_into_model(self, named: list[tuple[str, torch.Tensor]], tied) -> None:
+        from vllm.config import set_current_vllm_config
+
         with set_current_vllm_config(self.vllm_config):
             self._ws_model().load_weights(named)
-            if st["tied"] is not None:  # vLLM's loader drops `lm_head.*` here: load the head from the embedding
-                head, embed_name = st["tied"]
+            if tied is not None:  # vLLM's loader drops `lm_head.*` here: load the head from the embedding
+                head, embed_name = tied
                 for name, tensor in named:
                     if name == embed_name:
                         head.weight.weight_loader(head.weight, tensor)
 
-    def _ws_end(self, lora: dict | None = None) -> None:
-        """Close the open session: finalize a weight reload; install a LoRA session's adapter when `lora` (the closing
-        request's spec) is given, else discard it (a failed or aborted push installs nothing)."""
+    def _ws_check_complete(self, names: set[str], expect: set[str] | None, adapter: bool = False) -> None:
+        """Raise `IncompletePushError` unless `names` are exactly the declared `expect` (when declared) and, for full
+        weights, cover every parameter of the served model."""
+        what = "LoRA adapter push" if adapter else "weight push"
+        if expect is not None and names != expect:
+            missing, extra = sorted(expect - names), sorted(names - expect)
+            raise IncompletePushError(
+                f"incomplete {what}: {len(missing)} of the {len(expect)} tensors declared at begin never arrived "
+                f"{missing[:6]}"
+                + (f", {len(extra)} arrived undeclared {extra[:6]}" if extra else "")
+                + "; the served weights and version are unchanged"
+            )
+        if adapter:
+            return
+        missing = self._ws_state()["coverage"].missing(names)
+        if missing:
+            raise IncompletePushError(
+                f"incomplete weight push: {len(missing)} parameters of the served model were not (fully) sent, e.g. "
+                f"{missing[:6]}; a partial push would lose the rest of each fused layer, so it is refused and the "
+                "served weights and version are unchanged (send every parameter in one push)"
+            )
+
+    def _ws_reload(self, staged: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Load a complete staged push in one layerwise-reload session."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self._ws_model()
+        tied = tied_lm_head(model)  # before the reload puts each layer's weights on meta
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        try:
+            while staged:
+                self._ws_load_into_model(staged.pop(0), tied)  # each bucket's memory goes once it is loaded
+        finally:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+            self._ws_reset_caches()
+
+    def _ws_reset_caches(self) -> None:
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)
+            if fn is not None:
+                fn()
+
+    def _ws_end(self, lora: dict | None = None, abort: bool = False) -> None:
+        """Close the open session. `abort`: drop it (nothing is loaded or installed; a direct session, already in the
+        model, is finalized). Else finalize a direct reload; check a staged push is complete (`IncompletePushError`
+        if not, the session dropped) and load it; install a LoRA session's adapter when `lora` (the closing request's
+        spec) is given and it is complete, else discard it (a failed or aborted push installs nothing)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         st = self._ws_state()
         if not st["open"]:
             return
+        names, expect = st["names"], st["expect"]
+        st["names"], st["expect"] = set(), None
         if st["lora"] is not None:
             tensors, st["lora"] = st["lora"], None
             try:
-                if lora is not None:
+                if lora is not None and not abort:
+                    self._ws_check_complete(names, expect, adapter=True)
                     self._ws_lora_install(lora, tensors)
             finally:
+                st["open"] = False
+                self._ws_release()
+            return
+        if st["staged"] is not None:
+            staged, st["staged"] = st["staged"], None
+            try:
+                if not abort:
+                    self._ws_check_complete(names, expect)
+                    self._ws_reload(staged)
+            finally:
+                staged.clear()
                 st["open"] = False
                 self._ws_release()
             return
         try:
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
-            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-                fn = getattr(self.model_runner, reset, None)
-                if fn is not None:
-                    fn()
+            self._ws_reset_caches()
         finally:
             st["open"] = False
             st["tied"] = None
@@ -342,6 +500,7 @@ class WeightSyncWorker:
             "device": str(self._ws_device()),
             "version": st["version"],
             "reload_open": st["open"],
+            "staged_buckets": len(st["staged"] or []),
             "lora": self._ws_lora_info(),
             "received": dict(st["received"]),
         }
@@ -367,30 +526,59 @@ class WeightSyncWorker:
         rank_offset: int = 1,
         group_name: str = "grpo_async_ws",
         timeout_s: float = 60.0,
+        background: bool = False,
     ) -> dict:
         """Join the trainer's dedicated process group (gloo on CPU, NCCL on GPU) as rank `rank_offset + self.rank`.
 
         Uses a `TCPStore` (the trainer is master) wrapped in a `PrefixStore`; vLLM's own default group is untouched.
+        `background`: join on a thread named `ws-join-<group>` and return at once with `"pending": True` (poll
+        `ws_init_status`): the rendezvous waits for the trainer, and the engine, which runs this call between its
+        steps, would generate nothing meanwhile.
         """
-        from torch.distributed import PrefixStore, TCPStore
-
         st = self._ws_state()
         self.ws_close_broadcast(group_name)
         rank = int(rank_offset) + int(getattr(self, "rank", 0))
-        timeout = timedelta(seconds=float(timeout_s))
-        store = TCPStore(host, int(port), int(world_size), is_master=False, timeout=timeout)
+        args = (host, int(port), int(world_size), rank, group_name, float(timeout_s))
+        if not background:
+            self._ws_join(*args)
+            return {"rank": rank, "world_size": int(world_size)}
+        joining = {"done": False, "error": None}
+        st.setdefault("joining", {})[group_name] = joining
+
+        def run() -> None:
+            try:
+                self._ws_join(*args)
+            except Exception as e:  # noqa: BLE001 - reported by ws_init_status
+                joining["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            joining["done"] = True
+
+        threading.Thread(target=run, name=f"ws-join-{group_name}", daemon=True).start()
+        return {"rank": rank, "world_size": int(world_size), "pending": True}
+
+    def ws_init_status(self, group_name: str = "grpo_async_ws") -> dict:
+        """`{"done": bool, "error": str | None}` of a background `ws_init_broadcast` of `group_name`."""
+        joining = self._ws_state().get("joining", {}).get(group_name)
+        if joining is None:
+            return {"done": True, "error": f"no join of process group {group_name!r} was started"}
+        return dict(joining)
+
+    def _ws_join(self, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        timeout = timedelta(seconds=timeout_s)
+        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         prefixed = PrefixStore(group_name, store)
         if self._ws_device().type == "cuda":
             from torch.distributed import ProcessGroupNCCL
 
-            pg = ProcessGroupNCCL(prefixed, rank, int(world_size), ProcessGroupNCCL.Options())
+            pg = ProcessGroupNCCL(prefixed, rank, world_size, ProcessGroupNCCL.Options())
         else:
             from torch.distributed import ProcessGroupGloo
 
-            pg = ProcessGroupGloo(prefixed, rank, int(world_size), timeout)
+            pg = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        st = self._ws_state()
         st["pgs"][group_name] = (pg, store)
         st["last_group"] = group_name
-        return {"rank": rank, "world_size": int(world_size)}
 
     def ws_close_broadcast(self, group_name: str | None = None) -> dict:
         """Leave one process group (`group_name`), or all of them when it is None."""
@@ -408,20 +596,29 @@ class WeightSyncWorker:
                     pass
         return {"closed": closed}
 
+    def ws_abort(self) -> dict:
+        """Drop the open session, if any (nothing of a staged or adapter push is loaded); `{"aborted": bool}`."""
+        was_open = self._ws_state()["open"]
+        self._ws_end(abort=True)
+        return {"aborted": was_open}
+
     def ws_update(self, request: dict) -> dict:
         """Receive and load buckets; `request` is the JSON body documented in `grpo_async.generation.serve`.
 
         Returns:
             `dict`: `{"tensors": int, "bytes": int, "version": int | None, "seconds": float}` plus
             `"digests": {name: sha256}` of the tensors as received when `request["digests"]` is true, or
-            `{"error": "<type>: <message>"}` when it failed (vLLM's RPC would hide the message; the open reload
-            session has been finalized either way).
+            `{"error": "<type>: <message>", "incomplete": bool}` when it failed (vLLM's RPC would hide the message;
+            the open session has been closed either way, a staged push without loading anything).
         """
         try:
             return self._ws_update(request)
+        except IncompletePushError as e:
+            logger.warning("weight push refused: %s", e)
+            return {"error": f"{type(e).__name__}: {e}", "incomplete": True, "version": self._ws_state()["version"]}
         except Exception as e:  # noqa: BLE001 - reported to the HTTP caller
             logger.exception("weight update failed")
-            return {"error": f"{type(e).__name__}: {e}"}
+            return {"error": f"{type(e).__name__}: {e}", "incomplete": False}
 
     def _ws_update(self, request: dict) -> dict:
         req = validate_update_request(request)
@@ -433,9 +630,14 @@ class WeightSyncWorker:
         phases = {"begin": 0.0, "receive": 0.0, "load": 0.0, "end": 0.0}
         count = nbytes = 0
         lora = req.get("lora")
+        owned = req["transport"] == "broadcast"  # fresh buffers per bucket: staged as they are, no copy
         try:
+            if req.get("abort"):
+                self._ws_end(abort=True)
+                version = self._ws_state()["version"]
+                return {"tensors": 0, "bytes": 0, "buckets": 0, "version": version, "aborted": True}
             if begin and load:
-                self._ws_begin(lora)
+                self._ws_begin(lora, staged=True, expect=req.get("expect"))
             phases["begin"] = (t := time.perf_counter()) - t0
             for named in self._ws_receive(req):
                 self._ws_state()["received"][req["transport"]] += 1
@@ -445,18 +647,18 @@ class WeightSyncWorker:
                 if want_digests:
                     digests.update({n: tensor_digest(x) for n, x in named})
                 if load:
-                    self._ws_load(named)
+                    self._ws_load(named, copy=not owned)
                 phases["load"] += (t := time.perf_counter()) - t1
         except BaseException:
-            self._ws_end()  # never leave the model on meta
+            self._ws_end(abort=True)  # nothing of a failed push is loaded
             raise
         t = time.perf_counter()
         if end:
-            self._ws_end(lora)
+            self._ws_end(lora)  # raises IncompletePushError (session dropped, weights unchanged) when incomplete
             if req.get("version") is not None:
                 self._ws_state()["version"] = req["version"]
-        elif not load:
-            self._ws_release()
+        else:
+            self._ws_release()  # staged buckets are copies: the shared memory can go
         phases["end"] = time.perf_counter() - t
         out = {"tensors": count, "bytes": nbytes, "buckets": len(layouts), "version": self._ws_state()["version"]}
         out["seconds"] = time.perf_counter() - t0
