@@ -6,16 +6,17 @@ from .algo.advantages import compute_advantages
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
-from .pipeline.job_queue import AsyncBatchGenerator, BatchRequest, BatchResult
+from .pipeline.job_queue import RoundQueue
+from .pipeline.types import Round, RoundRequest
 from .trainer import GRPOTrainer
 
 __all__ = [
-    "AsyncBatchGenerator",
     "AsyncDataLoaderWrapper",
-    "BatchRequest",
-    "BatchResult",
     "GRPOConfig",
     "GRPOTrainer",
     "RepeatSampler",
+    "Round",
+    "RoundQueue",
+    "RoundRequest",
     "compute_advantages",
 ]

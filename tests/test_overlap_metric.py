@@ -4,11 +4,12 @@ never absolute times)."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from transformers import TrainerCallback
 
-from grpo_async import AsyncBatchGenerator, BatchRequest, GRPOTrainer
+from grpo_async import GRPOTrainer, RoundQueue, RoundRequest
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.pipeline.overlap import StepWindow, overlap_metrics
 from grpo_async.testing import tiny_config
@@ -93,19 +94,19 @@ def test_job_queue_busy_seconds_count_the_running_request():
     def work(request):
         started.set()
         release.wait(10)
-        return request.batch_id
+        return SimpleNamespace(round_id=request.round_id, generation_time=0.0)
 
-    gen = AsyncBatchGenerator(work, generation_timeout=10).start()
+    gen = RoundQueue(work, generation_timeout=10).start()
     try:
         assert gen.busy_seconds() == 0.0  # idle: nothing submitted
-        gen.submit_batch(BatchRequest(0, ["x"]))
+        gen.submit(RoundRequest(0, ["x"]))
         assert started.wait(10)
         first = gen.busy_seconds()
         time.sleep(0.01)
         second = gen.busy_seconds()
         assert 0.0 < first < second  # the request in progress counts up to now
         release.set()
-        result = gen.get_batch(0)
+        result = gen.get(0)
         done = gen.busy_seconds()
         assert done >= result.generation_time and done >= second
         time.sleep(0.01)

@@ -1,16 +1,16 @@
-"""`AsyncBatchGenerator`: the job queue — one background thread that turns `BatchRequest`s into `BatchResult`s.
+"""`RoundQueue`: the job queue — one background thread that turns `RoundRequest`s into `Round`s.
 
 ```
 trainer thread                        generator thread "grpo-async-generator"
 ──────────────                        ─────────────────────────────────────────
-submit_batch(r0) ──▶ [request queue] ──▶ generate_fn(r0) ──▶ completed[0]
-submit_batch(r1) ──▶                     generate_fn(r1) ──▶ completed[1]
-get_batch(0)  ◀───────────────────────── (waits at most `timeout`)
+submit(RoundRequest 0) ──▶ [queue] ──▶ producer(request 0) ──▶ completed[0]: Round 0
+submit(RoundRequest 1) ──▶            producer(request 1) ──▶ completed[1]: Round 1
+get(0)  ◀───────────────────────────── (waits at most `timeout`)
 ```
 
-Guarantees: a request is never dropped (a full queue makes `submit_batch` wait, then raise); every wait is
-bounded; an exception in `generate_fn` reaches the caller of `get_batch` as
-`RuntimeError("Async generation failed: ...")` chained from the original; a dead thread is reported, not waited on.
+Guarantees: a request is never dropped (a full queue makes `submit` wait, then raise); every wait is bounded; an
+exception in the producer reaches the caller of `get` as `RuntimeError("Async generation failed: ...")` chained from
+the original; a dead thread is reported, not waited on.
 
 Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
 within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
@@ -27,8 +27,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+
+from .types import Round, RoundRequest
 
 logger = logging.getLogger(__name__)
 
@@ -44,40 +44,14 @@ def _join_at_exit() -> None:
             generator.stop(generator.generation_timeout)
 
 
-@dataclass
-class BatchRequest:
-    """One generation round.
+class RoundQueue:
+    """Owns the generator thread, its bounded request queue and the completed rounds.
 
     Args:
-        batch_id (`int`): round index; results are fetched by it.
-        prompts (`list`): the unique prompts of the round across all processes (text, chat messages or token ids).
-        inputs (`list[dict]`, *optional*): the dataset rows behind `prompts` (extra columns go to reward functions).
-        metadata (`dict`, *optional*): anything the `generate_fn` needs (e.g. the policy version to use).
-    """
-
-    batch_id: int
-    prompts: list
-    inputs: list | None = None
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass
-class BatchResult:
-    """Outcome of one round: `processed_results` on success, `error` (the exception) on failure."""
-
-    batch_id: int
-    processed_results: Any
-    error: BaseException | None = None
-    generation_time: float = 0.0
-
-
-class AsyncBatchGenerator:
-    """Owns the generator thread, its bounded request queue and the completed results.
-
-    Args:
-        generate_fn (`Callable[[BatchRequest], Any]`): produces the processed results of one request.
+        generate_fn (`Callable[[RoundRequest], Round]`): produces the round of one request (the `RoundProducer`);
+            the queue sets the returned round's `generation_time` to the seconds spent in it.
         max_queue_size (`int`, *optional*, defaults to `4`): most requests queued, running or completed-but-not-
-            fetched at once. `submit_batch` waits for room, up to `generation_timeout`, then raises.
+            fetched at once. `submit` waits for room, up to `generation_timeout`, then raises.
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
         name (`str`, *optional*): thread name, also the prefix of its log lines.
         interrupt (`Callable[[], None]`, *optional*): called by `stop` (from the stopping thread) while a request
@@ -86,34 +60,32 @@ class AsyncBatchGenerator:
 
     def __init__(
         self,
-        generate_fn: Callable[[BatchRequest], Any],
+        generate_fn: Callable[[RoundRequest], Round],
         max_queue_size: int = 4,
         generation_timeout: float = 600.0,
         name: str = "grpo-async-generator",
         interrupt: Callable[[], None] | None = None,
     ):
         if not callable(generate_fn):
-            raise TypeError(f"AsyncBatchGenerator: generate_fn must be callable, got {type(generate_fn).__name__}")
+            raise TypeError(f"RoundQueue: generate_fn must be callable, got {type(generate_fn).__name__}")
         if not isinstance(max_queue_size, int) or max_queue_size < 1:
-            raise ValueError(f"AsyncBatchGenerator: max_queue_size must be an int >= 1, got {max_queue_size!r}")
+            raise ValueError(f"RoundQueue: max_queue_size must be an int >= 1, got {max_queue_size!r}")
         if not generation_timeout or generation_timeout <= 0 or generation_timeout == float("inf"):
             raise ValueError(
-                f"AsyncBatchGenerator: generation_timeout must be a finite number of seconds > 0, "
-                f"got {generation_timeout!r}"
+                f"RoundQueue: generation_timeout must be a finite number of seconds > 0, got {generation_timeout!r}"
             )
         self.generate_fn = generate_fn
         self.max_queue_size = max_queue_size
         self.generation_timeout = float(generation_timeout)
         self.name = name
         self.interrupt = interrupt
-        self.started: list[int] = []  # batch ids whose generation started, in order (what the backend generated)
-        self.interrupted: list[int] = []  # batch ids that ended with an error after `stop` (aborted at shutdown)
-        self._requests: queue.Queue[BatchRequest] = queue.Queue()
+        self.started: list[int] = []  # round ids whose generation started, in order (what the backend generated)
+        self.interrupted: list[int] = []  # round ids that ended with an error after `stop` (aborted at shutdown)
+        self._requests: queue.Queue[RoundRequest] = queue.Queue()
         self._cond = threading.Condition()
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # queued or running
-        self._completed: dict[int, BatchResult] = {}
-        self._times: list[float] = []
+        self._completed: dict[int, Round | BaseException] = {}  # a failed request holds its exception
         self._busy = 0.0  # seconds spent in `generate_fn` by requests that finished
         self._busy_since: float | None = None  # perf_counter() at which the running request started
         self._stop = threading.Event()
@@ -121,7 +93,7 @@ class AsyncBatchGenerator:
         self._fatal: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> AsyncBatchGenerator:
+    def start(self) -> RoundQueue:
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()
@@ -163,71 +135,71 @@ class AsyncBatchGenerator:
         return self._thread is not None and self._thread.is_alive()
 
     def check_health(self) -> None:
-        """Raise if the thread died outside of a request (requests' own errors are returned by `get_batch`)."""
+        """Raise if the thread died outside of a request (requests' own errors are raised by `get`)."""
         if self._fatal is not None:
             raise RuntimeError(f"Async generation failed: thread {self.name} died: {self._fatal!r}") from self._fatal
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
             raise RuntimeError(f"Async generation failed: thread {self.name} exited unexpectedly")
 
     # -- producer side ---------------------------------------------------------------------------------------
-    def submit_batch(self, request: BatchRequest, timeout: float | None = None) -> None:
+    def submit(self, request: RoundRequest, timeout: float | None = None) -> None:
         """Queue `request`. Waits for room (at most `timeout`, default `generation_timeout`), then raises."""
-        if not isinstance(request, BatchRequest):
-            raise TypeError(f"submit_batch expects a BatchRequest, got {type(request).__name__}")
+        if not isinstance(request, RoundRequest):
+            raise TypeError(f"RoundQueue.submit expects a RoundRequest, got {type(request).__name__}")
         if self._thread is None:
-            raise RuntimeError("AsyncBatchGenerator.submit_batch called before start()")
+            raise RuntimeError("RoundQueue.submit called before start()")
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
-            if request.batch_id in self._submitted:
-                raise ValueError(f"batch_id {request.batch_id} was already submitted")
+            if request.round_id in self._submitted:
+                raise ValueError(f"round {request.round_id} was already submitted")
             self._wait(
                 lambda: len(self._pending) + len(self._completed) < self.max_queue_size,
                 deadline,
                 lambda: (
-                    f"submit_batch({request.batch_id}): queue full ({len(self._pending)} pending, "
+                    f"submit(round {request.round_id}): queue full ({len(self._pending)} pending, "
                     f"{len(self._completed)} completed not fetched, max_queue_size={self.max_queue_size}) "
                     f"for {timeout:.1f}s; the request was not queued"
                 ),
             )
-            self._submitted.add(request.batch_id)
-            self._pending.add(request.batch_id)
+            self._submitted.add(request.round_id)
+            self._pending.add(request.round_id)
         self._requests.put(request)
 
     # -- consumer side ---------------------------------------------------------------------------------------
-    def get_batch(self, batch_id: int, timeout: float | None = None) -> BatchResult:
-        """Wait for round `batch_id` (at most `timeout`, default `generation_timeout`) and return its result.
+    def get(self, round_id: int, timeout: float | None = None) -> Round:
+        """Wait for round `round_id` (at most `timeout`, default `generation_timeout`) and return it.
 
         Raises:
             `RuntimeError`: "Async generation failed: ..." when `generate_fn` raised (chained) or the thread died.
             `TimeoutError`: when the round is not ready in time.
-            `KeyError`: when `batch_id` was never submitted.
+            `KeyError`: when `round_id` was never submitted.
         """
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
-            if batch_id not in self._submitted:
-                raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
+            if round_id not in self._submitted:
+                raise KeyError(f"get({round_id}): that round was never submitted")
             self._wait(
-                lambda: batch_id in self._completed,
+                lambda: round_id in self._completed,
                 deadline,
                 lambda: (
-                    f"Async generation timed out: batch {batch_id} not ready after {timeout:.1f}s "
+                    f"Async generation timed out: round {round_id} not ready after {timeout:.1f}s "
                     f"(pending={sorted(self._pending)}); raise `async_generation_timeout` if rounds are slow"
                 ),
             )
-            result = self._completed.pop(batch_id)
-            self._submitted.discard(batch_id)
+            result = self._completed.pop(round_id)
+            self._submitted.discard(round_id)
             self._cond.notify_all()
-        if result.error is not None:
+        if isinstance(result, BaseException):
             raise RuntimeError(
-                f"Async generation failed: batch {batch_id}: {type(result.error).__name__}: {result.error}"
-            ) from result.error
+                f"Async generation failed: round {round_id}: {type(result).__name__}: {result}"
+            ) from result
         return result
 
     def wait_until_idle(self, timeout: float | None = None) -> None:
         """Wait until no request is queued or running (at most `timeout`, default `generation_timeout`); completed
-        results stay until fetched. Raises `TimeoutError`, or the thread's death as in `get_batch`."""
+        rounds stay until fetched. Raises `TimeoutError`, or the thread's death as in `get`."""
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -258,10 +230,6 @@ class AsyncBatchGenerator:
         with self._cond:
             return len(self._completed)
 
-    def get_average_generation_time(self) -> float:
-        with self._cond:
-            return sum(self._times) / len(self._times) if self._times else 0.0
-
     def busy_seconds(self) -> float:
         """Seconds the thread has spent in `generate_fn` since this generator was made, the request running now
         counted up to now (failed requests too): the rest of the time it sat idle, waiting for a request."""
@@ -281,24 +249,22 @@ class AsyncBatchGenerator:
                     if self._stop.is_set():  # stopped while it was queued: never started
                         break
                     start = self._busy_since = time.perf_counter()
-                    self.started.append(request.batch_id)
+                    self.started.append(request.round_id)
                 try:
-                    processed = self.generate_fn(request)
-                    result = BatchResult(request.batch_id, processed, None, time.perf_counter() - start)
-                except Exception as e:  # returned to the trainer by get_batch
+                    result = self.generate_fn(request)
+                    result.generation_time = time.perf_counter() - start
+                except Exception as e:  # raised to the trainer by get
                     if self._stop.is_set():
-                        logger.info("[%s] batch %d interrupted at shutdown: %r", self.name, request.batch_id, e)
-                        self.interrupted.append(request.batch_id)
+                        logger.info("[%s] round %d interrupted at shutdown: %r", self.name, request.round_id, e)
+                        self.interrupted.append(request.round_id)
                     else:
-                        logger.error("[%s] batch %d failed: %r", self.name, request.batch_id, e)
-                    result = BatchResult(request.batch_id, {}, e, time.perf_counter() - start)
+                        logger.error("[%s] round %d failed: %r", self.name, request.round_id, e)
+                    result = e
                 with self._cond:
                     self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
                     self._busy_since = None
-                    self._pending.discard(request.batch_id)
-                    self._completed[request.batch_id] = result
-                    if result.error is None:
-                        self._times.append(result.generation_time)
+                    self._pending.discard(request.round_id)
+                    self._completed[request.round_id] = result
                     self._cond.notify_all()
         except BaseException as e:  # pragma: no cover - e.g. KeyboardInterrupt delivered to this thread
             self._fatal = e
