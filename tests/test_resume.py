@@ -1,5 +1,7 @@
 """Exact resume: 2·s steps straight vs s steps, stop, resume for s steps — the same prompts (none skipped, none
-repeated), and with deterministic generation (synchronous, seeded) the same completions and losses."""
+repeated), the same completions, losses and final weights: with synchronous generation, and with rounds generated
+ahead (`num_batches_ahead = k`: the checkpoint saves the k rounds in flight, generated from older weights than the
+checkpoint's, and the resumed run trains them as saved)."""
 
 import json
 import os
@@ -72,7 +74,7 @@ def _run(out, ahead, resume=None, callbacks=()):
     return t, losses
 
 
-@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_resume_trains_exactly_the_remaining_prompts(tiny_model_path, tmp_path, ahead):
     _run.model_path = tiny_model_path
     straight, straight_losses = _run(str(tmp_path / "straight"), ahead)
@@ -81,7 +83,12 @@ def test_resume_trains_exactly_the_remaining_prompts(tiny_model_path, tmp_path, 
     ckpt = str(tmp_path / "split" / f"checkpoint-{S}")
     state = json.load(open(os.path.join(ckpt, PIPELINE_STATE_FILE)))
     assert state["round"] == S and state["micro_steps"] == 2 * S and state["policy_version"] == S
-    assert state["submitted_rounds"] == list(range(S, S + ahead))  # generated ahead, not trained yet
+    # generated ahead, not trained yet (round S + 1 would start the next epoch: generated when that epoch starts)
+    assert state["submitted_rounds"] == list(range(S, S + min(ahead, 1)))
+    # ... saved whole, generated from older weights than the checkpoint's (what the resumed run could not redo)
+    in_flight = state.get("in_flight", [])
+    assert [r["round_id"] for r in in_flight] == state["submitted_rounds"]
+    assert all(r["policy_version"] < S for r in in_flight)
     resumed, resumed_losses = _run(str(tmp_path / "split"), ahead, resume=ckpt)
 
     after = [b for b in straight.seen if b["step"] > S]
@@ -89,21 +96,24 @@ def test_resume_trains_exactly_the_remaining_prompts(tiny_model_path, tmp_path, 
     # the same prompts step by step (none skipped, none repeated), and with the first part exactly the straight run's
     assert per_step(resumed.seen) == per_step(after)
     assert per_step(first.seen + resumed.seen) == per_step(straight.seen)
-    if ahead == 0:  # deterministic: generation seeded by the restored RNG, weights and optimizer restored
+    # deterministic: completions seeded by (seed, round, row) (seeded_generation), the rounds in flight restored as
+    # generated, weights, optimizer and RNG restored
+    assert per_step(resumed.seen, "completions") == per_step(after, "completions")
+    for step in range(S + 1, 2 * S + 1):
+        assert resumed_losses[step] == pytest.approx(straight_losses[step], abs=1e-6)
+    for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    if ahead == 0:
         assert [b["prompts"] for b in resumed.seen] == [b["prompts"] for b in after]  # same shuffle too
         assert [b["completions"] for b in resumed.seen] == [b["completions"] for b in after]
-        for step in range(S + 1, 2 * S + 1):
-            assert resumed_losses[step] == pytest.approx(straight_losses[step], abs=1e-6)
-        for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters(), strict=True):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
 
 
-def per_step(seen):
-    """Sorted prompts trained at each optimizer step (the micro-batch split is shuffled by an RNG that the
-    generator thread also draws from while it runs ahead, so only the step's whole set is deterministic then)."""
+def per_step(seen, key="prompts"):
+    """Sorted prompts (or completions) trained at each optimizer step (the micro-batch split is shuffled by an RNG
+    that the generator thread also draws from while it runs ahead, so only the step's whole set is deterministic)."""
     out = {}
     for b in seen:
-        out.setdefault(b["step"], []).extend(b["prompts"])
+        out.setdefault(b["step"], []).extend(b[key])
     return {k: sorted(v) for k, v in out.items()}
 
 

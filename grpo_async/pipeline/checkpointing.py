@@ -12,7 +12,13 @@ one (it only lists `checkpoint-<n>` folders).
 
 Example of the state file:
     {"micro_steps": 120, "round": 60, "policy_version": 60, "submitted_rounds": [60],
+     "in_flight": [{"round_id": 60, "policy_version": 59, "generation_time": 1.2, "samples": {...}}],
      "geometry": {"num_processes": 2, "per_device_train_batch_size": 4, ...}}
+
+The rounds in flight (generated ahead, not yet trained: with `num_batches_ahead = k`, round r + k is generated from
+the weights of k rounds before the checkpoint's) are saved whole: their tensors and metrics in `ROUNDS_FILE`
+(safetensors, exact), their completions-table samples in the state file (JSON). A resumed run trains them as saved
+instead of generating them again from the checkpoint's newer weights, so it ends where an uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ logger = logging.getLogger(__name__)
 PIPELINE_STATE_FILE = "grpo_async_state.json"
 #: checkpoints are written under `output_dir/SAVING_DIR/checkpoint-N`, then renamed into place (atomic save)
 SAVING_DIR = "_grpo_async_saving"  # "_*" is left out of the Trainer's hub uploads of output_dir
+#: the tensors and metrics of the rounds in flight at the checkpoint (`in_flight` of the state file)
+ROUNDS_FILE = "grpo_async_rounds.safetensors"
 
 
 def strict_json(value):
@@ -48,11 +56,65 @@ def strict_json(value):
 
 
 def write_pipeline_state(folder: str, state: dict) -> None:
-    """Write `state` as strict JSON (RFC 8259: no `Infinity` / `NaN`, see `strict_json`), atomically."""
+    """Write `state` as strict JSON (RFC 8259: no `Infinity` / `NaN`, see `strict_json`), atomically; its
+    `in_flight` rounds (`Round`s) go to `ROUNDS_FILE` first (`save_rounds`), described in the JSON."""
+    state = dict(state)
+    if "in_flight" in state:
+        state["in_flight"] = save_rounds(folder, state["in_flight"])
     tmp = os.path.join(folder, PIPELINE_STATE_FILE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(strict_json(state), f, indent=1, allow_nan=False)
+        json.dump(strict_json(state), f, indent=1, allow_nan=False, default=str)
     os.replace(tmp, os.path.join(folder, PIPELINE_STATE_FILE))
+
+
+def save_rounds(folder: str, rounds: list) -> list[dict]:
+    """Save `Round`s: every tensor of their `MicroBatch` and their metrics (float64, NaN kept) in `ROUNDS_FILE` as
+    `<round>/batch/<field>` and `<round>/metrics/<name>`; returns what the state file keeps of each (id, policy
+    version, generation time, samples). Written atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors, described = {}, []
+    for rnd in rounds:
+        for name, t in rnd.batch.tensors().items():
+            tensors[f"{rnd.round_id}/batch/{name}"] = t.detach().cpu().contiguous()
+        tensors[f"{rnd.round_id}/batch_num_items"] = torch.tensor(rnd.batch.num_items_in_batch, dtype=torch.float64)
+        for name, v in rnd.metrics.items():
+            tensors[f"{rnd.round_id}/metrics/{name}"] = torch.tensor(float(v), dtype=torch.float64)
+        described.append(
+            {
+                "round_id": rnd.round_id,
+                "policy_version": rnd.policy_version,
+                "generation_time": rnd.generation_time,
+                "metrics": list(rnd.metrics),  # their order
+                "samples": rnd.samples,
+            }
+        )
+    tmp = os.path.join(folder, ROUNDS_FILE + ".tmp")
+    save_file(tensors, tmp)
+    os.replace(tmp, os.path.join(folder, ROUNDS_FILE))
+    return described
+
+
+def load_rounds(folder: str, described: list[dict]) -> list:
+    """The `Round`s `save_rounds` saved in `folder`, in the order of `described` (the state file's `in_flight`)."""
+    from safetensors.torch import load_file
+
+    from .types import MicroBatch, Round
+
+    path = os.path.join(folder, ROUNDS_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: the state file lists rounds in flight but {ROUNDS_FILE} is missing")
+    tensors = load_file(path)
+    rounds = []
+    for d in described:
+        rid = d["round_id"]
+        prefix = f"{rid}/batch/"
+        fields = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        batch = MicroBatch(**fields, num_items_in_batch=float(tensors[f"{rid}/batch_num_items"]))
+        metrics = {name: float(tensors[f"{rid}/metrics/{name}"]) for name in d["metrics"]}
+        rounds.append(Round(rid, d["policy_version"], batch, metrics, d["samples"], d["generation_time"]))
+    return rounds
 
 
 def batch_geometry(args, num_processes: int) -> dict:
@@ -98,13 +160,17 @@ def read_pipeline_state(checkpoint: str, geometry: dict) -> dict:
             f"cannot resume from {checkpoint}: the batch geometry changed ({changed}); "
             "prompts would be skipped or trained twice. Resume with the settings the checkpoint was written with."
         )
-    again = saved.get("submitted_rounds") or []
+    if saved.get("in_flight"):
+        saved["in_flight"] = load_rounds(checkpoint, saved["in_flight"])
+    restored = [r.round_id for r in saved.get("in_flight") or []]
+    again = [r for r in saved.get("submitted_rounds") or [] if r not in restored]
     logger.warning(
-        "resuming from %s: optimizer step %d, round %d%s",
+        "resuming from %s: optimizer step %d, round %d%s%s",
         checkpoint,
         saved["policy_version"],
         saved["round"],
-        f" (rounds {again} were generated ahead and are generated again)" if again else "",
+        f" (rounds {restored} generated ahead are restored as saved)" if restored else "",
+        f" (rounds {again} generated ahead are generated again, from the checkpoint's weights)" if again else "",
     )
     return saved
 

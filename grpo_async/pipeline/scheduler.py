@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .consumer import RoundConsumer
-from .job_queue import RoundQueue
+from .job_queue import AsyncBatchGenerator, BatchRequest
 from .overlap import StepWindow
 from .producer import RoundProducer
 from .rows import reuse_order
@@ -107,7 +107,7 @@ class RoundScheduler:
             list(range(settings.steps_per_generation)), settings.num_iterations, settings.reuse_order
         )
         self.loader = None  # the AsyncDataLoaderWrapper of the current train() (peeked for rounds ahead)
-        self.generator: RoundQueue | None = None
+        self.generator: AsyncBatchGenerator | None = None
         self.round = 0  # index of the next round to train (global, across epochs)
         self.submitted: set[int] = set()  # round ids submitted and not yet trained (tracked on every rank)
         self._epoch_seen = None
@@ -118,6 +118,9 @@ class RoundScheduler:
         self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
         self.rounds_started: list[int] = []  # rounds whose generation started (every thread so far; main process)
         self.rounds_interrupted: list[int] = []  # rounds aborted in progress by `stop`
+        # main process: rounds taken from the job queue before their turn (a checkpoint saves them), or restored from
+        # a checkpoint; a round that failed holds its error, raised when the round is fetched
+        self._ready: dict[int, Round | BaseException] = {}
 
     # ---- the trainer's calls -------------------------------------------------------------------------------
     def attach(self, loader) -> None:
@@ -186,26 +189,61 @@ class RoundScheduler:
                 self.producer.resume()  # the backend serves again (evaluation, the next train())
         self._window.reset()  # the next `train()` opens a new one
         self.submitted.clear()
+        self._ready.clear()
         self._buffered = None
         return busy
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {
+        """The pipeline's position; on the main process during training also `in_flight`: the rounds generated ahead
+        and not yet trained (`Round`s, waited for: at most `generation_timeout` each), which a checkpoint saves so
+        that a resumed run trains exactly them, generated from the older weights they were generated from (with
+        `num_batches_ahead = k`, round r + k was generated before the checkpoint's last k rounds were trained). A
+        round that failed is left out (it is generated again on resume, and the error is raised here when trained)."""
+        state = {
             "round": self.round,  # next round to train
-            "submitted_rounds": sorted(self.submitted),  # generated ahead, not trained: generated again on resume
+            "submitted_rounds": sorted(self.submitted),  # generated ahead, not trained
         }
+        if self.dist.is_main and self.generator is not None:
+            done = [self._finish(round_id) for round_id in sorted(self.submitted)]
+            state["in_flight"] = [r for r in done if isinstance(r, Round)]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the position; the rounds of `in_flight` (restored by `checkpointing.read_pipeline_state`) are
+        trained as saved, the other rounds ahead are generated again (from the current weights)."""
         self.round = state["round"]
         self.submitted.clear()
+        self._ready.clear()
         self._buffered = None
+        for rnd in state.get("in_flight") or []:
+            self.submitted.add(rnd.round_id)  # every rank: the gathers of `_submit` stay matched
+            if self.dist.is_main:
+                self._ready[rnd.round_id] = rnd
+
+    def _finish(self, round_id: int) -> Round | BaseException:
+        """Round `round_id` (submitted ahead), waited for and kept in `_ready` until its turn (main process)."""
+        if round_id not in self._ready:
+            start = time.perf_counter()
+            try:
+                self._ready[round_id] = self._collect(round_id)
+            except Exception as e:  # raised when the round is fetched for training
+                self._ready[round_id] = e
+            finally:
+                self._add_wait(time.perf_counter() - start)
+        return self._ready[round_id]
+
+    def _collect(self, round_id: int) -> Round:
+        result = self.generator.get_batch(round_id)
+        rnd = result.processed_results
+        rnd.generation_time = result.generation_time
+        return rnd
 
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int) -> list[MicroBatch]:
         if self.dist.is_main and self.generator is None:
-            self.generator = RoundQueue(
-                self.producer,
+            self.generator = AsyncBatchGenerator(
+                lambda request: self.producer(request.inputs[0]),
                 max_queue_size=self.s.max_queue_size,
                 generation_timeout=self.s.generation_timeout,
                 interrupt=self.producer.abort,
@@ -249,7 +287,7 @@ class RoundScheduler:
             if self.dist.is_main:
                 start = time.perf_counter()  # waits when the queue is full
                 try:
-                    self.generator.submit(RoundRequest(round_id, all_rows))
+                    self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
                 finally:
                     self._add_wait(time.perf_counter() - start)
 
@@ -259,7 +297,9 @@ class RoundScheduler:
         start = time.perf_counter()
         if self.dist.is_main:
             try:
-                rnd = self.generator.get(self.round)
+                rnd = self._ready.pop(self.round) if self.round in self._ready else self._collect(self.round)
+                if isinstance(rnd, BaseException):
+                    raise rnd
             except Exception as e:  # tell the other ranks before raising, so they don't wait in the broadcast
                 err, rnd = e, f"{type(e).__name__}: {e}"
         wait = time.perf_counter() - start
