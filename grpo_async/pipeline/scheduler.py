@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .consumer import RoundConsumer
-from .job_queue import AsyncBatchGenerator, BatchRequest
+from .job_queue import RoundQueue
 from .overlap import StepWindow
 from .producer import RoundProducer
 from .rows import reuse_order
@@ -107,7 +107,7 @@ class RoundScheduler:
             list(range(settings.steps_per_generation)), settings.num_iterations, settings.reuse_order
         )
         self.loader = None  # the AsyncDataLoaderWrapper of the current train() (peeked for rounds ahead)
-        self.generator: AsyncBatchGenerator | None = None
+        self.generator: RoundQueue | None = None
         self.round = 0  # index of the next round to train (global, across epochs)
         self.submitted: set[int] = set()  # round ids submitted and not yet trained (tracked on every rank)
         self._epoch_seen = None
@@ -234,16 +234,13 @@ class RoundScheduler:
         return self._ready[round_id]
 
     def _collect(self, round_id: int) -> Round:
-        result = self.generator.get_batch(round_id)
-        rnd = result.processed_results
-        rnd.generation_time = result.generation_time
-        return rnd
+        return self.generator.get(round_id)
 
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int) -> list[MicroBatch]:
         if self.dist.is_main and self.generator is None:
-            self.generator = AsyncBatchGenerator(
-                lambda request: self.producer(request.inputs[0]),
+            self.generator = RoundQueue(
+                self.producer,
                 max_queue_size=self.s.max_queue_size,
                 generation_timeout=self.s.generation_timeout,
                 interrupt=self.producer.abort,
@@ -287,7 +284,7 @@ class RoundScheduler:
             if self.dist.is_main:
                 start = time.perf_counter()  # waits when the queue is full
                 try:
-                    self.generator.submit_batch(BatchRequest(round_id, [], inputs=[RoundRequest(round_id, all_rows)]))
+                    self.generator.submit(RoundRequest(round_id, all_rows))
                 finally:
                     self._add_wait(time.perf_counter() - start)
 
