@@ -186,7 +186,6 @@ class GRPOTrainer(Trainer):
         self.publisher = PolicyPublisher(
             self.sampler,
             enabled=a.syncs_weights,
-            wait_idle=lambda: self.rounds.wait_until_idle(),
             inflight=a.weight_sync_inflight,
             adapter=lora_sync_mode(a, model) == "adapter",  # PEFT LoRA: send the adapter only (vllm_lora_sync)
         )
@@ -226,7 +225,7 @@ class GRPOTrainer(Trainer):
             ),
             self.producer,
             self.consumer,
-            publish=self._publish,
+            publisher=self.publisher,
             log=self._log_round_metric,
             steps_left=lambda: self.state.max_steps - self.state.global_step,  # no round generated past max_steps
         )
@@ -349,14 +348,14 @@ class GRPOTrainer(Trainer):
         return make_trainer_backend(self.args, unwrapped, self.processing_class, self._model_source)
 
     def _publish(self) -> None:
-        seconds = self.publisher.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
-        if seconds:
-            self._metrics["train"]["timing/weight_sync"].append(seconds)
+        self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
-        return self.rounds.next_micro_batch(generation_batch, self.state.global_step).to(self.accelerator.device)
+        policy = self.accelerator.unwrap_model(self.model)
+        batch = self.rounds.next_micro_batch(generation_batch, self.state.global_step, policy)
+        return batch.to(self.accelerator.device)
 
     def sync_weights(self) -> None:
         """Publish the trainer's current weights to the sampler now (every rank must call), e.g. to inspect the

@@ -59,5 +59,5 @@ def test_reuse_order_both_orders():
 def test_the_scheduler_trains_micro_batches_in_the_configured_reuse_order(order, expected, tmp_path):
     """`GRPOConfig.reuse_order` → the scheduler's settings → the micro-batch index trained at each micro-step."""
     config = tiny_config(tmp_path, gradient_accumulation_steps=3, num_iterations=2, reuse_order=order)
-    scheduler = RoundScheduler(scheduler_settings(config), None, None, None, publish=lambda: None, log=print)
+    scheduler = RoundScheduler(scheduler_settings(config), None, None, None, publisher=None, log=print)
     assert scheduler.order == expected

@@ -19,12 +19,12 @@ With a PEFT LoRA policy and `adapter=True` (`GRPOConfig.vllm_lora_sync` resolved
 (`backend.load_adapter`): nothing is merged, the sampler's base weights never move. `last` records what the latest
 publish sent (`{"mode", "tensors", "bytes", "seconds"}`), on the main process.
 
-Where a round in flight must finish on the old weights, the publish waits for it (the job queue is idle when the
-trainer has fetched the round it needs and `num_batches_ahead <= 1`); with `inflight=True` (servers) it does not
-wait, and the server freezes its running requests around the load instead.
+Where a round in flight must finish on the old weights, the caller (`RoundScheduler.publish`) waits for it before
+publishing (`due(version)` says a publish will send); with `inflight=True` (servers) it does not wait, and the server
+freezes its running requests around the load instead.
 
 Example:
-    >>> publisher = PolicyPublisher(shared_backend, wait_idle=queue.wait_until_idle)   # doctest: +SKIP
+    >>> publisher = PolicyPublisher(shared_backend)   # doctest: +SKIP
     >>> publisher.publish(model, version=trainer.state.global_step)  # doctest: +SKIP
     0.12
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 from torch import nn
 
@@ -52,8 +51,8 @@ class PolicyPublisher:
             only take part in the collectives of gathering the parameters).
         enabled (`bool`, *optional*, defaults to `True`): `False` when the sampler never receives weights
             (`weight_sync_transport="none"`, a generation-only endpoint): `publish` does nothing.
-        wait_idle (`Callable[[], None]`, *optional*): blocks until no round is queued or being generated.
-        inflight (`bool`, *optional*, defaults to `False`): do not wait for rounds in flight (servers freeze them).
+        inflight (`bool`, *optional*, defaults to `False`): the backend loads while rounds run (servers freeze
+            them), so the caller need not wait for the rounds in flight.
         adapter (`bool`, *optional*, defaults to `False`): send only the PEFT LoRA adapter (`backend.load_adapter`)
             instead of the merged full weights; every process must pass the same value.
     """
@@ -63,21 +62,23 @@ class PolicyPublisher:
         backend: SharedBackend | None,
         *,
         enabled: bool = True,
-        wait_idle: Callable[[], None] | None = None,
         inflight: bool = False,
         adapter: bool = False,
     ):
         self.backend = backend
         self.enabled = enabled
-        self.wait_idle = wait_idle
         self.inflight = inflight
         self.adapter = adapter
         self.published: int | None = None  # the version last published (tracked on every rank)
         self.last: dict | None = None  # what the latest publish sent: {"mode", "tensors", "bytes", "seconds"}
 
+    def due(self, version: int) -> bool:
+        """Whether `publish(model, version)` would send weights (enabled, and `version` not yet published)."""
+        return self.enabled and self.published != version
+
     def publish(self, model: nn.Module, version: int) -> float:
         """Every process calls this at the same point; returns the seconds the publish took (0 when nothing to do)."""
-        if not self.enabled or self.published == version:
+        if not self.due(version):
             return 0.0
         start = time.perf_counter()
         sent = {"mode": "adapter" if self.adapter else "full", "tensors": 0, "bytes": 0}
@@ -87,8 +88,6 @@ class PolicyPublisher:
                 pass
         else:
             try:
-                if self.wait_idle is not None and not self.inflight:
-                    self.wait_idle()
                 with contextlib.nullcontext() if self.inflight else self.backend.lock:
                     backend = self.backend.get()
                     if self.adapter:

@@ -2,7 +2,8 @@
 
 It owns the pipeline's position (the next round to train, the rounds submitted ahead, the micro-step within the
 epoch) and the job-queue thread; it calls the publisher, the producer (through the job queue) and the consumer, and
-knows nothing of the Trainer: the trainer hands it the collectives, the loader it peeks into and a `publish` callback.
+knows nothing of the Trainer: the trainer hands it the collectives, the loader it peeks into, and at each micro-step
+the policy (the unwrapped model) with its version, which the scheduler publishes at each round boundary.
 
 Worked example, `steps_per_generation=2`, `num_iterations=1`, `num_batches_ahead=1` (a round is 2 micro-steps):
 
@@ -40,10 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from .consumer import RoundConsumer
 from .job_queue import RoundQueue
 from .overlap import StepWindow
 from .producer import RoundProducer
+from .publisher import PolicyPublisher
 from .rows import reuse_order
 from .types import MicroBatch, Round, RoundRequest
 
@@ -79,7 +83,9 @@ class RoundScheduler:
         collectives (`Collectives`).
         producer (`RoundProducer`): run in the job-queue thread (main process only).
         consumer (`RoundConsumer`): turns a round into this process's micro-batches.
-        publish (`Callable[[], None]`): publishes the current weights (every process; a no-op when unchanged).
+        publisher (`PolicyPublisher`): publishes the policy's weights at each round boundary (every process; a
+            no-op when the version is unchanged); the scheduler first waits until no round runs unless the
+            publisher pushes while rounds run (`inflight`).
         log (`Callable[[str, float], None]`): records a metric.
         steps_left (`Callable[[], int]`, *optional*): optimizer steps the trainer will still run, the one in
             progress included (`max_steps - global_step`); rounds past them are never generated. `None`: no bound
@@ -92,7 +98,7 @@ class RoundScheduler:
         collectives: Collectives,
         producer: RoundProducer,
         consumer: RoundConsumer,
-        publish: Callable[[], None],
+        publisher: PolicyPublisher,
         log: Callable[[str, float], None],
         steps_left: Callable[[], int] | None = None,
     ):
@@ -100,7 +106,7 @@ class RoundScheduler:
         self.steps_left = steps_left
         self.dist = collectives
         self.producer, self.consumer = producer, consumer
-        self.publish, self.log = publish, log
+        self.publisher, self.log = publisher, log
         self.generate_every = settings.steps_per_generation * settings.num_iterations  # micro-steps per round
         # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
         self.order = reuse_order(
@@ -127,15 +133,15 @@ class RoundScheduler:
         """The look-ahead loader of the coming `train()`."""
         self.loader = loader
 
-    def next_micro_batch(self, generation_batch: list[dict], version: int) -> MicroBatch:
+    def next_micro_batch(self, generation_batch: list[dict], version: int, policy: nn.Module) -> MicroBatch:
         """The micro-batch of this micro-step; at a round boundary fetches the round (generating it first if it was
-        not submitted ahead), publishes the weights of `version` and submits the rounds ahead."""
+        not submitted ahead), publishes `policy`'s weights as `version` and submits the rounds ahead."""
         self._window.open()  # the first step of a `train()` starts here
         loader = self.loader
         if loader is not None and loader.epoch != self._epoch_seen:  # a new epoch (resumed: started `skipped` in)
             self._epoch_seen, self._epoch_call = loader.epoch, loader.skipped
         if self._epoch_call % self.generate_every == 0 or self._buffered is None:
-            self._buffered = self._next_round(generation_batch, version)
+            self._buffered = self._next_round(generation_batch, version, policy)
         batch = self._buffered[self.order[self._epoch_call % self.generate_every]]
         self._epoch_call += 1
         return batch
@@ -164,6 +170,17 @@ class RoundScheduler:
                 self.generator.wait_until_idle()
             finally:
                 self._add_wait(time.perf_counter() - start)
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        """Publish `policy`'s weights as `version` (every process; nothing when `version` is already published):
+        first wait until no round runs, so a round in flight finishes on the weights it started with, unless the
+        publisher pushes while rounds run. Logs `timing/weight_sync`; returns its seconds."""
+        if self.publisher.due(version) and not self.publisher.inflight:
+            self.wait_until_idle()
+        seconds = self.publisher.publish(policy, version)
+        if seconds:
+            self.log("timing/weight_sync", seconds)
+        return seconds
 
     def _add_wait(self, seconds: float) -> None:
         self._waited += seconds
@@ -237,7 +254,7 @@ class RoundScheduler:
         return self.generator.get(round_id)
 
     # ---- one round ------------------------------------------------------------------------------------------
-    def _next_round(self, generation_batch: list[dict], version: int) -> list[MicroBatch]:
+    def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
         if self.dist.is_main and self.generator is None:
             self.generator = RoundQueue(
                 self.producer,
@@ -246,7 +263,7 @@ class RoundScheduler:
                 interrupt=self.producer.abort,
             ).start()
         rnd = self._fetch() if self.round in self.submitted else None
-        self.publish()  # the weights of this step, for the rounds submitted next
+        self.publish(policy, version)  # the weights of this step, for the rounds submitted next
         self._submit(generation_batch)
         if rnd is None:
             rnd = self._fetch()
