@@ -96,8 +96,8 @@ def greedy_accuracy(trainer, pairs, max_tokens: int) -> tuple[float, list[str]]:
     """Fraction of `pairs` whose greedy completion (the sampler's current weights) has the right boxed answer."""
     tok = trainer.processing_class
     prompts = [template_ids(tok, p, True) for p in as_rows(pairs)["prompt"]]
-    backend = trainer.sampler.get()  # the engine the rounds are sampled with
-    with trainer.sampler.lock:
+    backend = trainer.engine.get()  # the engine the rounds are sampled with
+    with trainer.engine.lock:
         outs = backend.generate(prompts, SamplingConfig(n=1, max_tokens=max_tokens, temperature=0.0))
     texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in outs]
     return sum(stated_sum(t) == a + b for t, (a, b) in zip(texts, pairs, strict=True)) / len(pairs), texts
