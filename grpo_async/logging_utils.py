@@ -195,6 +195,16 @@ PANELS = (
             ("async/generator_idle", "generator idle"),
         ],
     ),
+    (
+        "throughput",
+        "tokens per second",
+        [
+            ("perf/train_tokens_per_second", "trained (per device)"),
+            ("perf/generated_tokens_per_second", "generated"),
+        ],
+    ),
+    ("training FLOPs per second", "FLOP/s (per device)", [("perf/flops_per_second", "FLOP/s")]),
+    ("model FLOPs utilisation", "% of the device's peak", [("perf/mfu", "MFU")]),
 )
 PLOT_FILE = "metrics.png"
 

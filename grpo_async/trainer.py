@@ -23,35 +23,43 @@ Round r + k is generated from the weights the trainer had when round r started: 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections import defaultdict
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from transformers import PreTrainedModel, Trainer
 
-from .algo.logprobs import score_tokens
+from .algo.logprobs import LogpsScorer, score_tokens
 from .algo.loss import LossContext, gamma_weights, off_policy_mask
 from .algo.objective import PolicyObjective, ProcessOps, high_entropy_mask
 from .algo.ref_sync import RefModelSyncCallback
+from .algo.throughput import throughput_meter
+from .algo.token_budget import budgeted_loss
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
 from .generation.ref_client import RefLogpsClient
+from .generation.shared import SharedBackend
 from .logging_utils import MetricsJsonlCallback, log_completions
 from .model_card import write_model_card
 from .model_config import check_context_length, needs_find_unused_parameters
 from .pipeline import checkpointing as ckpt
-from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
+from .pipeline.consumer import RoundConsumer
 from .pipeline.metrics import ROUND_TOKENS, loss_metrics, window_summary
+from .pipeline.producer import RoundProducer
+from .pipeline.publisher import PolicyPublisher, lora_sync_mode
+from .pipeline.scheduler import Collectives, RoundScheduler
 from .pipeline.types import MicroBatch
 from .rewards.reward_model import RewardModel
 from .trainer_setup import (
     ProducerAttribute,
     bound_collectives,
     check_datasets,
+    consumer_settings,
     default_args,
     eval_chunk_prompts,
     experimental_warnings,
@@ -60,7 +68,9 @@ from .trainer_setup import (
     peer_failure_error,
     prepare_models,
     prepare_rewards,
+    producer_settings,
     reference_scorer,
+    scheduler_settings,
     train_stream,
     trainer_environment,
 )
@@ -165,6 +175,7 @@ class GRPOTrainer(Trainer):
         self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
         unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
         self.objective = PolicyObjective.from_config(a, unwrapped_config, ProcessOps.of(self.accelerator))
+        self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
         self.compute_old_logps = (
             a.num_iterations > 1
             or a.steps_per_generation > a.gradient_accumulation_steps
@@ -174,28 +185,55 @@ class GRPOTrainer(Trainer):
         self._step = 0  # training_step calls
         self._train_step_time = 0.0
         self._step_time = 0.0  # TRL's step_time: the training_step calls of an optimizer step, waits included
-        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
-        link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
-        if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
-            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
-        ref_logps = None
-        if a.beta:
-            ref_logps = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
-        pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
-            a,
-            link,
-            AcceleratorCollectives(self.accelerator),
-            tokenizer=processing_class,
-            rewards=rewards,
-            reward_weights=weights,
-            environment=self.environment,
-            model_source=self._model_source,
-            scoring=scoring,
-            old_logps=self.compute_old_logps,
-            ref_logps=ref_logps,
+        main = self.accelerator.is_main_process
+        self.sampler = SharedBackend(self._make_backend) if main else None
+        self.publisher = PolicyPublisher(
+            self.sampler,
+            enabled=a.syncs_weights,
+            inflight=a.weight_sync_inflight,
+            adapter=lora_sync_mode(a, model) == "adapter",  # PEFT LoRA: send the adapter only (vllm_lora_sync)
         )
-        self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
-        self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
+        self.producer = RoundProducer(
+            self.sampler,
+            processing_class,
+            *rewards,
+            weights,
+            producer_settings(a),
+            environment=self.environment,
+            extra_columns=lambda: {"trainer_state": self.state},  # as TRL: reward shaping by training progress
+            rollout_func=(lambda prompts: rollout_func(prompts, self)) if rollout_func is not None else None,
+        )
+        dev = self.accelerator.device
+        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+        scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
+        policy, unwrapped = (lambda: self.model), (lambda: self.accelerator.unwrap_model(self.model))  # wrapped later
+        if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
+            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, unwrapped))
+        self.consumer = RoundConsumer(
+            consumer_settings(a),
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            old_logps=LogpsScorer(policy, **scoring) if self.compute_old_logps else None,
+            ref_logps=reference_scorer(self.ref_client, self.ref_model, policy, unwrapped, scoring)
+            if a.beta
+            else None,
+            reduce_sum=lambda t: self.accelerator.reduce(t.to(dev), reduction="sum").cpu(),
+            gather=lambda t: self.accelerator.gather(t.to(dev)).cpu(),
+            log=lambda k, v: self._metrics["train"][k].append(v),
+        )
+        self.rounds = RoundScheduler(
+            scheduler_settings(a),
+            Collectives(
+                is_main=main,
+                gather=gather_object,
+                broadcast=lambda obj: broadcast_object_list([obj], from_process=0)[0],
+            ),
+            self.producer,
+            self.consumer,
+            publisher=self.publisher,
+            log=self._log_round_metric,
+            steps_left=lambda: self.state.max_steps - self.state.global_step,  # no round generated past max_steps
+        )
 
     # the reward functions belong to the round producer; TRL's attributes read and replace them there
     reward_funcs = ProducerAttribute("reward_funcs")
@@ -307,6 +345,13 @@ class GRPOTrainer(Trainer):
         return loader
 
     # ---- the pipeline --------------------------------------------------------------------------------------------
+    def _make_backend(self):
+        """Build the generation backend (main process, on first use): `(backend, temporary model folder or None)`."""
+        from .generation import make_trainer_backend
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return make_trainer_backend(self.args, unwrapped, self.processing_class, self._model_source)
+
     def _publish(self) -> None:
         self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
@@ -326,18 +371,18 @@ class GRPOTrainer(Trainer):
     @property
     def backend(self):
         """The generation backend (main process; `None` until first used)."""
-        return self.engine.built if self.engine is not None else None
+        return self.sampler.built if self.sampler is not None else None
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the job-queue thread (a round in progress is aborted) and shut the backend down (`train()` can run
         again); safe to call again. A thread still stuck after `timeout` seconds (in a reward, say) is joined again
         at interpreter exit; the backend it uses is left open until then."""
         generator_busy = self.rounds.stop(timeout)
-        if self.engine is not None:
+        if self.sampler is not None:
             if generator_busy:
                 logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
-                self.engine.forget()
-            self.engine.close()
+                self.sampler.forget()
+            self.sampler.close()
         self.publisher.reset()
 
     def end(self) -> None:
@@ -353,18 +398,26 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs: MicroBatch, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("GRPOTrainer.compute_loss does not return outputs")
+        part_loss = functools.partial(self._part_loss, model)  # each slice of token_budget (algo/token_budget.py)
+        no_sync = lambda: self.accelerator.no_sync(model)  # noqa: E731
+        return budgeted_loss(inputs, self.args.token_budget, part_loss, self.accelerator.backward, no_sync)
+
+    def _part_loss(self, model, inputs: MicroBatch, totals: dict | None, last: bool):
         a, T = self.args, inputs.completion_ids.size(1)
         ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, P+T]
         mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)  # [B, P+T]
-        scores = score_tokens(model, ids, mask, T, a.temperature, None, a.padding_free, **self.objective.scoring)
+        scoring = {"share_prefix": a.share_prompt_prefix, **self.objective.scoring}
+        scores = score_tokens(model, ids, mask, T, a.temperature, None, a.padding_free, **scoring)
+        self.throughput.add(int(mask.sum()), len(inputs))
         ctx = LossContext(
             grad_accum_steps=self.current_gradient_accumulation_steps,
             max_completion_length=a.max_completion_length,
             num_items_in_batch=inputs.num_items_in_batch,
             num_processes=self.accelerator.num_processes,
             steps_per_generation=a.steps_per_generation,
+            **(totals or {}),
         )
-        out = self.objective(scores, inputs, ctx, end_of_window=self.accelerator.sync_gradients)  # algo/objective.py
+        out = self.objective(scores, inputs, ctx, end_of_window=self.accelerator.sync_gradients and last)
         self._log_loss(out, inputs)
         return out.loss
 
@@ -382,16 +435,17 @@ class GRPOTrainer(Trainer):
         self._train_step_time += time.perf_counter() - start - self.rounds.take_wait()  # compute only, no waits
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["timing/train_step"].append(self._train_step_time)
+            for k, v in self.throughput.step(self._train_step_time).items():  # perf/train_tokens_per_second, ...
+                self._metrics["train"][k].append(v)
             self._metrics["train"]["step_time"].append(self._step_time)
             self._train_step_time = self._step_time = 0.0
             self.rounds.end_step()  # logs async/overlap, async/trainer_wait, async/generator_idle of this step
         return loss
 
     # ---- metrics -------------------------------------------------------------------------------------------------
-    def record_metric(self, key: str, value: float) -> None:
-        """Record a training metric of the pipeline, logged (averaged over the window) at the next `log`. A round's
-        token count goes to `state.num_input_tokens_seen`, logged as TRL's `num_tokens` (the running total, counted
-        when a round is first trained, as TRL counts at generation)."""
+    def _log_round_metric(self, key: str, value: float) -> None:
+        """A metric of the round being trained; its token count goes to `state.num_input_tokens_seen`, logged as
+        TRL's `num_tokens` (the running total, counted when a round is first trained, as TRL counts at generation)."""
         if key == ROUND_TOKENS:
             self.state.num_input_tokens_seen += int(value)
             self._metrics["train"]["num_tokens"] = [float(self.state.num_input_tokens_seen)]

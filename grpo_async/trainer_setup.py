@@ -463,6 +463,7 @@ def consumer_settings(a: GRPOConfig):
         importance_sampling_clip_min=a.importance_sampling_clip_min,
         importance_sampling_clip_max=a.importance_sampling_clip_max,
         seed=a.seed,  # the shuffle within a round: its own generator, whatever else draws from torch's global RNG
+        token_budget=a.token_budget,  # algo/token_budget.py
     )
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from grpo_async.algo import prefix_sharing
 from grpo_async.algo.logprobs import score_tokens
 from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings, grpo_loss
-from grpo_async.algo.prefix_sharing import SharingCost, find_groups, pack_shared, plan_group
+from grpo_async.algo.prefix_sharing import SharingCost, find_groups, pack_shared, plan_group, unsupported_reason
 
 SHARE_ALL = SharingCost(per_token=1.0, per_pair=0.0)  # always cheapest as one tree
 # SmolLM2-135M's shapes (hidden 576, 9 heads of 64, 3 key-value heads, MLP 1536)
@@ -140,6 +140,7 @@ def tiny(tiny_model_path):
 def test_tiny_every_loss_type_equals_unshared(tiny, loss_type, padding_free):
     ids, mask = _batch(tiny.config.vocab_size, groups=2, G=4, P=24, T=8)
     # the real cost model shares these shapes (prompt 24 ≫ completions ≤ 8)
+    assert unsupported_reason(tiny) is None  # the shared path runs (no fallback)
     packed = pack_shared(ids, mask, 8, prefix_sharing.sharing_cost(tiny), padding_free)
     assert packed is not None and packed.input_ids.size(0) <= 2  # 8 rows → 2 trees
     unshared = _loss_and_grads(tiny, ids, mask, 8, False, padding_free, loss_type)
@@ -150,6 +151,7 @@ def test_tiny_every_loss_type_equals_unshared(tiny, loss_type, padding_free):
 def test_tiny_eager_attention_equals_unshared(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="eager")
     ids, mask = _batch(model.config.vocab_size, groups=2, G=3, P=20, T=6, seed=3)
+    assert unsupported_reason(model) is None
     _assert_same(
         _loss_and_grads(model, ids, mask, 6, False, False, "grpo"),
         _loss_and_grads(model, ids, mask, 6, True, False, "grpo"),
@@ -166,6 +168,7 @@ def test_peft_lora_equals_unshared(tiny_model_path):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     ids, mask = _batch(base.config.vocab_size, groups=2, G=4, P=24, T=8, seed=5)
+    assert unsupported_reason(model) is None
     for padding_free in (False, True):
         unshared = _loss_and_grads(model, ids, mask, 8, False, padding_free, "dapo")
         shared = _loss_and_grads(model, ids, mask, 8, True, padding_free, "dapo")
@@ -179,6 +182,7 @@ def test_smollm2_equals_unshared(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     ids, mask = _batch(model.config.vocab_size, groups=1, G=4, P=48, T=6, seed=7)
     assert pack_shared(ids, mask, 6, prefix_sharing.sharing_cost(model)) is not None  # SmolLM2's cost shares it
+    assert unsupported_reason(model) is None  # the probe passes (float noise ≈ 2e-4 at |logp| ≈ 20)
     for padding_free in (False, True):
         unshared = _loss_and_grads(model, ids, mask, 6, False, padding_free, "grpo")
         shared = _loss_and_grads(model, ids, mask, 6, True, padding_free, "grpo")
@@ -223,3 +227,76 @@ def test_attention_that_ignores_the_mask_is_probed_and_refused(tiny_model_path, 
     warnings = [r.getMessage() for r in caplog.records if "share_prompt_prefix" in r.getMessage()]
     assert len(warnings) == 1 and "ignores a custom 4D attention mask" in warnings[0], warnings
     assert torch.equal(shared, unshared)
+
+
+# ---- in the trainer ----------------------------------------------------------------------------------------------
+class _Echo:
+    """A multi-turn environment (the shape of tests/test_envs.py's): answers each assistant turn with `ok <n>`."""
+
+    max_turns = 3
+    max_tokens_per_turn = 4
+
+    def initial_state(self, row):
+        return {"replies": 0}
+
+    def env_response(self, messages, state):
+        n = state["replies"] + 1
+        return [{"role": "user", "content": f"ok {n}"}], {**state, "replies": n}
+
+
+def _seeded_run(model_path, out, share: bool, monkeypatch, **overrides) -> tuple[list[float], int]:
+    """A short seeded_generation run; its per-step losses and how many forward passes ran as trees."""
+    import grpo_async.algo.logprobs as logprobs
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.testing import tiny_config
+
+    trees = []
+
+    def counting(*args, **kwargs):  # the real packer; counts the passes that shared a prompt
+        packed = pack_shared(*args, **kwargs)
+        trees.append(packed is not None)
+        return packed
+
+    monkeypatch.setattr(logprobs, "pack_shared", counting)
+    fields = dict(
+        max_steps=2,
+        seeded_generation=True,
+        shuffle_dataset=False,
+        beta=0.04,  # reference log-probs (a frozen copy) and
+        num_iterations=2,  # old log-probs are computed: every stage runs
+        share_prompt_prefix=share,
+    )
+    environment = overrides.pop("environment", None)
+    kw = {"environment": environment} if environment is not None else {}
+    args = tiny_config(out, **{**fields, **overrides})
+    trainer = GRPOTrainer(
+        model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64), **kw
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], sum(trees)
+
+
+def test_seeded_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path, tmp_path, monkeypatch):
+    unshared, trees_off = _seeded_run(tiny_model_path, tmp_path / "off", False, monkeypatch)
+    shared, trees_on = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch)
+    assert trees_off == 0 and trees_on > 0  # the stages ran as trees only with sharing on
+    assert len(shared) == len(unshared) == 2
+    for a, b in zip(shared, unshared, strict=True):
+        assert abs(a - b) <= 1e-5, (shared, unshared)
+
+
+@pytest.mark.slow
+def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path, tmp_path, monkeypatch):
+    """Environment turns inside the completions: the prompt is still the shared prefix."""
+    from grpo_async.envs import Environment
+
+    echo = type("Echo", (_Echo, Environment), {})
+    unshared, _ = _seeded_run(tiny_model_path, tmp_path / "off", False, monkeypatch, environment=echo())
+    shared, trees_on = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch, environment=echo())
+    assert trees_on > 0 and len(shared) == 2
+    for a, b in zip(shared, unshared, strict=True):
+        assert abs(a - b) <= 1e-5, (shared, unshared)

@@ -11,7 +11,7 @@ import torch
 
 from .logits import entropy_from_logits, selective_log_softmax
 from .packing import pack_rows, packed_token_scores, unpack_completion
-from .prefix_sharing import pack_shared, sharing_cost, sharing_supported
+from .prefix_sharing import SharingCost, pack_shared, sharing_cost, sharing_supported
 
 
 @dataclass
@@ -41,7 +41,7 @@ def score_tokens(
     entropy: bool = False,
     entropy_grad: bool = False,
     router: tuple[int, int] | None = None,
-    share_prefix: bool = False,
+    share_prefix: bool | SharingCost = False,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
     optionally each position's entropy and the MoE load-balancing loss.
@@ -58,12 +58,13 @@ def score_tokens(
             (Mixtral's `load_balancing_loss_func`, over real tokens only, as the model's own forward does).
         share_prefix (`bool`): score the rows of a chunk that share a prompt as prompt-sharing trees
             (`algo.prefix_sharing`) where the cost model says it is cheaper; same values as unshared. Falls back to
-            unshared rows, with one warning, where the model cannot do it exactly.
+            unshared rows, with one warning, where the model cannot do it exactly. A `SharingCost` instead of
+            `True` replaces the model's cost model (benchmarks: force one tree per group).
     """
     batch_size = batch_size or input_ids.size(0)
     cost = None
     if share_prefix and sharing_supported(model, router):
-        cost = sharing_cost(model)
+        cost = share_prefix if isinstance(share_prefix, SharingCost) else sharing_cost(model)
     logps, entropies, aux = [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start : start + batch_size]  # [b, P+T]

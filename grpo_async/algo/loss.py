@@ -37,6 +37,10 @@ class LossContext:
             `vespo`).
         num_processes: training processes.
         steps_per_generation: micro-steps one generation round is split into.
+        micro_batch_rows, micro_batch_tokens: rows and loss tokens of the whole micro-batch when the loss is
+            computed on one slice of it at a time (`token_budget`, `algo.token_budget`); `None`: the rows given are
+            the micro-batch. The per-micro-batch normalisers (`grpo`, `bnpo`, `dr_grpo`, `sapo`, `luspo`) use them,
+            so the slices' losses sum to the micro-batch's.
     """
 
     grad_accum_steps: int = 1
@@ -44,6 +48,8 @@ class LossContext:
     num_items_in_batch: float | torch.Tensor | None = None
     num_processes: int = 1
     steps_per_generation: int = 1
+    micro_batch_rows: int | None = None
+    micro_batch_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,17 +83,20 @@ class LossSettings:
 # mean, whose normaliser already spans one accumulation window (`_PER_WINDOW`).
 def _seq_mean_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # grpo, sapo: average each sequence over its own tokens, then over sequences
-    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    per_sequence = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+    return per_sequence.mean() if ctx.micro_batch_rows is None else per_sequence.sum() / ctx.micro_batch_rows
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # bnpo: average over all tokens of the micro-batch
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    tokens = mask.sum() if ctx.micro_batch_tokens is None else torch.as_tensor(ctx.micro_batch_tokens)
+    return (x * mask).sum() / tokens.clamp(min=1.0)
 
 
 def _fixed_length(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # dr_grpo: sum over tokens / (B · max_completion_length)
-    return (x * mask).sum() / (x.size(0) * ctx.max_completion_length)
+    rows = x.size(0) if ctx.micro_batch_rows is None else ctx.micro_batch_rows
+    return (x * mask).sum() / (rows * ctx.max_completion_length)
 
 
 def _global_token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
@@ -101,7 +110,8 @@ def _global_token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) ->
 
 def _seq_sum_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # luspo: each sequence's loss summed over its tokens (a [B, 1] loss is scaled by the length), mean over sequences
-    return (x * mask).sum(-1).mean()
+    per_sequence = (x * mask).sum(-1)  # [B]
+    return per_sequence.mean() if ctx.micro_batch_rows is None else per_sequence.sum() / ctx.micro_batch_rows
 
 
 REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossContext], torch.Tensor]] = {
@@ -328,10 +338,14 @@ def grpo_loss(
     )
 
 
-def mean_entropy(entropies: torch.Tensor, mask: torch.Tensor, grad_accum_steps: int = 1) -> torch.Tensor:
+def mean_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor, grad_accum_steps: int = 1, tokens: float | None = None
+) -> torch.Tensor:
     """The entropy bonus's H: mean per-token entropy over `mask`'s tokens `[B, T]`, scaled for gradient accumulation
-    only (never by a loss type's normaliser, as in TRL). Returns `[]`."""
-    return (entropies * mask).sum() / mask.sum().clamp(min=1.0) / grad_accum_steps
+    only (never by a loss type's normaliser, as in TRL); `tokens`: the whole micro-batch's count when `mask` covers
+    a slice of it (`token_budget`). Returns `[]`."""
+    n = mask.sum() if tokens is None else torch.as_tensor(tokens, dtype=mask.dtype, device=mask.device)
+    return (entropies * mask).sum() / n.clamp(min=1.0) / grad_accum_steps
 
 
 # ---------------------------------------------------------------------------------------------- importance sampling

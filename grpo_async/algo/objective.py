@@ -229,6 +229,12 @@ class PolicyObjective:
         `ref_logps`, `is_weights`, `sampler_logps`); `end_of_window`: the last micro-batch before an optimizer step."""
         mask = batch.loss_mask  # [B, T]
         entropies = scores.entropies  # [B, T]
+        if ctx.micro_batch_rows is not None and (self.top_entropy_quantile < 1.0 or self.router is not None):
+            raise ValueError(
+                "GRPOConfig.token_budget splits a micro-batch into slices, but top_entropy_quantile < 1 (a quantile "
+                "over the whole micro-batch) and the MoE load-balancing loss (a mean over it) cannot be computed "
+                "slice by slice; leave token_budget None with them"
+            )
         emask = None
         if self.top_entropy_quantile < 1.0:
             if entropies is None:
@@ -251,7 +257,8 @@ class PolicyObjective:
             if entropies is None:
                 raise ValueError("the entropy bonus needs the entropies (score_tokens(..., entropy=True))")
             m = mask.to(entropies.dtype) if emask is None else mask.to(entropies.dtype) * emask  # [B, T]
-            loss = loss - self.entropy.applied_coef() * mean_entropy(entropies, m, ctx.grad_accum_steps)
+            H = mean_entropy(entropies, m, ctx.grad_accum_steps, ctx.micro_batch_tokens)
+            loss = loss - self.entropy.applied_coef() * H
             self.entropy.observe((entropies * m).sum(), m.sum(), end_of_window, self.ops.reduce_sum)
             coef_logged = self.entropy.coef if end_of_window else None
         if self.router is not None:

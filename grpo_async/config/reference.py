@@ -19,6 +19,18 @@ class ReferenceFields:
             "Falcon); True: packed, or an error naming the model; False: padded."
         },
     )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the prompt of a group once in the logps and training forward passes: the rows of a "
+            "forward pass that share a prompt run as one row [prompt, completion 1, ..., completion k] whose "
+            "completions attend to the prompt and to themselves only (a tree attention mask, per-branch position "
+            "ids; grpo_async/algo/prefix_sharing.py). Same log-probs, loss and gradients as unshared (<= 1e-5 in "
+            "float32); a cost model groups the completions into the rows that cost least, so long completions "
+            "behind a short prompt stay unshared. Needs an attention that takes a 4D mask (sdpa, eager): with "
+            "FlashAttention or FlexAttention, or a model found to ignore the mask, one warning and unshared rows."
+        },
+    )
     ref_server_url: str | None = field(
         default=None,
         metadata={

@@ -6,7 +6,8 @@ Round [R rows, every process] ─▶ slice [L = R / N, this rank] ─▶ stale r
    ─▶ IS weights π_old / π_sampler ─▶ shuffle ─▶ steps_per_generation micro-batches [B = L / steps], trimmed
 ```
 Every stage runs only full chunks of exactly its size (the config checks that each size divides L). Example:
-L = 12, ref 3, old 6 → ref logps in 4 chunks of 3, old logps in 2 chunks of 6.
+L = 12, ref 3, old 6 → ref logps in 4 chunks of 3, old logps in 2 chunks of 6. With `token_budget` each chunk holds
+instead as many consecutive rows as fit in that many real tokens (`algo.token_budget`).
 
 Staleness is counted in policy versions (optimizer steps): a row sampled with the weights of step v, trained in a
 round that starts at step s, has staleness s − v; rows above `staleness_limit` are never trained.
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..algo.loss import importance_sampling_weights
+from ..algo.throughput import generated_tokens_per_second
+from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
 from .rows import process_slice
 from .types import MicroBatch, Round
@@ -44,6 +47,7 @@ class ConsumerSettings:
     importance_sampling_clip_min: float | None
     importance_sampling_clip_max: float | None
     seed: int | None = None  # the shuffle within a round: a generator seeded from (seed, round); None: torch's global
+    token_budget: int | None = None  # tokens per logps forward pass instead of the stages' row counts (per device)
 
 
 class RoundConsumer:
@@ -80,6 +84,9 @@ class RoundConsumer:
     def __call__(self, rnd: Round, step: int) -> list[MicroBatch]:
         """`step`: the policy version (optimizer step) this round starts training at."""
         R = len(rnd.batch)
+        rate = generated_tokens_per_second(float(rnd.batch.completion_mask.sum()), rnd.generation_time)  # the round
+        if rate is not None:
+            self.log("perf/generated_tokens_per_second", rate)
         local = rnd.batch.select(process_slice(R, self.num_processes, self.process_index))  # [L]
         local = self._drop_stale(local, rnd.round_id, step)
         local = self._add_logps(local)
@@ -128,12 +135,19 @@ class RoundConsumer:
             if fn is None:
                 continue
             t0 = time.perf_counter()
-            L = ids.size(0)
-            chunks = [fn(ids[i : i + size], mask[i : i + size], T) for i in range(0, L, size)]  # each [size, T]
+            parts = self._chunks(ids.size(0), size, mask)
+            chunks = [fn(ids[part], mask[part], T) for part in parts]  # each [rows of the part, T]
             out[name] = torch.cat(chunks)  # [L, T]
             self.log(f"timing/{name}", time.perf_counter() - t0)
             self.log(f"chunks/{name}", float(len(chunks)))
         return _replace(local, **out)
+
+    def _chunks(self, L: int, size: int, mask: torch.Tensor) -> list[slice]:
+        """The forward passes of a stage: `size` rows each, or with `token_budget` as many consecutive rows as fit
+        in it (`algo.token_budget.budget_slices`; mask `[L, P+T]`)."""
+        if self.s.token_budget is not None:
+            return budget_slices(mask.sum(1).tolist(), self.s.token_budget)
+        return [slice(i, i + size) for i in range(0, L, size)]
 
     def _add_importance_weights(self, local: MicroBatch) -> MicroBatch:
         """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens."""
