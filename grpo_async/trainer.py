@@ -30,10 +30,10 @@ import time
 from collections import defaultdict
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, Trainer
 
-from .algo.logprobs import LogpsScorer, score_tokens
+from .algo.logprobs import score_tokens
 from .algo.loss import LossContext, gamma_weights, off_policy_mask
 from .algo.objective import PolicyObjective, ProcessOps, high_entropy_mask
 from .algo.ref_sync import RefModelSyncCallback
@@ -43,23 +43,18 @@ from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper
 from .data.sampler import RepeatSampler
 from .generation.ref_client import RefLogpsClient
-from .generation.shared import SharedBackend
 from .logging_utils import MetricsJsonlCallback, log_completions
 from .model_card import write_model_card
 from .model_config import check_context_length, needs_find_unused_parameters
 from .pipeline import checkpointing as ckpt
-from .pipeline.consumer import RoundConsumer
+from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
 from .pipeline.metrics import ROUND_TOKENS, loss_metrics, window_summary
-from .pipeline.producer import RoundProducer
-from .pipeline.publisher import PolicyPublisher, lora_sync_mode
-from .pipeline.scheduler import Collectives, RoundScheduler
 from .pipeline.types import MicroBatch
 from .rewards.reward_model import RewardModel
 from .trainer_setup import (
     ProducerAttribute,
     bound_collectives,
     check_datasets,
-    consumer_settings,
     default_args,
     eval_chunk_prompts,
     experimental_warnings,
@@ -68,9 +63,7 @@ from .trainer_setup import (
     peer_failure_error,
     prepare_models,
     prepare_rewards,
-    producer_settings,
     reference_scorer,
-    scheduler_settings,
     train_stream,
     trainer_environment,
 )
@@ -185,55 +178,29 @@ class GRPOTrainer(Trainer):
         self._step = 0  # training_step calls
         self._train_step_time = 0.0
         self._step_time = 0.0  # TRL's step_time: the training_step calls of an optimizer step, waits included
-        main = self.accelerator.is_main_process
-        self.sampler = SharedBackend(self._make_backend) if main else None
-        self.publisher = PolicyPublisher(
-            self.sampler,
-            enabled=a.syncs_weights,
-            inflight=a.weight_sync_inflight,
-            adapter=lora_sync_mode(a, model) == "adapter",  # PEFT LoRA: send the adapter only (vllm_lora_sync)
-        )
-        self.producer = RoundProducer(
-            self.sampler,
-            processing_class,
-            *rewards,
-            weights,
-            producer_settings(a),
-            environment=self.environment,
-            extra_columns=lambda: {"trainer_state": self.state},  # as TRL: reward shaping by training progress
-            rollout_func=(lambda prompts: rollout_func(prompts, self)) if rollout_func is not None else None,
-        )
-        dev = self.accelerator.device
-        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
         scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
-        policy, unwrapped = (lambda: self.model), (lambda: self.accelerator.unwrap_model(self.model))  # wrapped later
+        link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
         if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
-            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, unwrapped))
-        self.consumer = RoundConsumer(
-            consumer_settings(a),
-            num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index,
-            old_logps=LogpsScorer(policy, **scoring) if self.compute_old_logps else None,
-            ref_logps=reference_scorer(self.ref_client, self.ref_model, policy, unwrapped, scoring)
-            if a.beta
-            else None,
-            reduce_sum=lambda t: self.accelerator.reduce(t.to(dev), reduction="sum").cpu(),
-            gather=lambda t: self.accelerator.gather(t.to(dev)).cpu(),
-            log=lambda k, v: self._metrics["train"][k].append(v),
+            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
+        ref_logps = None
+        if a.beta:
+            ref_logps = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
+        pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
+            a,
+            link,
+            AcceleratorCollectives(self.accelerator),
+            tokenizer=processing_class,
+            rewards=rewards,
+            reward_weights=weights,
+            environment=self.environment,
+            model_source=self._model_source,
+            scoring=scoring,
+            old_logps=self.compute_old_logps,
+            ref_logps=ref_logps,
         )
-        self.rounds = RoundScheduler(
-            scheduler_settings(a),
-            Collectives(
-                is_main=main,
-                gather=gather_object,
-                broadcast=lambda obj: broadcast_object_list([obj], from_process=0)[0],
-            ),
-            self.producer,
-            self.consumer,
-            publisher=self.publisher,
-            log=self._log_round_metric,
-            steps_left=lambda: self.state.max_steps - self.state.global_step,  # no round generated past max_steps
-        )
+        self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
+        self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
 
     # the reward functions belong to the round producer; TRL's attributes read and replace them there
     reward_funcs = ProducerAttribute("reward_funcs")
@@ -345,13 +312,6 @@ class GRPOTrainer(Trainer):
         return loader
 
     # ---- the pipeline --------------------------------------------------------------------------------------------
-    def _make_backend(self):
-        """Build the generation backend (main process, on first use): `(backend, temporary model folder or None)`."""
-        from .generation import make_trainer_backend
-
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return make_trainer_backend(self.args, unwrapped, self.processing_class, self._model_source)
-
     def _publish(self) -> None:
         self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
@@ -371,18 +331,18 @@ class GRPOTrainer(Trainer):
     @property
     def backend(self):
         """The generation backend (main process; `None` until first used)."""
-        return self.sampler.built if self.sampler is not None else None
+        return self.engine.built if self.engine is not None else None
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the job-queue thread (a round in progress is aborted) and shut the backend down (`train()` can run
         again); safe to call again. A thread still stuck after `timeout` seconds (in a reward, say) is joined again
         at interpreter exit; the backend it uses is left open until then."""
         generator_busy = self.rounds.stop(timeout)
-        if self.sampler is not None:
+        if self.engine is not None:
             if generator_busy:
                 logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
-                self.sampler.forget()
-            self.sampler.close()
+                self.engine.forget()
+            self.engine.close()
         self.publisher.reset()
 
     def end(self) -> None:
@@ -443,9 +403,10 @@ class GRPOTrainer(Trainer):
         return loss
 
     # ---- metrics -------------------------------------------------------------------------------------------------
-    def _log_round_metric(self, key: str, value: float) -> None:
-        """A metric of the round being trained; its token count goes to `state.num_input_tokens_seen`, logged as
-        TRL's `num_tokens` (the running total, counted when a round is first trained, as TRL counts at generation)."""
+    def record_metric(self, key: str, value: float) -> None:
+        """Record a training metric of the pipeline, logged (averaged over the window) at the next `log`. A round's
+        token count goes to `state.num_input_tokens_seen`, logged as TRL's `num_tokens` (the running total, counted
+        when a round is first trained, as TRL counts at generation)."""
         if key == ROUND_TOKENS:
             self.state.num_input_tokens_seen += int(value)
             self._metrics["train"]["num_tokens"] = [float(self.state.num_input_tokens_seen)]
