@@ -24,6 +24,7 @@ BENCH = ROOT / "bench"
 #: bench → marks of its smoke run (every bench script must be here: `test_every_bench_is_smoked`)
 SMOKE = {
     "lcm.py": [],
+    "prefix.py": [],  # the tiny model in-process (no vLLM)
     "memory.py": [pytest.mark.vllm],  # one `grpo-async serve` reference server
     "weight_sync.py": [pytest.mark.vllm],
     "lora_sync.py": [pytest.mark.vllm],

@@ -1,0 +1,194 @@
+"""Shared-prompt forward benchmark (issue 25): the old-logps stage and one training step with the prompt of a GRPO
+group computed once (`share_prompt_prefix`, `algo.prefix_sharing`) against once per completion, side by side.
+
+What it measures: SmolLM2-135M (float32), one group of G = 8 completions of one prompt.
+- old-logps stage: `LogpsScorer` (the consumer's scorer: no grad, one chunk of G rows) on `[prompt, completion]` rows;
+- training step: `score_tokens` with gradient and entropies (as `compute_loss`), the DAPO loss, backward and one AdamW
+  step, on the same G rows.
+Each is timed shared (`share_prefix=True`, the cost model choosing the trees) and unshared (the padded path), the two
+alternated, median of `--repeats`. Shapes: prompt 256 / completion 32 (the case sharing is for: tool or retrieval
+prompts with short answers) and prompt 32 / completion 256 (long answers: the tree would cost more attention than it
+saves, so the cost model must leave it unshared and the ratio must stay ≥ 0.95). At 32 / 256 the run also times one
+tree forced (every completion in one row) to show what the cost model avoided.
+
+The limit it compares to: the FLOPs. At 256 / 32 the unshared rows hold 8 × 288 = 2,304 tokens, the tree 512: ≤ 4.5×
+fewer token-FLOPs (attention over 512² pairs once vs 288² eight times). Fixed per-call costs and the LM head (the same
+256 completion positions either way) keep the measured ratio below that.
+
+How to read it: `prefix_logps_speedup = time(unshared) / time(shared)` on the old-logps stage (goal ≥ 2.5),
+`prefix_step_speedup` likewise on the training step (goal ≥ 2); `prefix_long_completion_ratio` is the step ratio at
+32 / 256 with the default (goal ≥ 0.95). Log-probs of both paths are checked to agree (max abs difference printed).
+
+Run: `python bench/prefix.py` (~5 min on 2 cores); `--smoke`: the tiny model, short rows, 1 repeat (seconds; run by
+tests/test_benches.py). Writes `bench/out/prefix.json`; ends with the three `RESULT` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from grpo_async.algo.logprobs import LogpsScorer, score_tokens  # noqa: E402
+from grpo_async.algo.loss import LossContext, LossSettings, grpo_loss  # noqa: E402
+from grpo_async.algo.prefix_sharing import SharingCost, pack_shared, sharing_cost  # noqa: E402
+
+ONE_TREE = SharingCost(per_token=1.0, per_pair=0.0)  # every group as one tree, whatever it costs
+
+
+def make_group(G: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
+    """One prompt × G completions: rows `[G, P+T]`, completions of 3/4 to full length (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (1, prompt_len), generator=g).repeat(G, 1)  # [G, P]
+    completion = torch.randint(3, vocab, (G, completion_len), generator=g)  # [G, T]
+    lengths = torch.randint(3 * completion_len // 4, completion_len + 1, (G,), generator=g)
+    cmask = (torch.arange(completion_len) < lengths[:, None]).long()  # [G, T]
+    ids = torch.cat([prompt, completion * cmask], 1)  # [G, P+T]
+    return ids, torch.cat([torch.ones_like(prompt), cmask], 1)
+
+
+def logps_stage(model, ids, mask, T, share) -> tuple[float, torch.Tensor]:
+    scorer = LogpsScorer(lambda: model, temperature=1.0, padding_free=True, device="cpu", share_prefix=share)
+    t0 = time.perf_counter()
+    logps = scorer(ids, mask, T)
+    return time.perf_counter() - t0, logps
+
+
+def train_step(model, optimizer, ids, mask, T, share) -> float:
+    t0 = time.perf_counter()
+    scores = score_tokens(model, ids, mask, T, 1.0, None, True, entropy=True, share_prefix=share)
+    cmask = mask[:, -T:].float()  # [G, T]
+    advantages = torch.linspace(-1, 1, ids.size(0))  # [G]
+    out = grpo_loss(
+        scores.logps,
+        advantages,
+        cmask,
+        settings=LossSettings(loss_type="dapo"),
+        old_per_token_logps=scores.logps.detach(),
+        ctx=LossContext(num_items_in_batch=float(cmask.sum())),
+    )
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def measure(model, optimizer, G, P, T, repeats, modes: dict) -> dict:
+    """Median seconds of the logps stage and of the training step per mode (alternated), and the logps' max diff."""
+    ids, mask = make_group(G, P, T, model.config.vocab_size)
+    for share in modes.values():  # warm-up (the probe of sharing_supported included)
+        logps_stage(model, ids, mask, T, share)
+    logps_t = {m: [] for m in modes}
+    step_t = {m: [] for m in modes}
+    logps = {}
+    for _ in range(repeats):
+        for name, share in modes.items():
+            dt, logps[name] = logps_stage(model, ids, mask, T, share)
+            logps_t[name].append(dt)
+    for _ in range(repeats):
+        for name, share in modes.items():
+            step_t[name].append(train_step(model, optimizer, ids, mask, T, share))
+    real = mask[:, -T:].bool()
+    diff = max((logps[m] - logps["unshared"])[real].abs().max().item() for m in modes)
+    trees = pack_shared(ids, mask, T, sharing_cost(model))
+    return {
+        "logps_s": {m: statistics.median(v) for m, v in logps_t.items()},
+        "step_s": {m: statistics.median(v) for m, v in step_t.items()},
+        "logps_times": logps_t,
+        "step_times": step_t,
+        "max_abs_diff": diff,
+        "default_shares": trees is not None,
+        "tokens": {"unshared": int(mask.sum()), "shared": P + int(mask[:, -T:].sum())},
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--prompt_len", type=int, default=256)
+    p.add_argument("--completion_len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny model, short rows, 1 repeat (seconds)")
+    a = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    if a.smoke:
+        from grpo_async.testing import build_tiny_model
+
+        path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo_bench_prefix_"), "model"))
+        a.G, a.prompt_len, a.completion_len, a.repeats = 4, 48, 8, 1
+    else:
+        from grpo_async.testing import build_smollm2
+
+        path = build_smollm2()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()  # SmolLM2 has no dropout: train mode changes nothing but what compute_loss would see
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    n_params = sum(x.numel() for x in model.parameters()) / 1e6
+    print(f"model: {n_params:.1f} M params, float32, torch threads {torch.get_num_threads()}, G = {a.G}")
+    short = measure(
+        model, optimizer, a.G, a.prompt_len, a.completion_len, a.repeats, {"unshared": False, "shared": True}
+    )
+    long_modes = {"unshared": False, "shared": True, "one_tree": ONE_TREE}
+    long = measure(model, optimizer, a.G, a.completion_len, a.prompt_len, a.repeats, long_modes)
+    res = {
+        "prefix_logps_speedup": short["logps_s"]["unshared"] / short["logps_s"]["shared"],
+        "prefix_step_speedup": short["step_s"]["unshared"] / short["step_s"]["shared"],
+        "prefix_long_completion_ratio": long["step_s"]["unshared"] / long["step_s"]["shared"],
+    }
+    for m, (P, T) in ((short, (a.prompt_len, a.completion_len)), (long, (a.completion_len, a.prompt_len))):
+        print(
+            f"prompt {P} / completion {T}: tokens {m['tokens']['unshared']} unshared, {m['tokens']['shared']} as one "
+            f"tree; the default cost model {'shares' if m['default_shares'] else 'does not share'}; "
+            f"max |Δ logps| {m['max_abs_diff']:.2e}"
+        )
+        for mode in m["logps_s"]:
+            print(
+                f"  {mode:9s} old-logps stage {m['logps_s'][mode]:.3f} s   training step {m['step_s'][mode]:.3f} s "
+                f"(median of {a.repeats})"
+            )
+    one_tree = long["step_s"]["unshared"] / long["step_s"]["one_tree"]
+    print(f"prompt {a.completion_len} / completion {a.prompt_len}, one tree forced: step ratio {one_tree:.2f}x")
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke" if a.smoke else "")
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [
+        {
+            "metric": f"old-logps stage, prompt {a.prompt_len} / completion {a.completion_len}, G={a.G} (s)",
+            "ours": short["logps_s"]["shared"],
+            "peer": short["logps_s"]["unshared"],
+            "peer_name": "prompt once per completion",
+            "ratio": res["prefix_logps_speedup"],
+        },
+        {
+            "metric": f"training step, prompt {a.prompt_len} / completion {a.completion_len}, G={a.G} (s)",
+            "ours": short["step_s"]["shared"],
+            "peer": short["step_s"]["unshared"],
+            "peer_name": "prompt once per completion",
+            "ratio": res["prefix_step_speedup"],
+        },
+        {
+            "metric": f"training step, prompt {a.completion_len} / completion {a.prompt_len}, G={a.G} (s)",
+            "ours": long["step_s"]["shared"],
+            "peer": long["step_s"]["unshared"],
+            "peer_name": "prompt once per completion",
+            "ratio": res["prefix_long_completion_ratio"],
+        },
+    ]
+    with open(os.path.join(out_dir, "prefix.json"), "w") as f:
+        json.dump({"short": short, "long": long, "one_tree_ratio": one_tree, **res, "rows": rows, "args": vars(a)}, f)
+    for k, v in res.items():
+        print(f"RESULT {k}={v:.2f}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
