@@ -34,8 +34,8 @@ from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, Trainer
 
 from .algo.logprobs import score_tokens
-from .algo.loss import LossContext, gamma_weights, off_policy_mask
-from .algo.objective import PolicyObjective, ProcessOps, high_entropy_mask
+from .algo.loss import LossContext
+from .algo.objective import PolicyObjective, ProcessOps
 from .algo.ref_sync import RefModelSyncCallback
 from .algo.throughput import throughput_meter
 from .algo.token_budget import budgeted_loss
@@ -48,11 +48,11 @@ from .model_card import write_model_card
 from .model_config import check_context_length, needs_find_unused_parameters
 from .pipeline import checkpointing as ckpt
 from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
+from .pipeline.evaluation import eval_loss
 from .pipeline.metrics import ROUND_TOKENS, loss_metrics, window_summary
 from .pipeline.types import MicroBatch
 from .rewards.reward_model import RewardModel
 from .trainer_setup import (
-    ProducerAttribute,
     bound_collectives,
     check_datasets,
     default_args,
@@ -67,6 +67,7 @@ from .trainer_setup import (
     train_stream,
     trainer_environment,
 )
+from .trl_attributes import TRLAttributes
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _identity(rows):
     return rows
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(TRLAttributes, Trainer):
     """Group Relative Policy Optimization with asynchronous generation.
 
     Args:
@@ -201,58 +202,6 @@ class GRPOTrainer(Trainer):
         )
         self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
         self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
-
-    # the reward functions belong to the round producer; TRL's attributes read and replace them there
-    reward_funcs = ProducerAttribute("reward_funcs")
-    reward_func_names = ProducerAttribute("reward_names")
-    reward_weights = ProducerAttribute("reward_weights")
-
-    # ---- TRL's public attributes and static helpers ----------------------------------------------------------------
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """TRL's: the MoE load-balancing loss is added (router logits returned, coefficient not 0)."""
-        return self.objective.router is not None
-
-    @property
-    def entropy_coef(self) -> float:
-        """TRL's: the entropy bonus's coefficient now (moves between optimizer steps with `use_adaptive_entropy`)."""
-        return self.objective.entropy.coef
-
-    @entropy_coef.setter
-    def entropy_coef(self, value: float) -> None:
-        self.objective.entropy.coef = float(value)
-
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's: `[B, T]` bool, the tokens whose entropy is at least the `threshold`-quantile of every process's
-        masked entropies (`algo.objective.high_entropy_mask`)."""
-        return high_entropy_mask(entropies, mask, threshold, self.objective.ops)
-
-    @staticmethod
-    def get_off_policy_mask(
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """TRL's: the off-policy sequence mask `[B, 1]` (1.0 kept, 0.0 dropped; `algo.loss.off_policy_mask`)."""
-        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
-
-    @staticmethod
-    def get_gamma_weights(
-        advantages: torch.Tensor,
-        log_ratio_per_token: torch.Tensor,
-        mask: torch.Tensor,
-        importance_sampling_ratio: torch.Tensor | None,
-        k_pos: float = 2.0,
-        lambda_pos: float = 3.0,
-        k_neg: float = 3.0,
-        lambda_neg: float = 2.0,
-    ) -> torch.Tensor:
-        """TRL's: VESPO's gamma weights `[B, 1]`, without gradient (`algo.loss.gamma_weights`)."""
-        return gamma_weights(
-            advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg
-        )
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
@@ -479,45 +428,16 @@ class GRPOTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    @torch.no_grad()
     def _eval_loss(self, batches: list[MicroBatch]) -> float:
-        """TRL's `eval_loss`: the GRPO loss of each process's share (`per_device_eval_batch_size` rows) of each eval
-        batch, computed as TRL's `prediction_step` does (no gradient accumulation; π_old = π, so the ratio is 1; the
-        KL term when `beta > 0`), averaged over rows as `Trainer.evaluation_loop` does. Every process computes every
-        share (the same forward passes in the same order, so sharded/wrapped models stay in step; no reduction)."""
-        a, n_proc, dev = self.args, self.accelerator.num_processes, self.accelerator.device
-        model, unwrapped = self.model, (lambda: self.accelerator.unwrap_model(self.model))
-        objective = PolicyObjective.from_config(a, unwrapped().config, ProcessOps.single())  # its own adaptive state
-        objective.load_state_dict(self.objective.state_dict())  # the entropy coefficient training has now
-        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+        """TRL's `eval_loss` of the eval batches (`pipeline/evaluation.py`): every process computes every share."""
+        a, link, dev = self.args, TrainerLink(self), self.accelerator.device
         ref = None
         if a.beta:
-            ref = reference_scorer(self.ref_client, self.ref_model, lambda: model, unwrapped, scoring)
-        total, rows, was_training = 0.0, 0, model.training
-        model.eval()
-        try:
-            for batch in batches:
-                ctx = LossContext(
-                    max_completion_length=a.max_completion_length,
-                    num_items_in_batch=batch.num_items_in_batch,  # the whole eval batch's loss tokens (dapo, ...)
-                    num_processes=n_proc,
-                )
-                for lo in range(0, len(batch), a.per_device_eval_batch_size):
-                    part = batch.select(slice(lo, lo + a.per_device_eval_batch_size))
-                    T = part.completion_ids.size(1)
-                    ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
-                    mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
-                    if ref is not None:
-                        part.ref_logps = ref(ids, mask, T)  # [b, T]
-                    part = part.to(dev)
-                    scores = score_tokens(
-                        model, ids.to(dev), mask.to(dev), T, a.temperature, None, a.padding_free, **objective.scoring
-                    )
-                    out = objective(scores, part, ctx, end_of_window=False)
-                    total, rows = total + out.loss.item() * len(part), rows + len(part)
-        finally:
-            model.train(was_training)
-        return total / max(rows, 1)
+            scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+            ref = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
+        config = link.unwrapped_policy().config
+        state = self.objective.state_dict()  # the entropy coefficient training has now
+        return eval_loss(a, self.model, batches, state, ref, dev, self.accelerator.num_processes, config)
 
     # ---- lifecycle and checkpoints -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

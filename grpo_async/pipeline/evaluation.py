@@ -1,0 +1,73 @@
+"""TRL's `eval_loss` of `GRPOTrainer.evaluate()`: the GRPO loss of the eval completions, as TRL's `prediction_step`.
+
+```txt
+eval batch (per_device_eval_batch_size × processes rows)  ─▶  shares of per_device_eval_batch_size rows
+  every process computes every share (same forward passes, same order: sharded models stay in step)
+  loss per share: no gradient accumulation, π_old = π (ratio 1), the KL term when beta > 0
+eval_loss = Σ loss(share) × rows(share) / Σ rows(share)          (averaged over rows, as Trainer.evaluation_loop)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..algo.logprobs import score_tokens
+from ..algo.loss import LossContext
+from ..algo.objective import PolicyObjective, ProcessOps
+from .types import MicroBatch
+
+
+@torch.no_grad()
+def eval_loss(
+    config,
+    model: nn.Module,
+    batches: list[MicroBatch],
+    objective_state: dict,
+    ref_logps: Callable | None,
+    device: torch.device,
+    num_processes: int,
+    model_config,
+) -> float:
+    """TRL's `eval_loss` of `batches` (the eval batches `RoundProducer.evaluate` returned).
+
+    Args:
+        config (`GRPOConfig`): the loss settings, `per_device_eval_batch_size`, `temperature`, `padding_free`.
+        model (`nn.Module`): the policy as trained (wrapped); put in eval mode for the passes, then restored.
+        batches (`list[MicroBatch]`): `[R]` rows each, without logps.
+        objective_state (`dict`): the training objective's `state_dict()` (the entropy coefficient it has now).
+        ref_logps (`LogpsFn`, *optional*): the reference scorer when `beta > 0`.
+        device (`torch.device`), num_processes (`int`): this process's device; the processes training.
+        model_config: the unwrapped model's config (MoE: the load-balancing loss).
+    """
+    a = config
+    objective = PolicyObjective.from_config(a, model_config, ProcessOps.single())  # its own adaptive state
+    objective.load_state_dict(objective_state)
+    total, rows, was_training = 0.0, 0, model.training
+    model.eval()
+    try:
+        for batch in batches:
+            ctx = LossContext(
+                max_completion_length=a.max_completion_length,
+                num_items_in_batch=batch.num_items_in_batch,  # the whole eval batch's loss tokens (dapo, ...)
+                num_processes=num_processes,
+            )
+            for lo in range(0, len(batch), a.per_device_eval_batch_size):
+                part = batch.select(slice(lo, lo + a.per_device_eval_batch_size))
+                T = part.completion_ids.size(1)
+                ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
+                mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
+                if ref_logps is not None:
+                    part.ref_logps = ref_logps(ids, mask, T)  # [b, T]
+                part = part.to(device)
+                scores = score_tokens(
+                    model, ids.to(device), mask.to(device), T, a.temperature, None, a.padding_free, **objective.scoring
+                )
+                out = objective(scores, part, ctx, end_of_window=False)
+                total, rows = total + out.loss.item() * len(part), rows + len(part)
+    finally:
+        model.train(was_training)
+    return total / max(rows, 1)

@@ -1,0 +1,71 @@
+"""`TRLAttributes`: TRL 1.16 `GRPOTrainer`'s public attributes and static helpers, mixed into `GRPOTrainer`.
+
+They read and write the components that own the state (the round producer's reward functions, the policy
+objective's entropy coefficient and router) and call the pure functions of `algo/`; nothing here is a Trainer
+override.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .algo.loss import gamma_weights, off_policy_mask
+from .algo.objective import high_entropy_mask
+from .trainer_setup import ProducerAttribute
+
+
+class TRLAttributes:
+    """TRL's names on `GRPOTrainer` (`reward_funcs`, `entropy_coef`, `get_off_policy_mask`, ...); needs the trainer's
+    `producer` and `objective`."""
+
+    # the reward functions belong to the round producer; TRL's attributes read and replace them there
+    reward_funcs = ProducerAttribute("reward_funcs")
+    reward_func_names = ProducerAttribute("reward_names")
+    reward_weights = ProducerAttribute("reward_weights")
+
+    # ---- TRL's public attributes and static helpers ----------------------------------------------------------------
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the MoE load-balancing loss is added (router logits returned, coefficient not 0)."""
+        return self.objective.router is not None
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's: the entropy bonus's coefficient now (moves between optimizer steps with `use_adaptive_entropy`)."""
+        return self.objective.entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.objective.entropy.coef = float(value)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's: `[B, T]` bool, the tokens whose entropy is at least the `threshold`-quantile of every process's
+        masked entropies (`algo.objective.high_entropy_mask`)."""
+        return high_entropy_mask(entropies, mask, threshold, self.objective.ops)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's: the off-policy sequence mask `[B, 1]` (1.0 kept, 0.0 dropped; `algo.loss.off_policy_mask`)."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(
+        advantages: torch.Tensor,
+        log_ratio_per_token: torch.Tensor,
+        mask: torch.Tensor,
+        importance_sampling_ratio: torch.Tensor | None,
+        k_pos: float = 2.0,
+        lambda_pos: float = 3.0,
+        k_neg: float = 3.0,
+        lambda_neg: float = 2.0,
+    ) -> torch.Tensor:
+        """TRL's: VESPO's gamma weights `[B, 1]`, without gradient (`algo.loss.gamma_weights`)."""
+        return gamma_weights(
+            advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg
+        )
