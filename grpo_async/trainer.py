@@ -1,6 +1,7 @@
 """`GRPOTrainer`: a `transformers.Trainer` whose inputs are generated ahead of training by a background thread.
 
-Trainer overrides and wiring only; each job has its own component (`grpo_async/pipeline/`):
+Trainer overrides only; each job has its own component (`grpo_async/pipeline/`), built from the config by one call,
+`pipeline/build.py: build_pipeline` (its docstring tables what each component reads, receives and calls):
 
 ```txt
             every rank                                    main process, job-queue thread
