@@ -22,7 +22,7 @@ RoundScheduler   pipeline/         scheduler_settings():      collectives (gathe
 ```
 Everything the components read from the trainer while training runs (the model, wrapped by the Trainer after
 construction; its state; its metrics) goes through one [`TrainerLink`]; everything they exchange across processes
-through one [`AcceleratorCollectives`].
+through one [`AcceleratorCollectives`] (`pipeline/collectives.py`).
 """
 
 from __future__ import annotations
@@ -31,56 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
 from torch import nn
 
 from ..algo.logprobs import LogpsScorer
 from ..generation.shared import SharedBackend
 from ..weight_sync.lora import lora_sync_mode
+from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
 from .producer import RoundProducer
 from .publisher import PolicyPublisher
 from .scheduler import RoundScheduler
-
-
-class AcceleratorCollectives:
-    """The pipeline's one way across the training processes (accelerate): Python objects (rows, rounds) and tensors
-    (metric sums); identity with one process.
-
-    Args:
-        accelerator (`accelerate.Accelerator`): the trainer's.
-    """
-
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def num_processes(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.accelerator.process_index
-
-    def gather(self, items: list) -> list:
-        """Every process's `items`, in rank order, on every process."""
-        return gather_object(items)
-
-    def broadcast(self, obj: Any) -> Any:
-        """The main process's `obj`, on every process."""
-        return broadcast_object_list([obj], from_process=0)[0]
-
-    def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the processes (on this process's device, returned on the CPU)."""
-        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum").cpu()
-
-    def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Every process's `t` concatenated along dim 0 (returned on the CPU)."""
-        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
 
 
 class TrainerLink:

@@ -39,10 +39,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
+from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
 from .job_queue import RoundQueue
 from .overlap import StepWindow
@@ -52,16 +52,6 @@ from .rows import reuse_order
 from .types import MicroBatch, Round, RoundRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Collectives:
-    """How the processes talk: `gather(list) -> list` (every rank's items, rank order, on every rank) and
-    `broadcast(obj) -> obj` (the main process's object, on every rank)."""
-
-    is_main: bool
-    gather: Callable[[list], list]
-    broadcast: Callable[[Any], Any]
 
 
 @dataclass
@@ -80,7 +70,8 @@ class RoundScheduler:
 
     Args:
         settings (`SchedulerSettings`).
-        collectives (`Collectives`).
+        collectives (`AcceleratorCollectives`): `is_main`, `gather(list) -> list` (every rank's items, rank order, on
+            every rank), `broadcast(obj) -> obj` (the main process's object, on every rank).
         producer (`RoundProducer`): run in the job-queue thread (main process only).
         consumer (`RoundConsumer`): turns a round into this process's micro-batches.
         publisher (`PolicyPublisher`): publishes the policy's weights at each round boundary (every process; a
@@ -95,7 +86,7 @@ class RoundScheduler:
     def __init__(
         self,
         settings: SchedulerSettings,
-        collectives: Collectives,
+        collectives: AcceleratorCollectives,
         producer: RoundProducer,
         consumer: RoundConsumer,
         publisher: PolicyPublisher,

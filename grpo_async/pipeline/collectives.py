@@ -1,0 +1,53 @@
+"""`AcceleratorCollectives`: the pipeline's one way across the training processes.
+
+The scheduler gathers every process's rows and broadcasts the main process's round (Python objects); the consumer
+sums metrics and gathers per-row values (tensors). Both go through this one object, built on the trainer's
+`accelerate.Accelerator` (`pipeline/build.py`); with one process every call is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+
+
+class AcceleratorCollectives:
+    """The pipeline's one way across the training processes (accelerate): Python objects (rows, rounds) and tensors
+    (metric sums); identity with one process.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the trainer's.
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.accelerator.process_index
+
+    def gather(self, items: list) -> list:
+        """Every process's `items`, in rank order, on every process."""
+        return gather_object(items)
+
+    def broadcast(self, obj: Any) -> Any:
+        """The main process's `obj`, on every process."""
+        return broadcast_object_list([obj], from_process=0)[0]
+
+    def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the processes (on this process's device, returned on the CPU)."""
+        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum").cpu()
+
+    def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Every process's `t` concatenated along dim 0 (returned on the CPU)."""
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
