@@ -5,22 +5,23 @@ What it measures: SmolLM2-135M (float32), one group of G = 8 completions of one 
 - old-logps stage: `LogpsScorer` (the consumer's scorer: no grad, one chunk of G rows) on `[prompt, completion]` rows;
 - training step: `score_tokens` with gradient and entropies (as `compute_loss`), the DAPO loss, backward and one AdamW
   step, on the same G rows.
-Each is timed shared (`share_prefix=True`, the cost model choosing the trees) and unshared (the padded path), the two
-alternated, median of `--repeats`. Shapes: prompt 256 / completion 32 (the case sharing is for: tool or retrieval
-prompts with short answers) and prompt 32 / completion 256 (long answers: the tree would cost more attention than it
-saves, so the cost model must leave it unshared and the ratio must stay ≥ 0.95). At 32 / 256 the run also times one
-tree forced (every completion in one row) to show what the cost model avoided.
+Each is timed shared (`share_prefix=True`, the cost model choosing the trees) and unshared (the packed path), the two
+alternated (median of `--repeats` old-logps passes, `--step_repeats` steps). Shapes: prompt 256 / completion 32 (the
+case sharing is for: tool or retrieval prompts with short answers) and prompt 32 / completion 256 (long answers: a
+tree would cost more attention than it saves, so the cost model must leave the group unshared and the ratio must
+stay ≥ 0.95; timed on the old-logps stage, with one tree forced beside it to show what the cost model avoided).
 
 The limit it compares to: the FLOPs. At 256 / 32 the unshared rows hold 8 × 288 = 2,304 tokens, the tree 512: ≤ 4.5×
 fewer token-FLOPs (attention over 512² pairs once vs 288² eight times). Fixed per-call costs and the LM head (the same
 256 completion positions either way) keep the measured ratio below that.
 
 How to read it: `prefix_logps_speedup = time(unshared) / time(shared)` on the old-logps stage (goal ≥ 2.5),
-`prefix_step_speedup` likewise on the training step (goal ≥ 2); `prefix_long_completion_ratio` is the step ratio at
-32 / 256 with the default (goal ≥ 0.95). Log-probs of both paths are checked to agree (max abs difference printed).
+`prefix_step_speedup` likewise on the training step (goal ≥ 2); `prefix_long_completion_ratio` is the old-logps ratio
+at 32 / 256 with the default (goal ≥ 0.95). Log-probs of every mode are checked against the unshared ones (max abs
+difference printed).
 
-Run: `python bench/prefix.py` (~5 min on 2 cores); `--smoke`: the tiny model, short rows, 1 repeat (seconds; run by
-tests/test_benches.py). Writes `bench/out/prefix.json`; ends with the three `RESULT` lines.
+Run: `python bench/prefix.py` (~20 min on 2 loaded cores); `--smoke`: the tiny model, short rows, 1 repeat
+(seconds; run by tests/test_benches.py). Writes `bench/out/prefix.json`; ends with the three `RESULT` lines.
 """
 
 from __future__ import annotations
@@ -81,27 +82,28 @@ def train_step(model, optimizer, ids, mask, T, share) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model, optimizer, G, P, T, repeats, modes: dict) -> dict:
-    """Median seconds of the logps stage and of the training step per mode (alternated), and the logps' max diff."""
+def measure(model, optimizer, G, P, T, repeats: int, step_repeats: int, modes: dict) -> dict:
+    """Median seconds of the logps stage (`repeats`) and of the training step (`step_repeats`, 0: not timed) per mode,
+    the modes alternated, and the logps' max difference from the unshared ones."""
     ids, mask = make_group(G, P, T, model.config.vocab_size)
-    for share in modes.values():  # warm-up (the probe of sharing_supported included)
-        logps_stage(model, ids, mask, T, share)
     logps_t = {m: [] for m in modes}
     step_t = {m: [] for m in modes}
     logps = {}
-    for _ in range(repeats):
+    for r in range(repeats):
         for name, share in modes.items():
             dt, logps[name] = logps_stage(model, ids, mask, T, share)
             logps_t[name].append(dt)
-    for _ in range(repeats):
+            print(f"  P={P} T={T} old-logps {name} #{r + 1}: {dt:.2f} s", flush=True)
+    for r in range(step_repeats):
         for name, share in modes.items():
             step_t[name].append(train_step(model, optimizer, ids, mask, T, share))
+            print(f"  P={P} T={T} training step {name} #{r + 1}: {step_t[name][-1]:.2f} s", flush=True)
     real = mask[:, -T:].bool()
     diff = max((logps[m] - logps["unshared"])[real].abs().max().item() for m in modes)
     trees = pack_shared(ids, mask, T, sharing_cost(model))
     return {
         "logps_s": {m: statistics.median(v) for m, v in logps_t.items()},
-        "step_s": {m: statistics.median(v) for m, v in step_t.items()},
+        "step_s": {m: statistics.median(v) for m, v in step_t.items() if v},
         "logps_times": logps_t,
         "step_times": step_t,
         "max_abs_diff": diff,
@@ -115,7 +117,8 @@ def main(argv=None) -> dict:
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--prompt_len", type=int, default=256)
     p.add_argument("--completion_len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2, help="timed old-logps passes per mode")
+    p.add_argument("--step_repeats", type=int, default=1, help="timed training steps per mode")
     p.add_argument("--smoke", action="store_true", help="tiny model, short rows, 1 repeat (seconds)")
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -124,7 +127,7 @@ def main(argv=None) -> dict:
         from grpo_async.testing import build_tiny_model
 
         path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo_bench_prefix_"), "model"))
-        a.G, a.prompt_len, a.completion_len, a.repeats = 4, 48, 8, 1
+        a.G, a.prompt_len, a.completion_len, a.repeats, a.step_repeats = 4, 48, 8, 1, 1
     else:
         from grpo_async.testing import build_smollm2
 
@@ -135,15 +138,19 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     n_params = sum(x.numel() for x in model.parameters()) / 1e6
     print(f"model: {n_params:.1f} M params, float32, torch threads {torch.get_num_threads()}, G = {a.G}")
-    short = measure(
-        model, optimizer, a.G, a.prompt_len, a.completion_len, a.repeats, {"unshared": False, "shared": True}
-    )
-    long_modes = {"unshared": False, "shared": True, "one_tree": ONE_TREE}
-    long = measure(model, optimizer, a.G, a.completion_len, a.prompt_len, a.repeats, long_modes)
+    modes = {"unshared": False, "shared": True}
+    warm_ids, warm_mask = make_group(2, 16, 4, model.config.vocab_size)
+    for share in modes.values():  # warm-up (allocator, the probe of sharing_supported) on a small group
+        logps_stage(model, warm_ids, warm_mask, 4, share)
+        train_step(model, optimizer, warm_ids, warm_mask, 4, share)
+    short = measure(model, optimizer, a.G, a.prompt_len, a.completion_len, a.repeats, a.step_repeats, modes)
+    # long completions: the default must not be slower; one tree forced shows what the cost model avoids (logps only)
+    long_modes = {**modes, "one_tree": ONE_TREE}
+    long = measure(model, optimizer, a.G, a.completion_len, a.prompt_len, a.repeats, 0, long_modes)
     res = {
         "prefix_logps_speedup": short["logps_s"]["unshared"] / short["logps_s"]["shared"],
         "prefix_step_speedup": short["step_s"]["unshared"] / short["step_s"]["shared"],
-        "prefix_long_completion_ratio": long["step_s"]["unshared"] / long["step_s"]["shared"],
+        "prefix_long_completion_ratio": long["logps_s"]["unshared"] / long["logps_s"]["shared"],
     }
     for m, (P, T) in ((short, (a.prompt_len, a.completion_len)), (long, (a.completion_len, a.prompt_len))):
         print(
@@ -152,12 +159,10 @@ def main(argv=None) -> dict:
             f"max |Δ logps| {m['max_abs_diff']:.2e}"
         )
         for mode in m["logps_s"]:
-            print(
-                f"  {mode:9s} old-logps stage {m['logps_s'][mode]:.3f} s   training step {m['step_s'][mode]:.3f} s "
-                f"(median of {a.repeats})"
-            )
-    one_tree = long["step_s"]["unshared"] / long["step_s"]["one_tree"]
-    print(f"prompt {a.completion_len} / completion {a.prompt_len}, one tree forced: step ratio {one_tree:.2f}x")
+            step = f"   training step {m['step_s'][mode]:.3f} s" if mode in m["step_s"] else ""
+            print(f"  {mode:9s} old-logps stage {m['logps_s'][mode]:.3f} s{step} (median)")
+    one_tree = long["logps_s"]["unshared"] / long["logps_s"]["one_tree"]
+    print(f"prompt {a.completion_len} / completion {a.prompt_len}, one tree forced: old-logps ratio {one_tree:.2f}x")
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke" if a.smoke else "")
     os.makedirs(out_dir, exist_ok=True)
     rows = [
@@ -176,9 +181,9 @@ def main(argv=None) -> dict:
             "ratio": res["prefix_step_speedup"],
         },
         {
-            "metric": f"training step, prompt {a.completion_len} / completion {a.prompt_len}, G={a.G} (s)",
-            "ours": long["step_s"]["shared"],
-            "peer": long["step_s"]["unshared"],
+            "metric": f"old-logps stage, prompt {a.completion_len} / completion {a.prompt_len}, G={a.G} (s)",
+            "ours": long["logps_s"]["shared"],
+            "peer": long["logps_s"]["unshared"],
             "peer_name": "prompt once per completion",
             "ratio": res["prefix_long_completion_ratio"],
         },
