@@ -16,6 +16,10 @@ completion carries the sampler's logprob of each token under the distribution it
 Routing over servers (`VLLMServerBackend`): each prompt (with its `n` samples) is one request, sent to the live server
 with the fewest outstanding requests. A server that fails to answer (connection error, timeout, 5xx) is taken out
 of rotation with a warning and the request is retried on another; only when none is left does `generate` raise.
+A server out of rotation is asked `GET /health` again at the next weight push at least `rejoin_interval` seconds
+after it left (or was last asked; the probe waits at most `min(timeout, 5)` s); one that answers (restarted on the
+same URL, say) receives that push with the others and rejoins the rotation when it has loaded it, so it never serves a
+round on other weights than the live servers'.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -402,6 +407,7 @@ class _CompletionsRouter:
         self.outstanding = {c.url: 0 for c in clients}
         self.served = {c.url: 0 for c in clients}
         self.errors: dict[str, str] = {}  # url -> why it left the rotation
+        self.left_at: dict[str, float] = {}  # url -> when it left the rotation, or was last probed (monotonic)
         self.lock = threading.Lock()
         self.name = name
         self.model = model
@@ -434,6 +440,7 @@ class _CompletionsRouter:
     def mark_dead(self, client: ServerClient, error: Exception) -> None:
         with self.lock:
             self.errors[client.url] = str(error)
+            self.left_at[client.url] = time.monotonic()
             if client in self.live:
                 self.live.remove(client)
                 logger.warning(
@@ -443,6 +450,34 @@ class _CompletionsRouter:
                     error,
                     len(self.live),
                 )
+
+    def answering_again(self, interval: float, timeout: float) -> list[ServerClient]:
+        """The servers out of rotation, last seen at least `interval` seconds ago, that answer `GET /health` now
+        (each probe waits at most `timeout` seconds). They are not put back: `rejoin` does, once they hold the
+        current weights."""
+        now = time.monotonic()
+        with self.lock:
+            due = [c for c in self.clients if c not in self.live and now - self.left_at.get(c.url, 0.0) >= interval]
+        back = []
+        for client in due:
+            try:
+                client.get("/health", timeout=timeout)
+                back.append(client)
+            except ServerError as e:
+                logger.info("%s: %s still out of rotation (%s)", self.name, client.url, e)
+            with self.lock:
+                self.left_at[client.url] = time.monotonic()
+        return back
+
+    def rejoin(self, client: ServerClient) -> None:
+        """Put a server that answers again (and holds the current weights) back into the rotation."""
+        with self.lock:
+            if client not in self.live:
+                self.live.append(client)
+                self.live.sort(key=self.clients.index)
+                self.errors.pop(client.url, None)
+                live = len(self.live)
+                logger.warning("%s: %s rejoined the rotation; %d server(s) live", self.name, client.url, live)
 
     def _one(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
         body = None
@@ -487,6 +522,11 @@ class _CompletionsRouter:
             c.close()
 
 
+def _discard(transport) -> None:
+    """Release a server transport without a goodbye request when it has `discard` (`WeightTransport`), else `close`."""
+    getattr(transport, "discard", transport.close)()
+
+
 def _model_name(client: ServerClient) -> str:
     resp = client.get("/v1/models")
     data = resp.get("data") if isinstance(resp, dict) else None
@@ -516,6 +556,10 @@ class VLLMServerBackend:
             mode "keep"). Off: requests in flight finish on the old weights before the load starts.
         group_timeout (`float`, *optional*, defaults to 60): broadcast only: seconds the process group waits for a
             server's workers (to join, or to receive a bucket) before the push fails and that server leaves rotation.
+        rejoin_interval (`float` or `None`, *optional*, defaults to 10): a server out of rotation (or not answering
+            at construction) is probed with `GET /health` at the next weight push at least this many seconds after
+            it left or was last probed (the probe waits at most `min(timeout, 5)` s); one that answers gets that push
+            and rejoins the rotation once it has loaded it. `None`: a server that left never comes back.
     """
 
     def __init__(
@@ -531,6 +575,7 @@ class VLLMServerBackend:
         master_address: str | None = None,
         inflight_updates: bool = False,
         group_timeout: float = 60.0,
+        rejoin_interval: float | None = 10.0,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -540,8 +585,10 @@ class VLLMServerBackend:
             raise ValueError(f"transport must be 'broadcast', 'shm' or 'cuda_ipc', got {transport!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if rejoin_interval is not None and not rejoin_interval >= 0:
+            raise ValueError(f"rejoin_interval must be seconds >= 0 or None (never), got {rejoin_interval!r}")
         clients = [ServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
-        live, why = [], []
+        live, why, left_out = [], [], {}
         for c in clients:
             try:
                 c.get("/health", timeout=min(timeout, 10.0))
@@ -550,12 +597,19 @@ class VLLMServerBackend:
             except ServerAuthError as e:  # running, but the key is wrong: not "not answering"
                 logger.warning("VLLMServerBackend: %s left out of rotation: %s", c.url, e)
                 why.append(f"{c.url} refused the API key (HTTP {e.status}): {e}")
+                left_out[c.url] = e
             except ServerError as e:
                 logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
                 why.append(f"{c.url} is not answering: {e}")
+                left_out[c.url] = e
         if not live:
             raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health: {'; '.join(why)}")
-        self.router = _CompletionsRouter(live, model, max_concurrency, "VLLMServerBackend")
+        self.router = _CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend")
+        for c in clients:
+            if c.url in left_out:
+                self.router.mark_dead(c, left_out[c.url])
+        self.rejoin_interval = rejoin_interval
+        self.router_timeout = float(timeout)
         self.base_model = model  # the router asks for the policy adapter's name instead after load_adapter
         self._lora_checked = False
         self.transport_name = transport
@@ -629,6 +683,14 @@ class VLLMServerBackend:
         sessions = {}
         for client in list(self.router.live):
             sessions[client.url] = (client, None)
+        returning = []
+        if self.rejoin_interval is not None:  # servers that answer again get this push, then rejoin the rotation
+            returning = self.router.answering_again(self.rejoin_interval, min(self.router_timeout, 5.0))
+            for client in returning:
+                stale = self.transports.pop(client.url, None)  # a restarted server knows nothing of the old one
+                if stale is not None:
+                    _discard(stale)
+                sessions[client.url] = (client, None)
 
         def drop(url: str, e: BaseException) -> None:
             client, _ = sessions.pop(url)
@@ -636,7 +698,7 @@ class VLLMServerBackend:
             self.router.mark_dead(client, e)
             tr = self.transports.pop(url, None)
             if tr is not None:
-                tr.close()
+                _discard(tr)  # it stopped answering: no goodbye request (another timeout)
 
         def each(fn) -> None:
             for url, (client, _) in list(sessions.items()):
@@ -658,6 +720,9 @@ class VLLMServerBackend:
             device = torch.device("cpu")
             each(open_stream)
         each(lambda url, client: sessions[url][1].close())
+        for client in returning:
+            if client.url in sessions:  # loaded this push: serves the next rounds
+                self.router.rejoin(client)
         if not self.router.live:
             raise RuntimeError(
                 f"VLLMServerBackend: no vLLM server left in rotation while pushing weights version {version} "
