@@ -76,8 +76,7 @@ class LossFields:
             "help": f"One of {tuple(IS_MODES)} (TRL 1.16's vLLM IS modes). TRL name: vllm_importance_sampling_mode.",
         },
     )
-    importance_sampling_clip_min: float | None = checked_field(
-        Number(ge=0, optional=True, what=">= 0 or None (unbounded)"),
+    importance_sampling_clip_min: float | None = field(
         default=None,
         metadata={
             "help": "Lower bound of the IS ratio (truncate: clip, mask: zero below); None: none. TRL name: "

@@ -128,10 +128,10 @@ def _scoring_chunks_full(name: str) -> Callable[[Any], str | None]:
 # ---- importance sampling, loss ------------------------------------------------------------------------------------
 def _clip_bounds_ordered(c) -> str | None:
     lo, hi = c.importance_sampling_clip_min, c.importance_sampling_clip_max
-    if lo is None or hi is None or lo < hi:
+    if (lo is None or lo >= 0) and (lo is None or hi is None or lo < hi):
         return None
     return (
-        "need importance_sampling_clip_min < importance_sampling_clip_max (None = unbounded), "
+        "need 0 <= importance_sampling_clip_min < importance_sampling_clip_max (None = unbounded), "
         f"got min={lo!r}, max={hi!r}"
     )
 
