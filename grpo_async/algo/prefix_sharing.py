@@ -15,8 +15,9 @@ Each completion token sees exactly the tokens at exactly the positions it sees i
 log-probability is the unshared one (up to float summation order) and the prompt's activations receive the sum of
 the G branches' gradients, as the G copies would. The mask goes to the model as a `[K, 1, W, W]` tensor, which
 transformers passes to the attention unchanged (`masking_utils._preprocess_mask_arguments`); SDPA and eager attention
-honour it on CPU and GPU. FlashAttention and FlexAttention take no such tensor: `sharing_supported` refuses them,
-probes any other implementation once, and warns once with the reason when it falls back to unshared rows.
+honour it on CPU and GPU. FlashAttention and FlexAttention take no such tensor, and the mask would drop a
+sliding window: `sharing_supported` refuses those, probes any other model once, and warns once with the reason when it
+falls back to unshared rows.
 
 Sharing is not always cheaper: a tree of width `p + Σ t_i` costs attention over `W²` pairs where G rows cost
 `Σ (p + t_i)²`. `plan_group` splits a group's completions over as many trees as a cost model (`SharingCost`, FLOPs
@@ -221,6 +222,13 @@ def unsupported_reason(model, router: tuple[int, int] | None = None) -> str | No
             "count each prompt token once instead of once per completion"
         )
     base = _base_model(model)
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if any("sliding" in t for t in layer_types) or (not layer_types and getattr(text, "sliding_window", None)):
+        return (
+            f"the model has sliding-window attention (sliding_window={getattr(text, 'sliding_window', None)}), "
+            "which a custom 4D mask would replace by full attention"
+        )
     impl = str(getattr(base.config, "_attn_implementation", None))
     if impl.startswith(NO_TENSOR_MASK):
         return f"attention implementation {impl!r} takes no custom 4D attention mask (sdpa and eager do)"

@@ -28,7 +28,8 @@ class ReferenceFields:
             "ids; grpo_async/algo/prefix_sharing.py). Same log-probs, loss and gradients as unshared (<= 1e-5 in "
             "float32); a cost model groups the completions into the rows that cost least, so long completions "
             "behind a short prompt stay unshared. Needs an attention that takes a 4D mask (sdpa, eager): with "
-            "FlashAttention or FlexAttention, or a model found to ignore the mask, one warning and unshared rows."
+            "FlashAttention or FlexAttention, sliding-window attention, or a model found to ignore the mask: one "
+            "warning and unshared rows."
         },
     )
     ref_server_url: str | None = field(
