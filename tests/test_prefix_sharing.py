@@ -204,6 +204,16 @@ def test_flex_attention_falls_back_with_one_warning(tiny_model_path, caplog):
     assert torch.equal(shared, unshared)  # the unshared path ran
 
 
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    mistral = MistralForCausalLM(MistralConfig(**small, num_key_value_heads=2, sliding_window=16))
+    assert "sliding-window attention (sliding_window=16)" in unsupported_reason(mistral)
+    qwen = Qwen2ForCausalLM(Qwen2Config(**small, num_key_value_heads=2))  # its layers are all full attention
+    assert unsupported_reason(qwen) is None
+
+
 def test_attention_that_ignores_the_mask_is_probed_and_refused(tiny_model_path, caplog):
     """A registered attention implementation that always runs plain causal attention (ignores any mask): the probe
     sees the shared log-probs differ and the run falls back with the reason."""
@@ -289,7 +299,6 @@ def test_seeded_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path,
         assert abs(a - b) <= 1e-5, (shared, unshared)
 
 
-@pytest.mark.slow
 def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path, tmp_path, monkeypatch):
     """Environment turns inside the completions: the prompt is still the shared prefix."""
     from grpo_async.envs import Environment
@@ -300,3 +309,80 @@ def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_p
     assert trees_on > 0 and len(shared) == 2
     for a, b in zip(shared, unshared, strict=True):
         assert abs(a - b) <= 1e-5, (shared, unshared)
+
+
+def _two_process_worker(model: str, out: str, share: bool) -> None:
+    """One process of the 2-process run (`accelerate launch tests/test_prefix_sharing.py MODEL OUT SHARE`): a
+    seeded 2-step run, DDP over gloo; writes `rank<r>.json` with its losses, trees and a weight checksum."""
+    import gc
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    import grpo_async.algo.logprobs as logprobs
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.testing import tiny_config
+
+    trees = []
+    packer = logprobs.pack_shared
+    logprobs.pack_shared = lambda *a, **k: trees.append(packer(*a, **k)) or trees[-1]  # the real packer, counted
+    args = tiny_config(
+        out,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        seeded_generation=True,
+        shuffle_dataset=False,
+        beta=0.04,
+        num_iterations=2,
+        share_prompt_prefix=share,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    trainer.train()
+    trainer.close()
+    rank = trainer.accelerator.process_index
+    checksum = float(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double().sum())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        json.dump({"loss": losses, "trees": sum(t is not None for t in trees), "checksum": checksum}, f)
+    del trainer
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_with_sharing_on(tiny_model_path, tmp_path):
+    """2 training processes (DDP, gloo): with sharing on, the same per-step losses and weights as with it off."""
+    import json
+    import os
+    import subprocess
+
+    from mp_utils import ACCELERATE_2CPU  # tests/ is on sys.path (rootdir-relative conftest)
+
+    def launch(share: bool):
+        out = str(tmp_path / ("on" if share else "off"))
+        cmd = [*ACCELERATE_2CPU, __file__, str(tiny_model_path), out, str(int(share))]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+    on, off = launch(True), launch(False)
+    for rank in range(2):
+        assert on[rank]["trees"] > 0 and off[rank]["trees"] == 0
+        assert len(on[rank]["loss"]) == 2
+        for a, b in zip(on[rank]["loss"], off[rank]["loss"], strict=True):
+            assert abs(a - b) <= 1e-5
+        assert abs(on[rank]["checksum"] - off[rank]["checksum"]) <= 1e-3  # Σ of all weights after 2 steps
+    assert on[0]["checksum"] == on[1]["checksum"]  # DDP kept the replicas equal
+
+
+if __name__ == "__main__":
+    import sys
+
+    _two_process_worker(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
