@@ -1,8 +1,8 @@
 """Weight reload sessions on a real `grpo-async serve` (issue 22 items 2 and 3, and `/health` telling the truth).
 
-One server (tiny model, engine in its own process, `--reload-idle-timeout 6`) is shared by the module. Pushes go
-over shared memory (`ShmTransport`), as a trainer on this machine sends them; a "trainer" that dies mid-push is a
-real subprocess SIGKILLed after its first buckets.
+One server (tiny model, engine in its own process, `--reload-idle-timeout 6`) is shared by the module; its last test
+kills its engine, so it stays last. Pushes go over shared memory (`ShmTransport`), as a trainer on this machine sends
+them; a "trainer" that dies mid-push is a real subprocess SIGKILLed after its first buckets.
 """
 
 import os
@@ -17,8 +17,6 @@ import torch
 
 from grpo_async.generation.server_process import launch_server
 from grpo_async.weight_sync.transports import ServerClient, ServerError, make_transport
-
-pytestmark = pytest.mark.vllm
 
 KEY = "reload-session-test-key"
 IDLE_TIMEOUT_S = 6
@@ -89,7 +87,75 @@ def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return max(abs(x - y) for x, y in zip(a, b)) <= tol
 
 
+# ---- what "complete" means, and the session clock (no server) ----------------------------------------------------
+VLLM_NAMES = [  # vLLM's parameters of a 1-layer Llama: q/k/v and gate/up fused, the LM head tied (listed once)
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+]
+
+
+class _FusedLlama:
+    """What `PushCoverage` reads of a vLLM model: its parameters and packed modules (no mapper: older models)."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def named_parameters(self):
+        return [(n, torch.nn.Parameter(torch.zeros(1))) for n in VLLM_NAMES]
+
+
+HF_NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+]
+
+
+def test_push_coverage_names_every_missing_parameter_and_shard():
+    from grpo_async.generation.vllm_worker import PushCoverage
+
+    cov = PushCoverage(_FusedLlama())
+    assert list(cov.needed) == VLLM_NAMES
+    assert cov.missing(HF_NAMES) == []
+    without_k = [n for n in HF_NAMES if "k_proj" not in n]
+    assert cov.missing(without_k) == ["model.layers.0.self_attn.qkv_proj.weight (shard 'k_proj' missing)"]
+    only_q = ["model.layers.0.self_attn.q_proj.weight"]  # the issue's single-q_proj push
+    missing = cov.missing(only_q)
+    assert len(missing) == 6 and "model.layers.0.self_attn.qkv_proj.weight (shard 'k_proj', 'v_proj' missing)" in missing
+
+
+def test_session_tracker_reports_a_stuck_session_from_half_the_timeout():
+    from grpo_async.generation.reload_session import SessionTracker
+
+    t = SessionTracker(idle_timeout=10)
+    assert t.problem() is None and t.info() is None
+    s = t.open()
+    s.last -= 4  # idle 4 s of 10: fine
+    assert t.problem() is None and not t.expired(s.id)
+    s.last -= 2  # idle 6 s: over half, reported
+    assert s.id in t.problem() and "after 10 s idle (--reload-idle-timeout)" in t.problem() and not t.expired(s.id)
+    t.busy_since = s.last  # a request in the engine: not idle (unless it runs over the timeout)
+    assert t.idle() == 0.0 and t.problem() is None
+    t.busy_since -= 20
+    assert "running in the engine" in t.problem()
+    t.busy_since = None
+    s.last -= 5  # idle 11 s: dropped by the watchdog
+    assert t.expired(s.id) and not t.expired("another")
+    t.close()
+    assert t.problem() is None
+
+
 # ---- 3. a partial push of a fused layer is refused, the previous weights stay --------------------------------------
+@pytest.mark.vllm
 def test_a_push_missing_part_of_a_fused_layer_is_refused_and_the_weights_stay(server, weights):
     base = push(server, weights, 1)["version"]
     before, version = logprobs(server), info(server)["version"]
@@ -110,6 +176,7 @@ def test_a_push_missing_part_of_a_fused_layer_is_refused_and_the_weights_stay(se
     assert close(logprobs(server), before) and not info(server)["workers"][0]["reload_open"]
 
 
+@pytest.mark.vllm
 def test_an_aborted_push_loads_nothing(server, weights):
     push(server, weights, 10)
     before = logprobs(server)
@@ -162,6 +229,7 @@ def start_killed_trainer(server, tiny_model_path) -> str:
     return line.split()[1]
 
 
+@pytest.mark.vllm
 def test_a_trainer_killed_mid_push_neither_stalls_generation_nor_blocks_the_next_trainer(
     server, weights, tiny_model_path
 ):
@@ -183,6 +251,7 @@ def test_a_trainer_killed_mid_push_neither_stalls_generation_nor_blocks_the_next
     assert info(server)["version"] == 21
 
 
+@pytest.mark.vllm
 def test_a_stuck_session_is_reported_by_health_then_dropped(server, weights, tiny_model_path):
     push(server, weights, 30)
     before = logprobs(server)
@@ -207,3 +276,28 @@ def test_a_stuck_session_is_reported_by_health_then_dropped(server, weights, tin
     assert now["session"] is None and not now["workers"][0]["reload_open"] and now["version"] == 30
     assert close(logprobs(server), before)
     assert push(server, weights, 31)["version"] == 31
+
+
+# ---- /health: a dead engine is a 503 with its reason (LAST: kills the module's engine) ----------------------------
+@pytest.mark.vllm
+def test_health_names_a_dead_engine(server):
+    import psutil
+
+    assert requests.get(server.url + "/health", headers=OK, timeout=30).status_code == 200
+    engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert engines, [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    for p in engines:
+        p.kill()
+    answers = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.alive:  # vLLM shuts the API process down a few seconds later
+        try:
+            r = requests.get(server.url + "/health", headers=OK, timeout=10)
+        except requests.RequestException:
+            break
+        answers.append((r.status_code, r.text))
+        if r.status_code != 200:
+            break
+        time.sleep(0.1)
+    assert answers and answers[-1][0] == 503, answers[-3:]
+    assert "engine is dead" in answers[-1][1], answers[-1]

@@ -37,6 +37,9 @@ through:
  "group": str,                      # broadcast only: the group_name given to /ws/init_broadcast
  "version": int, "begin": true, "end": true, "load": true, "digests": false,
  "pause": "wait" | "keep",
+ "session": str,                    # the id the begin request was answered with (optional, recommended)
+ "abort": true,                     # drop the open push: nothing of it is loaded
+ "expect": [str, ...],              # with begin (optional): every tensor name the push will send, checked at end
  "lora": {"name": str, "id": int, "config": {...}, "keep": 2}}   # optional: the buckets are a LoRA adapter
 ```
 With `lora` (LoRA adapter-only sync, `GRPOConfig.vllm_lora_sync`; the server must run with `--enable-lora
@@ -57,10 +60,20 @@ answer; at another temperature the route asks for the whole vocabulary's and res
 start that server with `--max-logprobs -1`). `--frozen` makes a server refuse every weight update (403), so a
 reference server cannot be moved by mistake.
 
-A request with `begin` pauses generation and opens a reload session; one with `end` finalizes it, resets the prefix
-cache and resumes generation. `"pause": "wait"` (default): requests in flight finish on the old weights first.
+A request with `begin` opens a reload session (a push) and is answered with its `"session"` id; the buckets are
+staged in the workers while generation goes on. The request with `end` checks the push is complete (every parameter
+of the served model, every shard of a fused q/k/v or gate/up layer, the `expect` names when declared), then pauses
+generation, loads it, resets the prefix cache and resumes generation: an incomplete push gets 409 and an aborted or
+failed one is dropped, and either way the served weights and version stay as they were. A new `begin` drops an open
+push (its sender died or gave up; a later request naming the dropped id gets 409), and so does `--reload-idle-timeout`
+seconds (default 60) without a request; `GET /health` answers 503 with `{"error": reason}` for a push idle over half
+that, and for a dead engine. `"pause": "wait"` (default): requests in flight finish on the old weights first.
 `"keep"` (in-flight updates): they are frozen where they are and continue on the new weights after the update
 (their earlier tokens keep the KV computed with the old weights).
+
+`/ws/init_broadcast` first probes the trainer's store from a child process (killed at `timeout_s`, at most 300 s),
+so a dead or silent address gets 400 without touching the engine; the workers then join the group on a thread while
+the engine keeps generating.
 """
 
 from __future__ import annotations
@@ -278,14 +291,16 @@ def add_weight_routes(app, idle_timeout: float = RELOAD_IDLE_TIMEOUT_S) -> None:
         logger.warning("weight reload session %s dropped: %s", s.id, why)
         await eng.collective_rpc("ws_abort")
 
-    def watch(eng, session_id: str) -> None:  # after each request that leaves the session open
+    def watch(eng, session_id: str) -> None:  # after each request that leaves the session open: one timer at a time
         async def expire():
             async with lock:
                 if sessions.expired(session_id):
                     await abort_session(eng, f"no request for {sessions.idle_timeout:g} s (--reload-idle-timeout)")
 
         loop = asyncio.get_running_loop()
-        loop.call_later(sessions.idle_timeout + 0.1, lambda: loop.create_task(expire()))
+        if state.get("timer") is not None:
+            state["timer"].cancel()
+        state["timer"] = loop.call_later(sessions.idle_timeout + 0.1, lambda: loop.create_task(expire()))
 
     @app.get("/ws/info")
     async def ws_info(request: Request):
@@ -497,12 +512,24 @@ def _rescaled(position: dict, token: int, temperature: float) -> float:
 
 def add_health_route(app) -> None:
     """Replace vLLM's `/health` (200, or an empty 503 once the engine died) by one that says what is wrong: 503 with
-    `{"error": reason}` for a dead engine and for a weight reload session stuck open (`SessionTracker.problem`)."""
+    `{"error": reason}` for a dead engine and for a weight reload session stuck open (`SessionTracker.problem`).
+
+    A dead engine: one of the processes the API process started for it (`app.state.ws_engine_processes`, the
+    `multiprocessing` children alive once the engine is up) has exited, or vLLM's engine client reports it dead.
+    vLLM marks it dead only after shutting the rest of the engine down, and then stops the server: without the
+    process check `/health` said 200 until the API process was gone."""
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
 
     @app.get("/health")
     async def health(request: Request):
         client = request.app.state.engine_client
+        for proc in getattr(request.app.state, "ws_engine_processes", ()):  # vLLM notices only after its cleanup
+            if not proc.is_alive():
+                reason = (
+                    f"the engine is dead: its process {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                    "restart this server"
+                )
+                return JSONResponse({"error": reason}, status_code=503)
         try:
             await client.check_health()
         except Exception as e:  # noqa: BLE001 - EngineDeadError, or the engine client failing to answer
@@ -841,8 +868,11 @@ async def _serve(args, api_key: str | None) -> None:
 
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as engine_client:
+        import multiprocessing
+
         supported_tasks = await engine_client.get_supported_tasks()
         app = build_app(args, supported_tasks, engine_client.model_config)
+        app.state.ws_engine_processes = multiprocessing.active_children()  # the engine core (none when in-process)
         if args.frozen:
             add_frozen_routes(app)
         else:

@@ -547,6 +547,8 @@ class WeightSyncWorker:
 
         def run() -> None:
             try:
+                if self._ws_device().type == "cuda":  # a new thread starts on the default device
+                    torch.cuda.set_device(self._ws_device())
                 self._ws_join(*args)
             except Exception as e:  # noqa: BLE001 - reported by ws_init_status
                 joining["error"] = f"{type(e).__name__}: {str(e)[:300]}"
