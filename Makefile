@@ -48,12 +48,14 @@ torch-cpu:
 		$(PIP) install -q $(PIP_FAST) $(TORCH_PIP_FLAGS) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; \
 	fi
 
+# the files run on TEST_WORKERS workers (pytest-xdist; one file stays on one worker, so module fixtures are shared)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q tests -m "not gpu" --durations=15
+	$(PY) -m pytest -q tests -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # the inner loop: unit tests only (no vLLM engine, no server, no second process, nothing marked slow)
 test-fast: install
-	$(PY) -m pytest -q tests -m "not gpu and not slow and not vllm and not multiprocess" --durations=10
+	$(PY) -m pytest -q tests -m "not gpu and not slow and not vllm and not multiprocess" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 test-all: install
 	$(PY) -m pytest -q tests --durations=15

@@ -10,6 +10,7 @@ GPU = ["vllm"]
 TEST = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",  # `make test` runs the test files on 2 workers
     "trl==1.16.*",
     "peft>=0.17",
     "ruff>=0.6",

@@ -1,14 +1,28 @@
-"""grpo_async: an async GRPO trainer that is a real `transformers.Trainer`."""
+"""grpo_async: an async GRPO trainer that is a real `transformers.Trainer`.
+
+The public names below are imported on first use (PEP 562), so `grpo-async --help`, `grpo-async plot` and vLLM's
+plugin hook (`grpo_async.weight_sync.vllm_engine`, loaded in every vLLM process) do not pay for importing torch,
+transformers and peft through the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .algo.advantages import compute_advantages
-from .config import GRPOConfig
-from .data.async_loader import AsyncDataLoaderWrapper
-from .data.sampler import RepeatSampler
-from .pipeline.job_queue import RoundQueue
-from .pipeline.types import Round, RoundRequest
-from .trainer import GRPOTrainer
+#: public name -> module that defines it
+_EXPORTS = {
+    "AsyncDataLoaderWrapper": ".data.async_loader",
+    "GRPOConfig": ".config",
+    "GRPOTrainer": ".trainer",
+    "RepeatSampler": ".data.sampler",
+    "Round": ".pipeline.types",
+    "RoundQueue": ".pipeline.job_queue",
+    "RoundRequest": ".pipeline.types",
+    "compute_advantages": ".algo.advantages",
+}
 
 __all__ = [
     "AsyncDataLoaderWrapper",
@@ -20,3 +34,25 @@ __all__ = [
     "RoundRequest",
     "compute_advantages",
 ]
+assert sorted(_EXPORTS) == __all__
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .algo.advantages import compute_advantages
+    from .config import GRPOConfig
+    from .data.async_loader import AsyncDataLoaderWrapper
+    from .data.sampler import RepeatSampler
+    from .pipeline.job_queue import RoundQueue
+    from .pipeline.types import Round, RoundRequest
+    from .trainer import GRPOTrainer
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'grpo_async' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

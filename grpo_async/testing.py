@@ -181,8 +181,6 @@ def build_smollm2(path: str | os.PathLike | None = None) -> str:
     Llama, 30 layers, hidden 576, 9 heads (head_dim 64), vocab 49,152, EOS and pad `<|im_end|>`, tied embeddings.
     """
     import json
-    import shutil
-    import tempfile
 
     if path is None:
         root = os.environ.get("GRPO_ASYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_async")
@@ -195,6 +193,23 @@ def build_smollm2(path: str | os.PathLike | None = None) -> str:
         with open(marker) as f:
             if json.load(f) == wanted:
                 return path
+    import fcntl
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".lock", "w") as lock:  # two test workers (pytest -n 2) convert once, not over each other
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(marker):
+            with open(marker) as f:
+                if json.load(f) == wanted:
+                    return path
+        return _convert_smollm2(gguf, path, wanted)
+
+
+def _convert_smollm2(gguf: str, path: str, wanted: dict) -> str:
+    import json
+    import shutil
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

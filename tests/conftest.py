@@ -8,6 +8,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+# `make test` runs the files on 2 workers (pytest-xdist, `-n 2 --dist loadfile`): each worker gets a core of its own.
+# vLLM's CPU engine binds its OpenMP threads to core 0 by default, so both workers' engines (in-process and the servers
+# they start) would share core 0 while core 1 idles; and two workers with torch's default 2 threads each would
+# oversubscribe 2 cores. Set before torch is imported; an explicit setting in the environment wins.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under `pytest -n N`; unset otherwise
+if _WORKER and (os.cpu_count() or 1) > 1:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_WORKER[2:]) % os.cpu_count()))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     try:

@@ -10,24 +10,16 @@ import pytest
 
 HERE = os.path.dirname(__file__)
 
+#: `accelerate launch` on 2 CPU processes with the README's flags, on a free rendezvous port (`0`): the suite runs its
+#: files on two workers (`make test`: pytest-xdist), so two launches may overlap and the default port 29500 would clash
+ACCELERATE_2CPU = [
+    sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+]  # fmt: skip
+
 
 def launch(script_args, out_dir, timeout=420, env=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        os.path.join(HERE, "mp_train.py"),
-        *script_args,
-    ]
+    cmd = [*ACCELERATE_2CPU, os.path.join(HERE, "mp_train.py"), *script_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BAD_SIGNS = ("Aborted", "terminate called", "Traceback", "still running after")
@@ -144,8 +145,7 @@ def test_two_processes_agree_on_the_horizon(tiny_model_path, tmp_path):
 
     spec = {"model": str(tiny_model_path), "output_dir": str(tmp_path / "g"), "max_steps": 2, "slow_from": 3}
     spec.update(num_batches_ahead=2, slow_seconds=20, per_device_train_batch_size=4)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = list(ACCELERATE_2CPU)
     cmd += [os.path.abspath(__file__), "train", json.dumps(spec)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
     p = sp.run(cmd, capture_output=True, text=True, timeout=420, env=env)

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from transformers import TrainerCallback
 
 from grpo_async import GRPOTrainer
@@ -145,8 +146,7 @@ def test_serve_turns_chunked_prefill_off_on_cpu():
 
 # ---- 2 processes ----------------------------------------------------------------------------------------------------
 def _launch(model: str, out: str, jitter: bool) -> list[dict]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = list(ACCELERATE_2CPU)
     cmd += [__file__, model, out, str(int(jitter))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -7,9 +7,9 @@ with skewed lengths it is NOT the whole-batch token mean: checked to differ, whi
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 
@@ -18,8 +18,7 @@ pytestmark = pytest.mark.multiprocess
 
 def test_accumulated_gradient_equals_whole_batch_gradient(tiny_model_path, tmp_path):
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        *ACCELERATE_2CPU,
         os.path.join(HERE, "grad_equiv_worker.py"), str(tiny_model_path), str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}

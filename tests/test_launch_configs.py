@@ -75,6 +75,8 @@ def launch_demo(config: str, out: str, *extra: str, timeout: int = 420) -> str:
         sys.executable,
         "-m",
         "accelerate.commands.launch",
+        "--main_process_port",
+        "0",  # a free port: another test may be launching beside this one (pytest-xdist)
         "--config_file",
         os.path.join(CONFIGS, f"{config}.yaml"),
         os.path.join(ROOT, "recipes", "demo.py"),

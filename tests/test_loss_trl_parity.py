@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer
 
 from grpo_async.algo.logprobs import TokenScores, score_tokens
@@ -378,12 +379,10 @@ json.dump({"ok": torch.equal(mask, (e[r] >= cut) & m[r].bool()), "kept": int(mas
 def test_entropy_quantile_on_two_real_processes(tmp_path):
     """accelerate launch, 2 processes (gloo): each process's mask uses the quantile of both processes' tokens."""
     import subprocess
-    import sys
 
     script = tmp_path / "worker.py"
     script.write_text(_QUANTILE_WORKER)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path)]
+    cmd = [*ACCELERATE_2CPU, str(script), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -13,6 +13,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 trl = pytest.importorskip("trl")
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -459,14 +460,12 @@ def test_eval_loss_on_two_processes(tiny_model_path, tmp_path):
     import json
     import os
     import subprocess
-    import sys
 
     script = tmp_path / "eval_mp.py"
     script.write_text(EVAL_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = list(ACCELERATE_2CPU)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     proc = subprocess.run(
         [*cmd, str(script), tiny_model_path, str(out)], capture_output=True, text=True, timeout=300, env=env

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import transformers
+from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 
 from grpo_async import GRPOConfig, GRPOTrainer
@@ -222,11 +223,9 @@ def test_ddp_find_unused_parameters_only_when_needed(run, tiny_model_path):
 def test_two_process_ddp_run_does_not_warn_about_unused_parameters(tiny_model_path, tmp_path):
     """2 real DDP processes (gloo on CPU): DDP's warning for a needless `find_unused_parameters=True` is gone."""
     import subprocess
-    import sys
 
     here = os.path.dirname(__file__)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = list(ACCELERATE_2CPU)
     cmd += [os.path.join(here, "mp_train.py"), tiny_model_path, str(tmp_path), "1", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "GRPO_TEST_MAX_STEPS": "2"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
