@@ -39,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 #: attention implementations that take no `[K, 1, W, W]` tensor mask (names start with these)
 NO_TENSOR_MASK = ("flash_attention", "flex_attention", "paged")
-#: cost of one (query, key) pair's softmax per head, in FLOP-equivalents (measured on CPU, bench/prefix.py)
+#: cost of one (query, key) pair's softmax per head, in FLOP-equivalents
 SOFTMAX_PAIR_COST = 16.0
+#: share only when the trees are predicted at most this fraction of the unshared cost (bench/prefix.py measured one
+#: tree at 1.40× the unshared time where the model predicts 1.40×, and 4.2× faster where it predicts 4.3×)
+SHARE_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class SharingCost:
     the layer count cancels). With a custom mask the attention computes every (query, key) pair of the row.
 
     Example: SmolLM2-135M (hidden 576, 9 heads of 64, 3 key-value heads, MLP 1536) → per_token ≈ 6.9e6, per_pair
-    ≈ 2.4e3: a group of 8 with a 256-token prompt and 32-token completions costs 4.2× less as one tree of 512 than
-    as 8 rows of 288; with a 32-token prompt and 256-token completions, one tree of 2080 costs 1.4× more.
+    ≈ 2.4e3: a group of 8 with a 256-token prompt and 32-token completions costs 4.3× less as one tree of 512 than
+    as 8 causal rows of 288; with a 32-token prompt and 256-token completions, one tree of 2080 costs 1.5× more.
     """
 
     per_token: float
@@ -70,20 +73,30 @@ class SharingCost:
         return cls(per_token=float(per_token), per_pair=float(per_pair))
 
     def row(self, width: int) -> float:
+        """A row under a custom mask: every (query, key) pair computed."""
         return self.per_token * width + self.per_pair * width * width
+
+    def causal_row(self, width: int) -> float:
+        """A plain causal row: the kernels skip the pairs above the diagonal."""
+        return self.per_token * width + self.per_pair * width * width / 2
 
 
 def plan_group(prompt_len: int, lengths: list[int], cost: SharingCost) -> list[list[int]]:
     """Split a group's completions (real lengths `lengths`) over the number of trees `[prompt, ...]` that costs
     least; completions are dealt longest first to the lightest tree. Returns each tree's completion indices, in
-    order. `len(result) == len(lengths)` means nothing is shared.
+    order; one tree per completion (`[[0], [1], ...]`) means nothing is shared.
+
+    Unshared rows run plain causal attention, whose kernels skip the masked half of the pairs; a tree's custom mask
+    does not, so a tree pays every pair of its width. Sharing is chosen only when it is predicted at least
+    `1 / SHARE_MARGIN` cheaper, so the cost model's error never makes a step slower.
 
     Example: prompt 256, eight completions of 32, SmolLM2's cost → one tree `[[0, 1, ..., 7]]`; prompt 32, eight
-    completions of 256 → eight trees `[[0], [1], ..., [7]]`.
+    completions of 256 → eight trees `[[0], [1], ..., [7]]` (one tree would cost 1.4× the unshared rows).
     """
-    best: tuple[float, list[list[int]]] | None = None
+    unshared = [[i] for i in range(len(lengths))]
+    best = (SHARE_MARGIN * sum(cost.causal_row(prompt_len + n) for n in lengths), unshared)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for k in range(1, len(lengths) + 1):
+    for k in range(1, len(lengths)):
         trees: list[list[int]] = [[] for _ in range(k)]
         fill = [prompt_len] * k
         for i in order:
@@ -91,9 +104,9 @@ def plan_group(prompt_len: int, lengths: list[int], cost: SharingCost) -> list[l
             trees[j].append(i)
             fill[j] += lengths[i]
         total = sum(cost.row(w) for w in fill)
-        if best is None or total < best[0]:
+        if total < best[0]:
             best = (total, [sorted(t) for t in trees])
-    return best[1] if best is not None else []
+    return best[1]
 
 
 def find_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> list[list[int]]:
