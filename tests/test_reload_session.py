@@ -16,6 +16,7 @@ import requests
 import torch
 
 from grpo_async.generation.server_process import launch_server
+from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.weight_sync.transports import ServerClient, ServerError, make_transport
 
 KEY = "reload-session-test-key"
@@ -130,7 +131,8 @@ def test_push_coverage_names_every_missing_parameter_and_shard():
     assert cov.missing(without_k) == ["model.layers.0.self_attn.qkv_proj.weight (shard 'k_proj' missing)"]
     only_q = ["model.layers.0.self_attn.q_proj.weight"]  # the single-q_proj push
     missing = cov.missing(only_q)
-    assert len(missing) == 6 and "model.layers.0.self_attn.qkv_proj.weight (shard 'k_proj', 'v_proj' missing)" in missing
+    assert len(missing) == 6
+    assert "model.layers.0.self_attn.qkv_proj.weight (shard 'k_proj', 'v_proj' missing)" in missing
 
 
 def test_session_tracker_reports_a_stuck_session_from_half_the_timeout():
@@ -257,6 +259,7 @@ def test_a_stuck_session_is_reported_by_health_then_dropped(server, weights, tin
     before = logprobs(server)
     stale = start_killed_trainer(server, tiny_model_path)
     seen = []  # /health answers in order: 200 while fresh, 503 naming the session once idle, 200 after the drop
+    backend_urls = None
     deadline = time.monotonic() + 20 * IDLE_TIMEOUT_S
     while time.monotonic() < deadline:
         r = requests.get(server.url + "/health", headers=OK, timeout=30)
@@ -265,11 +268,16 @@ def test_a_stuck_session_is_reported_by_health_then_dropped(server, weights, tin
             seen.append((code, r.text))
         if code == 503:
             assert complete(server, timeout=30).status_code == 200  # stuck, but generation still works
+            if backend_urls is None:  # a trainer starting now keeps the server: its first push drops the session
+                backend = VLLMServerBackend([server.url], api_key=KEY, transport="shm")
+                backend_urls = backend.live_urls
+                backend.close()
         if code == 200 and len(seen) >= 2:
             break
         time.sleep(0.2)
     codes = [c for c, _ in seen]
     assert 503 in codes and codes[-1] == 200, seen
+    assert backend_urls == [server.url]
     reason = dict(seen)[503]
     assert stale in reason and "no request" in reason and "--reload-idle-timeout" in reason, reason
     now = info(server)

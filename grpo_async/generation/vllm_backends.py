@@ -599,6 +599,11 @@ class VLLMServerBackend:
                 why.append(f"{c.url} refused the API key (HTTP {e.status}): {e}")
                 left_out[c.url] = e
             except ServerError as e:
+                if e.status == 503 and "weight reload session" in str(e):  # a dead trainer's push: ours drops it
+                    logger.warning("VLLMServerBackend: %s: %s; the first push replaces that session", c.url, e)
+                    model = model or _model_name(c)
+                    live.append(c)
+                    continue
                 logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
                 why.append(f"{c.url} is not answering: {e}")
                 left_out[c.url] = e
