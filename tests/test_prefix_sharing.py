@@ -119,16 +119,17 @@ def _loss_and_grads(model, ids, mask, T, share: bool, padding_free: bool, loss_t
     return scores.logps.detach() * cmask, loss.detach(), grads
 
 
-def _assert_same(a, b, tol=1e-5):
+def _assert_same(a, b, tol=1e-5, grad_tol=None):
     """Log-probs to `tol` relative to their size (float32 holds a log-prob of -20 to ±1.9e-6: SmolLM2's differ by
-    up to 1.5e-5, 8 ulps, at |logp| ≈ 21), the loss and every gradient to `tol` absolute."""
+    up to 1.5e-5, 8 ulps, at |logp| ≈ 21), the loss to `tol` and every gradient to `grad_tol` (default `tol`)
+    absolute."""
     logps_a, loss_a, grads_a = a
     logps_b, loss_b, grads_b = b
     assert ((logps_a - logps_b).abs() / logps_b.abs().clamp(min=1.0)).max().item() <= tol
     assert abs(loss_a.item() - loss_b.item()) <= tol
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name, grad in grads_a.items():
-        assert (grad - grads_b[name]).abs().max().item() <= tol, name
+        assert (grad - grads_b[name]).abs().max().item() <= (grad_tol or tol), name
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,9 @@ def test_smollm2_equals_unshared(smollm2_path):
     for padding_free in (False, True):
         unshared = _loss_and_grads(model, ids, mask, 6, False, padding_free, "grpo")
         shared = _loss_and_grads(model, ids, mask, 6, True, padding_free, "grpo")
-        _assert_same(unshared, shared)
+        # gradients: 30 layers of float32 summed in another order (the prompt's from 4 branches at once); measured
+        # 1.19e-5 on layers.0.input_layernorm (|grad| up to 0.47), so 5e-5 here, 1e-5 on the tiny model
+        _assert_same(unshared, shared, grad_tol=5e-5)
 
 
 def test_flex_attention_falls_back_with_one_warning(tiny_model_path, caplog):
