@@ -26,7 +26,11 @@ What makes that exact, and where it could not be:
   make even that impossible.
 - both servers down at once would end the run ("no vLLM server left in rotation"), by design: a server kill is only
   done while the other server is in rotation; when the seed draws a server kill while the other is still restarting,
-  the trainer is killed instead (the log says so).
+  the trainer is killed instead (the log says so). The test sees the rotation from outside (a restarted server
+  holds a pushed version), not the trainer's own view: a server that the trainer dropped for answering slowly looks
+  in rotation from here. Hence `vllm_server_timeout=120`: at 30 s a weight push to the surviving server timed out
+  once (31 s to finalize while the other server restarted on the same pinned core), it left the rotation, and the
+  next server kill ended the run.
 """
 
 import json
@@ -112,7 +116,7 @@ TRAIN_SCRIPT = textwrap.dedent(
         output_dir=out, use_cpu=True, report_to=[], per_device_train_batch_size=8, num_generations=4,
         max_completion_length=6, max_steps=max_steps, save_strategy="steps", save_steps=1, save_total_limit=2,
         learning_rate=1e-2, logging_steps=1, disable_tqdm=True, num_batches_ahead=1, seed=0, seeded_generation=True,
-        use_vllm=True, vllm_mode="server", vllm_server_urls=urls, vllm_api_key=key, vllm_server_timeout=30,
+        use_vllm=True, vllm_mode="server", vllm_server_urls=urls, vllm_api_key=key, vllm_server_timeout=120,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(128))
     resume = get_last_checkpoint(out) if os.path.isdir(out) else None
