@@ -218,11 +218,15 @@ _WARNED: set[str] = set()
 
 
 def _base_model(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The model inside its training wrappers (DistributedDataParallel, DeepSpeedEngine, FSDP1 keep it as `.module`;
+    a DeepSpeedEngine's own `config` is a dict, not the model's)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
 
 
 def sharing_cost(model) -> SharingCost:
-    """`SharingCost.of` the config of `model` (a DistributedDataParallel wrapper is looked through)."""
+    """`SharingCost.of` the config of `model` (training wrappers are looked through)."""
     return SharingCost.of(_base_model(model).config)
 
 

@@ -14,6 +14,7 @@ returning a non-number, returning `inf` or a bare `NaN` (say "not applicable" wi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import logging
 import math
@@ -158,12 +159,32 @@ def _timeout_error(names: list[str], timeout: float) -> RewardTimeoutError:
     )
 
 
+#: seconds the interpreter waits at exit for a call abandoned by a shutdown when the call had no `timeout`
+ABANDONED_JOIN_S = 60.0
+#: reward threads abandoned by a shutdown (`abort`), with the monotonic deadline of their call
+_ABANDONED: list[tuple[threading.Thread, float]] = []
+
+
+def _join_abandoned_at_exit() -> None:
+    """Wait (until each call's own deadline) for reward threads a shutdown abandoned: the interpreter must not finalize
+    under a thread running torch code (`terminate called without an active exception`, exit 134)."""
+    for thread, deadline in _ABANDONED:
+        left = deadline - time.monotonic()
+        if thread.is_alive() and left > 0:
+            logger.warning("waiting up to %.0fs at exit for %s, abandoned by a shutdown", left, thread.name)
+            thread.join(left)
+
+
+atexit.register(_join_abandoned_at_exit)
+
+
 def _in_worker(
     fn: Callable[[], object], timeout: float | None, thread_name: str, abort: threading.Event | None = None
 ):
     """Run `fn()` in a daemon thread and wait at most `timeout` seconds, or until `abort` is set (checked every 0.05 s:
     the generator's shutdown must not wait out a hung function). Returns `(finished, result, exception)`; raises
-    `GenerationAborted` when `abort` ended the wait."""
+    `GenerationAborted` when `abort` ended the wait; the abandoned thread is then joined at interpreter exit until
+    the call's deadline (`_join_abandoned_at_exit`)."""
     box: dict = {}
     done = threading.Event()
 
@@ -175,13 +196,16 @@ def _in_worker(
         finally:
             done.set()
 
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
     deadline = None if timeout is None else time.monotonic() + timeout
     finished = False
     while not finished:
         if abort is not None and abort.is_set():
             from ..generation.base import GenerationAborted
 
+            _ABANDONED[:] = [(t, d) for t, d in _ABANDONED if t.is_alive()]
+            _ABANDONED.append((thread, deadline if deadline is not None else time.monotonic() + ABANDONED_JOIN_S))
             raise GenerationAborted(f"{thread_name}: the reward call was abandoned (the generator is shutting down)")
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
