@@ -29,6 +29,16 @@ class MetricsJsonlCallback(TrainerCallback):
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             if state.global_step > 0:  # resumed: the steps after the checkpoint are trained (and logged) again
                 truncate_metrics(self.path, state.global_step)
+            elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+                # a fresh run (e.g. a run killed before its first checkpoint, started again): its steps are logged
+                # anew; the earlier lines would appear twice, so they are kept beside it, not mixed in
+                root, ext = os.path.splitext(self.path)
+                os.replace(self.path, f"{root}.previous{ext}")
+                logger.warning(
+                    "%s is an earlier run's (no checkpoint to resume): moved to %s",
+                    self.path,
+                    root + ".previous" + ext,
+                )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or self.path is None:

@@ -246,6 +246,24 @@ def test_resume_drops_the_metrics_logged_after_the_checkpoint(tmp_path, capsys):
     assert "resuming from the checkpoint at step 60" in capsys.readouterr().out
 
 
+def test_a_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path):
+    """A run killed before its first checkpoint and started again (nothing to resume) logs step 1 anew: the earlier
+    lines move to metrics.previous.jsonl instead of appearing twice (the chaos test found `[1, 1, 2, ...]`)."""
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    from grpo_async.logging_utils import MetricsJsonlCallback
+
+    path = tmp_path / "metrics.jsonl"
+    earlier = json.dumps({"step": 1, "reward": 0.5}) + "\n"
+    path.write_text(earlier)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True)
+    callback = MetricsJsonlCallback()
+    callback.on_train_begin(args, TrainerState(global_step=0, max_steps=10), TrainerControl())
+    callback.on_log(args, TrainerState(global_step=1, max_steps=10), TrainerControl(), logs={"reward": 0.7})
+    assert [r["reward"] for r in read_metrics(str(path))] == [0.7]
+    assert (tmp_path / "metrics.previous.jsonl").read_text() == earlier
+
+
 def test_one_short_console_line_per_log():
     from grpo_async.logging_utils import summary_line
 
