@@ -372,6 +372,8 @@ mask = high_entropy_mask(e[r], m[r], 0.4, ProcessOps.of(acc))
 cut = torch.quantile(torch.cat([e[0][m[0].bool()], e[1][m[1].bool()]]), 0.4)  # every process's tokens together
 json.dump({"ok": torch.equal(mask, (e[r] >= cut) & m[r].bool()), "kept": int(mask.sum())},
           open(sys.argv[1] + f"/rank{r}.json", "w"))
+acc.wait_for_everyone()
+torch.distributed.destroy_process_group()  # exiting with gloo's threads alive can abort (exit -6, seen once in 2)
 """
 
 
