@@ -194,6 +194,7 @@ def test_smollm2_equals_unshared(smollm2_path):
         _assert_same(unshared, shared, grad_tol=5e-5)
 
 
+@pytest.mark.slow  # FlexAttention compiles on CPU: ~50 s
 def test_flex_attention_falls_back_with_one_warning(tiny_model_path, caplog):
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model_path, dtype=torch.float32, attn_implementation="flex_attention"
