@@ -84,6 +84,19 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], 
     return bin_of, offset, fill
 
 
+def check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
+    """`(B, width)` of rows of prompt + completion (`[B, L]` ids and mask, the last `logits_to_keep` positions the
+    completion); a `ValueError` naming what is wrong otherwise."""
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask must be the same [B, L] shape")
+    B, width = input_ids.shape
+    if not 0 < logits_to_keep < width:
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep} must be in [1, {width - 1}] (rows hold prompt + completion)"
+        )
+    return B, width
+
+
 def pack_rows(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, capacity: int | None = None
 ) -> PackedRows:
@@ -99,12 +112,8 @@ def pack_rows(
     logits_pos [0, 1, 2], target_ids [6, 7, 3], rows [0, 0, 1], cols [0, 1, 0]. With the default capacity (3) each
     row gets its own bin: input_ids [[5, 6, 7], [8, 9, 3]], keep [0, 1], logits_bin [0, 0, 1], logits_pos [0, 1, 1].
     """
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask must be the same [B, L] shape")
-    B, width = input_ids.shape
+    B, width = check_rows(input_ids, attention_mask, logits_to_keep)
     T = logits_to_keep
-    if not 0 < T < width:
-        raise ValueError(f"logits_to_keep={T} must be in [1, {width - 1}] (rows hold prompt + completion)")
     real = attention_mask.bool()  # [B, P+T]
     position = real.long().cumsum(-1) - 1  # [B, P+T] position of each real token in its row
     lengths = real.sum(-1)  # [B]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import PackedRows, first_fit_decreasing
+from .packing import PackedRows, check_rows, first_fit_decreasing
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,8 @@ def pack_shared(
     shares → input_ids [[5, 6, 7, 8, 9]], position_ids [[0, 1, 2, 3, 2]], target_ids [7, 8, 9] scored by the logits
     at bin positions [1, 2, 1] (the prompt's last token scores both completions' first tokens).
     """
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask must be the same [B, L] shape")
-    B, width = input_ids.shape
+    B, width = check_rows(input_ids, attention_mask, logits_to_keep)
     T = logits_to_keep
-    if not 0 < T < width:
-        raise ValueError(f"logits_to_keep={T} must be in [1, {width - 1}] (rows hold prompt + completion)")
     P = width - T
     real = attention_mask.bool().cpu()  # [B, P+T]
     ids_cpu = input_ids.cpu()
