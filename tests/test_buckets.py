@@ -176,7 +176,7 @@ from multiprocessing import shared_memory
 
 
 def child(name):
-    from grpo_async.generation.vllm_worker import AttachedSegment
+    from grpo_async.weight_sync.worker import AttachedSegment
 
     seg = AttachedSegment(name)
     assert bytes(seg.buf[:3]) == b"abc" and seg.size >= 16

@@ -10,7 +10,7 @@ from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.shared import SharedBackend
-from grpo_async.generation.vllm_worker import validate_update_request
+from grpo_async.weight_sync.worker import validate_update_request
 from grpo_async.pipeline.publisher import PolicyPublisher
 from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.lora import (

@@ -122,7 +122,7 @@ HF_NAMES = [
 
 
 def test_push_coverage_names_every_missing_parameter_and_shard():
-    from grpo_async.generation.vllm_worker import PushCoverage
+    from grpo_async.weight_sync.worker import PushCoverage
 
     cov = PushCoverage(_FusedLlama())
     assert list(cov.needed) == VLLM_NAMES
@@ -136,7 +136,7 @@ def test_push_coverage_names_every_missing_parameter_and_shard():
 
 
 def test_session_tracker_reports_a_stuck_session_from_half_the_timeout():
-    from grpo_async.generation.reload_session import SessionTracker
+    from grpo_async.weight_sync.reload_session import SessionTracker
 
     t = SessionTracker(idle_timeout=10)
     assert t.problem() is None and t.info() is None

@@ -275,7 +275,7 @@ class VLLMColocateBackend:
             seed=seed,
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="grpo_async.generation.vllm_worker.WeightSyncWorker",
+            worker_extension_cls="grpo_async.weight_sync.worker.WeightSyncWorker",
             **llm_kwargs,
         )
         self.separate_process = separate_process

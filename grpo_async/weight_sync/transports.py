@@ -296,7 +296,7 @@ class _ServerTransport(WeightTransport):
         super().__init__(bucket_mb)
         self.client = client
         self.timeout = client.timeout if timeout is None else float(timeout)
-        #: "wait": requests in flight finish on the old weights first; "keep": in-flight updates (see serve.py)
+        #: "wait": requests in flight finish on the old weights first; "keep": in-flight updates (see routes.py)
         self.pause = "wait"
 
     def push(

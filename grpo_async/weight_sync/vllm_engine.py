@@ -40,8 +40,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_async.generation.vllm_worker import AttachedSegment, close_segments
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
+from grpo_async.weight_sync.worker import AttachedSegment, close_segments
 
 logger = logging.getLogger("grpo_async.vllm_engine")
 

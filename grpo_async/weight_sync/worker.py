@@ -1,6 +1,6 @@
 """vLLM worker extension that receives weights.
 
-Use: `--worker-extension-cls grpo_async.generation.vllm_worker.WeightSyncWorker` (the default of `grpo-async serve`).
+Use: `--worker-extension-cls grpo_async.weight_sync.worker.WeightSyncWorker` (the default of `grpo-async serve`).
 
 vLLM mixes this class into its worker (`CPUWorker` / GPU `Worker`), so `self.model_runner.model` is the served model
 and `self.rank` the worker's rank. Every method is prefixed `ws_` (vLLM refuses names that clash with the worker).
@@ -77,7 +77,7 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def validate_update_request(req: object) -> dict:
-    """Check a `/ws/update` request body (see `grpo_async.generation.serve`) and return it."""
+    """Check a `/ws/update` request body (see `grpo_async.weight_sync.routes`) and return it."""
     if not isinstance(req, dict):
         raise ValueError("the weight-update request must be a JSON object")
     allowed = {
@@ -605,7 +605,7 @@ class WeightSyncWorker:
         return {"aborted": was_open}
 
     def ws_update(self, request: dict) -> dict:
-        """Receive and load buckets; `request` is the JSON body documented in `grpo_async.generation.serve`.
+        """Receive and load buckets; `request` is the JSON body documented in `grpo_async.weight_sync.routes`.
 
         Returns:
             `dict`: `{"tensors": int, "bytes": int, "version": int | None, "seconds": float}` plus
