@@ -133,6 +133,7 @@ def test_update_request_validation_and_pickle_refused(client):
 def test_publisher_streams_a_cuda_model_into_a_server(tiny_model_path, transport):  # pragma: no cover - needs a GPU
     """What users run on a GPU: the trainer's publish path (`PolicyPublisher` → `iter_full_params` of the live CUDA
     model → bucket → CUDA IPC handles or an NCCL broadcast); the engine then matches HF holding the same weights."""
+    pytest.importorskip("vllm", reason="the server end needs vLLM built for CUDA")
     from grpo_async.generation.shared import SharedBackend
     from grpo_async.generation.vllm_backends import VLLMServerBackend
     from grpo_async.pipeline.publisher import PolicyPublisher
