@@ -44,15 +44,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.server_process import launch_server  # noqa: E402
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
 from grpo_async.weight_sync.buckets import group_by_module, iter_buckets  # noqa: E402
-from grpo_async.weight_sync.transports import (  # noqa: E402
-    BroadcastTransport,
-    CudaIpcTransport,
-    ServerClient,
-    ShmTransport,
-)
+from grpo_async.weight_sync.transports import BroadcastTransport, CudaIpcTransport, ShmTransport
 
 SPEC = TinyModelSpec(
     hidden_size=128, intermediate_size=384, num_hidden_layers=34, num_attention_heads=4, num_key_value_heads=4, seed=0

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from grpo_async.weight_sync.transports import free_port
+from grpo_async.generation.http_client import free_port
 
 HERE = os.path.dirname(__file__)
 

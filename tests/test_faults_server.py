@@ -17,8 +17,8 @@ import torch
 from faults_helpers import FakeServer, models_routes, reply_json
 
 from grpo_async.generation.base import SamplingConfig
+from grpo_async.generation.http_client import ServerClient, ServerError, free_port
 from grpo_async.generation.vllm_backends import OpenAIRemoteBackend, VLLMServerBackend
-from grpo_async.weight_sync.transports import ServerClient, ServerError, free_port
 
 HERE = os.path.dirname(__file__)
 SAMPLING = SamplingConfig(n=2, max_tokens=3)

@@ -21,8 +21,8 @@ import pytest
 import requests
 import torch
 
+from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
-from grpo_async.weight_sync.transports import free_port
 
 KEY = "hardening-test-key"
 HEADER_TIMEOUT_S = 3

@@ -14,8 +14,8 @@ import tempfile
 import psutil
 import pytest
 
+from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
-from grpo_async.weight_sync.transports import free_port
 
 GiB, MiB = 2**30, 2**20
 

@@ -9,8 +9,8 @@ from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, hf_logpro
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.base import SamplingConfig
+from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.shared import SharedBackend
-from grpo_async.weight_sync.worker import validate_update_request
 from grpo_async.pipeline.publisher import PolicyPublisher
 from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.lora import (
@@ -22,7 +22,7 @@ from grpo_async.weight_sync.lora import (
     lora_sync_mode,
     vllm_max_lora_rank,
 )
-from grpo_async.weight_sync.transports import ServerClient
+from grpo_async.weight_sync.worker import validate_update_request
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

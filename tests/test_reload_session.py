@@ -15,9 +15,10 @@ import pytest
 import requests
 import torch
 
+from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import launch_server
 from grpo_async.generation.vllm_backends import VLLMServerBackend
-from grpo_async.weight_sync.transports import ServerClient, ServerError, make_transport
+from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"
 IDLE_TIMEOUT_S = 6
@@ -200,7 +201,8 @@ def test_an_aborted_push_loads_nothing(server, weights):
 KILLED_TRAINER = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
-from grpo_async.weight_sync.transports import ServerClient, make_transport
+from grpo_async.generation.http_client import ServerClient
+from grpo_async.weight_sync.transports import make_transport
 url, key, model, upto = sys.argv[1:5]
 state = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
 tr = make_transport("shm", ServerClient(url, api_key=key), bucket_mb=0.01)

@@ -18,8 +18,8 @@ import psutil
 import pytest
 import requests
 
+from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
-from grpo_async.weight_sync.transports import free_port
 
 KEY = "security-test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]

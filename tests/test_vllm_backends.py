@@ -23,6 +23,7 @@ from vllm_utils import (
 )
 
 from grpo_async.generation.base import GenerationBackend, SamplingConfig
+from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.vllm_backends import (
     OpenAIRemoteBackend,
     VLLMColocateBackend,
@@ -31,7 +32,6 @@ from grpo_async.generation.vllm_backends import (
     to_completions_body,
     validate_sampling,
 )
-from grpo_async.weight_sync.transports import ServerClient
 
 pytestmark = pytest.mark.vllm
 

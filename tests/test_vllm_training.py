@@ -17,8 +17,8 @@ from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.base import SamplingConfig
+from grpo_async.generation.http_client import ServerClient
 from grpo_async.testing import tiny_config
-from grpo_async.weight_sync.transports import ServerClient
 
 pytestmark = pytest.mark.vllm
 

@@ -8,12 +8,9 @@ import pytest
 import requests
 from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, digests, hf_greedy, perturbed_state_dict, running_servers
 
+from grpo_async.generation.http_client import ServerClient
 from grpo_async.weight_sync.buckets import group_by_module
-from grpo_async.weight_sync.transports import (
-    BroadcastTransport,
-    ServerClient,
-    ShmTransport,
-)
+from grpo_async.weight_sync.transports import BroadcastTransport, ShmTransport
 
 pytestmark = pytest.mark.vllm
 

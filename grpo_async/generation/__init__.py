@@ -45,7 +45,7 @@ def server_transport(args, urls: list[str]) -> str:
     'ipc' when every server is on this machine (loopback URL), else 'broadcast'."""
     import torch
 
-    from ..weight_sync.transports import is_loopback
+    from .http_client import is_loopback
 
     ipc = "cuda_ipc" if torch.cuda.is_available() else "shm"
     name = args.weight_sync_transport

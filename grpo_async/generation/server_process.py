@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from grpo_async.weight_sync.transports import free_port
+from grpo_async.generation.http_client import free_port
 
 logger = logging.getLogger(__name__)
 

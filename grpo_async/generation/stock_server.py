@@ -39,17 +39,10 @@ from datetime import timedelta
 
 import torch
 
+from grpo_async.generation.http_client import ServerClient, ServerError, address_seen_by, free_port, is_loopback
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.weight_sync.buckets import NamedTensors, bucket_layout, pack_bucket
-from grpo_async.weight_sync.transports import (
-    ServerClient,
-    ServerError,
-    address_seen_by,
-    free_port,
-    is_loopback,
-    pooled_segment,
-    unlink_segments,
-)
+from grpo_async.weight_sync.transports import pooled_segment, unlink_segments
 
 logger = logging.getLogger("grpo_async.stock_server")
 

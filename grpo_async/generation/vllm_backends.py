@@ -35,16 +35,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
+from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
-from grpo_async.weight_sync.transports import (
-    ColocateTransport,
-    ServerAuthError,
-    ServerClient,
-    ServerError,
-    ShmTransport,
-    make_transport,
-)
+from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport, make_transport
 
 logger = logging.getLogger("grpo_async.vllm_backends")
 
