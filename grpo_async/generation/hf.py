@@ -12,6 +12,7 @@ weights only (up to the floating-point effects of its batch-mates' padding), not
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -113,26 +114,42 @@ class HFBackend:
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        # On a GPU the engine issues its kernels on a CUDA stream of its own: on the trainer's (the default) stream,
+        # generation in the background thread and the training step would queue behind each other on the device
+        device = next(self.model.parameters()).device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _on_own_stream(self):
+        """A context that runs the engine's kernels on its own stream, after the work the caller queued so far."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        return torch.cuda.stream(self._stream)
 
     @torch.no_grad()
     def load_weights(self, groups, version: int) -> None:
         """Copy `(module, [(hf_name, tensor), ...])` groups into the generation copy, one group at a time."""
-        with self._lock:
-            params = dict(self.model.named_parameters())
-            for _, tensors in groups:
-                unknown = [k for k, _ in tensors if k not in params]
-                if unknown:
-                    raise KeyError(f"HFBackend.load_weights: unknown parameter names {unknown[:5]}")
-                for name, tensor in tensors:
-                    params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        with self._lock, self._on_own_stream():
+            self._load(groups)
+            if self._stream is not None:
+                self._stream.synchronize()  # the caller may free or overwrite the tensors it handed over
             self.version = version
+
+    def _load(self, groups) -> None:
+        params = dict(self.model.named_parameters())
+        for _, tensors in groups:
+            unknown = [k for k, _ in tensors if k not in params]
+            if unknown:
+                raise KeyError(f"HFBackend.load_weights: unknown parameter names {unknown[:5]}")
+            for name, tensor in tensors:
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self.load_weights(group_by_module(state_dict), version)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        with self._lock:
+        with self._lock, self._on_own_stream():
             out: list[Completion] = []
             step = self.batch_size or len(prompt_ids)
             for start in range(0, len(prompt_ids), step):  # seeded: the chunk's first prompt is prompt `start`
