@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..generation import WEIGHT_SYNC_TRANSPORTS
+from ..weight_sync.names import SYNC_SETTINGS, SyncSetting
 from .checks import Number, checked_field
 
 
@@ -11,10 +11,11 @@ from .checks import Number, checked_field
 class WeightSyncFields:
     """The transport (the backend registry says which each backend takes), bucket size, in-flight updates, LoRA."""
 
-    weight_sync_transport: Literal[WEIGHT_SYNC_TRANSPORTS] = field(
+    weight_sync_transport: SyncSetting = field(
         default="auto",
         metadata={
-            "help": f"One of {WEIGHT_SYNC_TRANSPORTS}; 'auto' picks the best the backend supports (with the openai "
+            "help": f"One of {SYNC_SETTINGS} (see grpo_async.weight_sync.names); 'auto' picks the best the backend "
+            "supports (with the openai "
             "backend: no sync); 'none': the sampler keeps its initial weights."
         },
     )

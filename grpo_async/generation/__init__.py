@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..weight_sync.names import SYNC_SETTINGS
 from .base import Completion, GenerationBackend, SamplingConfig
 
 
@@ -41,17 +42,12 @@ def _vllm_max_model_len(args, model) -> int:
 
 
 def server_transport(args, urls: list[str]) -> str:
-    """`weight_sync_transport` → a server transport: 'ipc' is shared memory on CPU and CUDA IPC on GPU; 'auto' is
-    'ipc' when every server is on this machine (loopback URL), else 'broadcast'."""
+    """`weight_sync_transport` → the wire transport of a server backend (`weight_sync.names.server_transport`)."""
     import torch
 
-    from .http_client import is_loopback
+    from ..weight_sync.names import server_transport as resolve
 
-    ipc = "cuda_ipc" if torch.cuda.is_available() else "shm"
-    name = args.weight_sync_transport
-    if name == "auto":
-        return ipc if all(is_loopback(u) for u in urls) else "broadcast"
-    return ipc if name == "ipc" else name
+    return resolve(args.weight_sync_transport, urls, cuda=torch.cuda.is_available())
 
 
 def _lora_rank(args, model) -> int | None:
@@ -90,7 +86,7 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
         urls,
         api_key=args.vllm_api_key,
         timeout=args.vllm_server_timeout,
-        transport="broadcast" if transport == "none" else transport,
+        transport=transport,
         bucket_mb=args.weight_sync_bucket_mb,
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
@@ -100,14 +96,15 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
 
 def _make_stock_server(args, urls: list[str], transport: str):
     """A stock vLLM server (no `/ws/*` routes): weights through vLLM's RL API into our `grpo_async` weight-transfer
-    engine, over shared memory ('ipc' / 'auto' on this machine) or a gloo broadcast (see `stock_server`)."""
+    engine, over shared memory ('ipc' / 'auto' on this machine; CUDA IPC is not among them) or a gloo broadcast (see
+    `stock_server`); 'none': generation only."""
     from .stock_server import StockVLLMServerBackend
 
     return StockVLLMServerBackend(
         urls,
         api_key=args.vllm_api_key,
         timeout=args.vllm_server_timeout,
-        transport="shm" if transport in ("shm", "cuda_ipc") else "broadcast",
+        transport="shm" if transport == "cuda_ipc" else transport,
         bucket_mb=args.weight_sync_bucket_mb,
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
@@ -120,12 +117,12 @@ def _make_openai(args, model, tokenizer, model_path: str):
 
     from .vllm_backends import OpenAIRemoteBackend
 
-    checkpoint = args.weight_sync_transport == "checkpoint_dir"
+    checkpoint = args.weight_sync_transport == "checkpoint_dir"  # 'auto' and 'none': generation only
     return OpenAIRemoteBackend(
         args.openai_base_url,
         args.openai_model or model_path,
         api_key=args.vllm_api_key,
-        weight_sync="checkpoint_dir" if checkpoint else None,
+        weight_sync="checkpoint_dir" if checkpoint else "none",
         checkpoint_dir=os.path.join(args.output_dir, "sampler_weights") if checkpoint else None,
         timeout=args.vllm_server_timeout,
         max_concurrency=args.vllm_max_concurrency,
@@ -138,8 +135,6 @@ BACKENDS: dict[str, Callable] = {
     "vllm_server": _make_vllm_server,
     "openai": _make_openai,
 }
-#: every `GRPOConfig.weight_sync_transport` value ('none': the sampler keeps its initial weights)
-WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "ipc", "checkpoint_dir", "none")
 #: the weight-sync transports each backend can use; `register_backend` adds the registered backend's
 SYNC_BY_BACKEND: dict[str, tuple[str, ...]] = {
     "hf": ("auto", "none"),
@@ -171,11 +166,11 @@ def register_backend(name: str, factory: Callable, weight_sync: tuple[str, ...] 
     that load a model themselves; the trainer pushes its current weights before the first round anyway.
     `weight_sync`: the `weight_sync_transport` values the backend accepts; with `"auto"` the policy publisher streams
     the weights into its `load_weights`, with `"none"` the sampler keeps its initial weights."""
-    unknown = [t for t in weight_sync if t not in WEIGHT_SYNC_TRANSPORTS]
+    unknown = [t for t in weight_sync if t not in SYNC_SETTINGS]
     if not callable(factory) or unknown or not weight_sync:
         raise ValueError(
             f"register_backend({name!r}): factory must be callable and weight_sync a non-empty tuple of "
-            f"{WEIGHT_SYNC_TRANSPORTS}; got {factory!r}, {weight_sync!r}"
+            f"{SYNC_SETTINGS}; got {factory!r}, {weight_sync!r}"
         )
     BACKENDS[name] = factory
     SYNC_BY_BACKEND[name] = tuple(weight_sync)
@@ -228,7 +223,6 @@ __all__ = [
     "SYNC_BY_BACKEND",
     "SYNC_WHY",
     "SamplingConfig",
-    "WEIGHT_SYNC_TRANSPORTS",
     "make_backend",
     "register_backend",
     "registered_backends",

@@ -36,12 +36,14 @@ import logging
 import threading
 import weakref
 from datetime import timedelta
+from typing import Literal
 
 import torch
 
 from grpo_async.generation.http_client import ServerClient, ServerError, address_seen_by, free_port, is_loopback
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.weight_sync.buckets import NamedTensors, bucket_layout, pack_bucket
+from grpo_async.weight_sync.names import STOCK_TRANSPORTS, StockTransport, check_transport
 from grpo_async.weight_sync.transports import pooled_segment, unlink_segments
 
 logger = logging.getLogger("grpo_async.stock_server")
@@ -61,7 +63,6 @@ RL_ROUTES = (
     "/reset_prefix_cache",
     "/get_world_size",
 )
-STOCK_TRANSPORTS = ("broadcast", "shm")
 
 
 def detect_server_kind(url: str, api_key: str | None = None, timeout: float = 10.0) -> str | None:
@@ -160,14 +161,13 @@ class StockServerTransport:
     def __init__(
         self,
         client: ServerClient,
-        transport: str = "broadcast",
+        transport: StockTransport = "broadcast",
         *,
         master_address: str | None = None,
         group_timeout: float = 60.0,
         timeout: float | None = None,
     ):
-        if transport not in STOCK_TRANSPORTS:
-            raise ValueError(f"a stock vLLM server takes weights over {STOCK_TRANSPORTS}, not {transport!r}")
+        check_transport(transport, STOCK_TRANSPORTS, "a stock vLLM server's transport")
         if transport == "shm" and not is_loopback(client.url):
             raise ValueError(f"transport 'shm' needs a server on this machine; {client.url} is not a loopback URL")
         self.client, self.name = client, transport
@@ -332,7 +332,8 @@ class StockVLLMServerBackend(VLLMServerBackend):
 
     Args:
         urls (`list[str]`): server base URLs.
-        transport (`str`, *optional*, defaults to `"broadcast"`): `"broadcast"` or `"shm"` (servers on this machine).
+        transport (`str`, *optional*, defaults to `"broadcast"`): `"broadcast"`, `"shm"` (servers on this machine)
+            or `"none"` (generation only: `load_weights` raises).
         **kwargs: as `VLLMServerBackend` (`api_key`, `timeout`, `bucket_mb`, `model`, `max_concurrency`,
             `master_address`, `inflight_updates`, `group_timeout`).
 
@@ -341,11 +342,12 @@ class StockVLLMServerBackend(VLLMServerBackend):
             `grpo_async` weight-transfer engine (`--weight-transfer-config '{"backend": "grpo_async"}'`).
     """
 
-    def __init__(self, urls: list[str], *, transport: str = "broadcast", **kwargs):
-        if transport not in STOCK_TRANSPORTS:
-            raise ValueError(f"a stock vLLM server takes weights over {STOCK_TRANSPORTS}, not {transport!r}")
+    def __init__(self, urls: list[str], *, transport: StockTransport | Literal["none"] = "broadcast", **kwargs):
+        check_transport(transport, (*STOCK_TRANSPORTS, "none"), "a stock vLLM server's transport")
         super().__init__(urls, transport=transport, **kwargs)
-        self.server_info = {c.url: check_stock_server(c) for c in self.router.live}
+        self.server_info = {}  # generation only ('none') needs no weight-transfer engine
+        if transport != "none":
+            self.server_info = {c.url: check_stock_server(c) for c in self.router.live}
 
     def _transport(self, client: ServerClient, device: torch.device):
         tr = self.transports.get(client.url)

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Literal
 
 import torch
 
@@ -38,6 +39,7 @@ from grpo_async.generation.base import Completion, GenerationAborted, SamplingCo
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
+from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
 from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport, make_transport
 
 logger = logging.getLogger("grpo_async.vllm_backends")
@@ -537,8 +539,9 @@ class VLLMServerBackend:
         urls (`list[str]`): server base URLs, e.g. `["http://127.0.0.1:8000"]`.
         api_key (`str`, *optional*): the servers' `--api-key`.
         timeout (`float`, *optional*, defaults to 120): seconds any request (generation or weight push) may take.
-        transport (`str`, *optional*, defaults to `"broadcast"`): `"broadcast"` (gloo on CPU / NCCL on GPU, works
-            for remote servers), `"shm"` (CPU, same machine) or `"cuda_ipc"` (GPU, same machine).
+        transport (`str`, *optional*, defaults to `"broadcast"`): a wire transport (`weight_sync.names`):
+            `"broadcast"` (gloo on CPU / NCCL on GPU, works for remote servers), `"shm"` (CPU, same machine),
+            `"cuda_ipc"` (GPU, same machine), or `"none"` (generation only: `load_weights` raises).
         bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
         model (`str`, *optional*): served model name; asked from `/v1/models` when omitted.
         max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
@@ -562,7 +565,7 @@ class VLLMServerBackend:
         *,
         api_key: str | None = None,
         timeout: float = 120.0,
-        transport: str = "broadcast",
+        transport: WireTransport | Literal["none"] = "broadcast",
         bucket_mb: float | None = 64.0,
         model: str | None = None,
         max_concurrency: int = 16,
@@ -575,8 +578,7 @@ class VLLMServerBackend:
             urls = [urls]
         if not urls:
             raise ValueError("VLLMServerBackend needs at least one server url")
-        if transport not in ("broadcast", "shm", "cuda_ipc"):
-            raise ValueError(f"transport must be 'broadcast', 'shm' or 'cuda_ipc', got {transport!r}")
+        check_transport(transport, (*WIRE_TRANSPORTS, "none"), f"{type(self).__name__} transport")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if rejoin_interval is not None and not rejoin_interval >= 0:
@@ -678,6 +680,11 @@ class VLLMServerBackend:
         self._lora_checked = True
 
     def _push(self, groups: Groups, version: int, lora: dict | None = None) -> None:
+        if self.transport_name == "none":
+            raise RuntimeError(
+                f"{type(self).__name__}(transport='none') generates only (GRPOConfig.weight_sync_transport='none'): "
+                "it takes no weights; build it with a wire transport ('broadcast', 'shm', 'cuda_ipc') to push them"
+            )
         errors: list[str] = []
         sessions = {}
         for client in list(self.router.live):
@@ -751,16 +758,16 @@ class VLLMServerBackend:
 class OpenAIRemoteBackend:
     """Generation on any OpenAI-compatible `/v1/completions` server (vLLM, SGLang, TGI, a hosted API).
 
-    Remote engines cannot take IPC handles or join our process group: `weight_sync` is `None` (generation only;
-    `update_weights` raises) or `"checkpoint_dir"` (each update is written as `checkpoint_dir/version-<v>/
+    Remote engines cannot take IPC handles or join our process group: `weight_sync` is `"none"` (generation only;
+    `load_weights` raises) or `"checkpoint_dir"` (each update is written as `checkpoint_dir/version-<v>/
     model.safetensors` plus `latest` pointing at it, for the remote's operator to reload).
 
     Args:
         base_url (`str`): e.g. `"http://host:8000"` or `"http://host:8000/v1"`.
         model (`str`): model name sent with each request.
         api_key (`str`, *optional*): bearer token.
-        weight_sync (`str`, *optional*): `None` or `"checkpoint_dir"`; `"broadcast"`, `"shm"`, `"cuda_ipc"` and any
-            other value raise `ValueError`.
+        weight_sync (`str`, *optional*, defaults to `"none"`): `"none"` or `"checkpoint_dir"` (the names of
+            `weight_sync.names`); `"broadcast"`, `"shm"`, `"cuda_ipc"` and any other value raise `ValueError`.
         checkpoint_dir (`str`, *optional*): required with `weight_sync="checkpoint_dir"`.
         timeout (`float`, *optional*, defaults to 120): seconds per request.
         max_concurrency (`int`, *optional*, defaults to 8): requests in flight.
@@ -775,15 +782,15 @@ class OpenAIRemoteBackend:
         model: str,
         *,
         api_key: str | None = None,
-        weight_sync: str | None = None,
+        weight_sync: Literal["none", "checkpoint_dir"] = "none",
         checkpoint_dir: str | None = None,
         timeout: float = 120.0,
         max_concurrency: int = 8,
     ):
-        if weight_sync not in (None, "checkpoint_dir"):
+        if weight_sync not in ("none", "checkpoint_dir"):
             raise ValueError(
                 f"OpenAIRemoteBackend cannot sync weights with {weight_sync!r}: a remote OpenAI-compatible engine "
-                "takes neither IPC handles (shm/cuda_ipc) nor a process-group broadcast. Use weight_sync=None "
+                "takes neither IPC handles (shm/cuda_ipc) nor a process-group broadcast. Use weight_sync='none' "
                 "(generation only), weight_sync='checkpoint_dir', or VLLMServerBackend with a grpo-async serve server."
             )
         if weight_sync == "checkpoint_dir" and not checkpoint_dir:
@@ -805,9 +812,9 @@ class OpenAIRemoteBackend:
     def load_weights(self, groups: Groups, version: int) -> None:
         """`checkpoint_dir`: write `version-<v>/` as safetensors shards (one per bucket, with the standard
         `model.safetensors.index.json`), then point `latest` at it."""
-        if self.weight_sync is None:
+        if self.weight_sync == "none":
             raise RuntimeError(
-                "OpenAIRemoteBackend(weight_sync=None) is generation-only and cannot receive weights; "
+                "OpenAIRemoteBackend(weight_sync='none') is generation-only and cannot receive weights; "
                 "use weight_sync='checkpoint_dir' or a VLLMServerBackend"
             )
         import json

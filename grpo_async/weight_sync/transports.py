@@ -38,6 +38,7 @@ import torch
 
 from grpo_async.generation.http_client import ServerClient, ServerError, address_seen_by, free_port
 from grpo_async.weight_sync.buckets import BucketPlan, NamedTensors, bucket_layout, iter_buckets, pack_bucket
+from grpo_async.weight_sync.names import WireTransport
 
 logger = logging.getLogger("grpo_async.weight_sync")
 
@@ -227,13 +228,13 @@ class _ServerTransport(WeightTransport):
     def _start_push(self) -> None:  # noqa: B027 - optional hook
         """Called once before each push's first bucket."""
 
+    @abstractmethod
     def _empty_extra(self) -> dict:
-        if self.name == "broadcast":
-            return {"group": self.group_name}
-        return {"segments": []} if self.name == "shm" else {"handles": []}
+        """The transport's own fields of a `/ws/update` request that carries no bucket (an abort)."""
 
     @abstractmethod
-    def _session(self, plans: list[BucketPlan], extra: dict) -> dict: ...
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        """Send `plans` (packed here) in one `/ws/update` request carrying `extra`; return the server's answer."""
 
 
 class _Stream:
@@ -390,6 +391,9 @@ class BroadcastTransport(_ServerTransport):
         call.result(self.timeout)
         self.world_size = world
 
+    def _empty_extra(self) -> dict:
+        return {"group": self.group_name}
+
     def _broadcast(self, bufs: dict[str, torch.Tensor]):
         from torch.distributed import BroadcastOptions
 
@@ -496,6 +500,9 @@ class ShmTransport(_ServerTransport):
         self._finalizer = weakref.finalize(self, unlink_segments, self._pool)
         self._counter = 0
 
+    def _empty_extra(self) -> dict:
+        return {"segments": []}
+
     def _segment(self, key, nbytes: int):
         return pooled_segment(self._pool, key, nbytes)
 
@@ -586,6 +593,9 @@ class CudaIpcTransport(_ServerTransport):
         if self.device.type != "cuda":
             raise ValueError(f"CudaIpcTransport needs a CUDA device, got {device!r}; use 'shm' on CPU")
 
+    def _empty_extra(self) -> dict:
+        return {"handles": []}
+
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
         keep, handles = [], []
         for plan in plans:
@@ -599,15 +609,17 @@ class CudaIpcTransport(_ServerTransport):
         return out
 
 
-#: name → transport class for a server target.
-TRANSPORTS: dict[str, type[_ServerTransport]] = {
+#: wire transport name (`weight_sync.names.WIRE_TRANSPORTS`) → transport class for a server target.
+TRANSPORTS: dict[WireTransport, type[_ServerTransport]] = {
     "broadcast": BroadcastTransport,
     "shm": ShmTransport,
     "cuda_ipc": CudaIpcTransport,
 }
 
 
-def make_transport(name: str, client: ServerClient, bucket_mb: float | None = 64.0, **kwargs) -> _ServerTransport:
+def make_transport(
+    name: WireTransport, client: ServerClient, bucket_mb: float | None = 64.0, **kwargs
+) -> _ServerTransport:
     """Build the server transport registered under `name` (`"broadcast"`, `"shm"`, `"cuda_ipc"`)."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; choose one of {sorted(TRANSPORTS)}")

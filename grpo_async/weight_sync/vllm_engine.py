@@ -41,13 +41,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
+from grpo_async.weight_sync.names import STOCK_TRANSPORTS
 from grpo_async.weight_sync.worker import AttachedSegment, close_segments
 
 logger = logging.getLogger("grpo_async.vllm_engine")
 
 #: the name this engine is registered under: `--weight-transfer-config '{"backend": "grpo_async"}'`
 BACKEND_NAME = "grpo_async"
-ENGINE_TRANSPORTS = ("broadcast", "shm")
+ENGINE_TRANSPORTS = STOCK_TRANSPORTS  # what vLLM's RL API carries (weight_sync.names)
 
 
 @dataclass

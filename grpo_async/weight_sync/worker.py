@@ -50,6 +50,7 @@ import torch
 
 from grpo_async.generation.server_process import exit_with_parent
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
+from grpo_async.weight_sync.names import WIRE_TRANSPORTS
 
 logger = logging.getLogger("grpo_async.ws_worker")
 
@@ -64,7 +65,6 @@ class _RotaryReloadFilter(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
 
-TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
 #: what happens to requests in flight during a weight update: "wait" (they finish on the old weights first) or
 #: "keep" (they are frozen, and resume on the new weights after the update: in-flight updates)
 PAUSE_MODES = ("wait", "keep")
@@ -100,8 +100,8 @@ def validate_update_request(req: object) -> dict:
     unknown = set(req) - allowed
     if unknown:
         raise ValueError(f"unknown keys in weight-update request: {sorted(unknown)}; allowed: {sorted(allowed)}")
-    if req.get("transport") not in TRANSPORTS:
-        raise ValueError(f"'transport' must be one of {TRANSPORTS}, got {req.get('transport')!r}")
+    if req.get("transport") not in WIRE_TRANSPORTS:
+        raise ValueError(f"'transport' must be one of {WIRE_TRANSPORTS}, got {req.get('transport')!r}")
     buckets = req.get("buckets")
     if not isinstance(buckets, list):
         raise ValueError("'buckets' must be a list of bucket layouts")
