@@ -109,6 +109,7 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.version = 0
+        self.completions_generated = 0  # every completion `generate` returned (its own count: tests, metrics)
         self._lock = threading.Lock()
         self._aborted = threading.Event()
         eos = self.model.generation_config.eos_token_id
@@ -156,7 +157,9 @@ class HFBackend:
                 self._check_aborted()
                 out.extend(self._generate_chunk(prompt_ids[start : start + step], sampling.for_prompt(start)))
                 self._check_aborted()  # the chunk stopped early: its completions are cut, never returned
-            return check_completions(out, len(prompt_ids), sampling.n, "HFBackend")
+            out = check_completions(out, len(prompt_ids), sampling.n, "HFBackend")
+            self.completions_generated += len(out)
+            return out
 
     def abort(self) -> None:
         """End the `generate` call in progress at its next token (another thread may call it); `generate` raises

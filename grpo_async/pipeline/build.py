@@ -5,10 +5,14 @@ component        file              settings it reads          receives          
 ───────────────  ────────────────  ─────────────────────────  ────────────────────────────  ───────────────────────
 engine           generation/       generation_backend,        the unwrapped policy, the     make_trainer_backend
 (SharedBackend)  shared.py,        vllm_*, openai_*,          tokenizer, the model source   (the backend registry),
-                 __init__.py       weight_sync_transport      (main process, first use)     once
-PolicyPublisher  pipeline/         syncs_weights,             the engine (main process)     engine.load_weights /
-                 publisher.py      weight_sync_inflight,                                    engine.load_adapter
+                 __init__.py       weight_sync_transport      (first use; main process, or  once
+                                                              every rank: see below)
+PolicyPublisher  pipeline/         syncs_weights,             the engine (where there is    engine.load_weights /
+                 publisher.py      weight_sync_inflight,      one)                          engine.load_adapter
                                    vllm_lora_sync
+RoundJoiner      pipeline/         G, scale_rewards,          the producer's reward         —
+(engine on       join.py           multi_objective_agg.,      weights and names
+every rank)                        the pad token
 RoundProducer    pipeline/         producer_settings(): G,    engine, tokenizer, reward     engine.generate, reward
                  producer.py       sampling, lengths,         functions, names, weights,    functions, environment
                                    rewards, seed              environment, trainer columns  or rollout_func
@@ -23,10 +27,18 @@ RoundScheduler   pipeline/         scheduler_settings():      collectives (gathe
 Everything the components read from the trainer while training runs (the model, wrapped by the Trainer after
 construction; its state; its metrics) goes through one [`TrainerLink`]; everything they exchange across processes
 through one [`AcceleratorCollectives`] (`pipeline/collectives.py`).
+
+Where generation runs ([`generates_on_every_rank`]): with several processes and an engine that lives in the training
+process (`hf`, in-process `vllm`), every rank builds its own engine, generates and scores its own rows of each round
+(whole groups) and publishes its own model into it, as TRL does: no weights cross processes, and N engines generate
+at once. The ranks' parts are joined on every rank (`pipeline/join.py`: advantages over the whole round). Servers,
+the OpenAI backend, registered backends and TRL's `rollout_func` keep the main-process design: the main process
+generates every row and broadcasts the round.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +50,38 @@ from ..generation.shared import SharedBackend
 from ..weight_sync.lora import lora_sync_mode
 from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
+from .join import JoinSettings, RoundJoiner
 from .producer import RoundProducer
 from .publisher import PolicyPublisher
 from .scheduler import RoundScheduler
+
+logger = logging.getLogger(__name__)
+
+#: backends whose engine lives in the training process: with several processes, one engine per rank
+IN_PROCESS_BACKENDS = ("hf", "vllm")
+
+
+def generates_on_every_rank(config, num_processes: int, rollout_func=None) -> bool:
+    """Whether every rank generates its own rows with its own engine: several processes, an in-process backend
+    ([`IN_PROCESS_BACKENDS`]), no `rollout_func` (it generates for the whole round), and each process's rows of a
+    round (`generation_batch_size / processes`) whole groups of `num_generations` (a group is never split across
+    ranks: its G completions are generated in one call, share one prompt prefill and are scored together). When the
+    rows split a group the main process generates, and the log says why."""
+    if num_processes == 1 or config.generation_backend not in IN_PROCESS_BACKENDS or rollout_func is not None:
+        return False
+    local, G = config.generation_batch_size // num_processes, config.num_generations
+    if local % G:
+        logger.warning(
+            "generation_backend=%r with %d processes: each process's %d rows of a round split groups of "
+            "num_generations=%d, so the main process generates every row (an engine on every rank needs "
+            "generation_batch_size / processes to be a multiple of num_generations)",
+            config.generation_backend,
+            num_processes,
+            local,
+            G,
+        )
+        return False
+    return True
 
 
 class TrainerLink:
@@ -97,12 +138,13 @@ class EngineFactory:
 class Pipeline:
     """The components `build_pipeline` returns (see the module's table)."""
 
-    engine: SharedBackend | None  # main process only
+    engine: SharedBackend | None  # where generation runs: the main process, or every rank (`per_rank`)
     publisher: PolicyPublisher
     producer: RoundProducer
     consumer: RoundConsumer
     scheduler: RoundScheduler
     collectives: AcceleratorCollectives
+    per_rank: bool = False  # every rank generates its own rows (`generates_on_every_rank`)
 
 
 def build_pipeline(
@@ -140,7 +182,9 @@ def build_pipeline(
     """
     from ..trainer_setup import consumer_settings, producer_settings, scheduler_settings
 
-    engine = SharedBackend(EngineFactory(config, link, tokenizer, model_source)) if collectives.is_main else None
+    per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
+    has_engine = per_rank or collectives.is_main
+    engine = SharedBackend(EngineFactory(config, link, tokenizer, model_source)) if has_engine else None
     publisher = PolicyPublisher(
         engine,
         enabled=config.syncs_weights,
@@ -167,6 +211,14 @@ def build_pipeline(
         gather=collectives.gather_tensor,
         log=link.record,
     )
+    join = None
+    if per_rank:
+        ps = producer_settings(config)
+        join = RoundJoiner(
+            JoinSettings(ps.num_generations, ps.scale_rewards, ps.multi_objective_aggregation, tokenizer.pad_token_id),
+            reward_weights=lambda: producer.reward_weights,
+            reward_names=lambda: producer.reward_names,
+        )
     scheduler = RoundScheduler(
         scheduler_settings(config),
         collectives,
@@ -175,5 +227,6 @@ def build_pipeline(
         publisher=publisher,
         log=link.record,
         steps_left=link.steps_left,
+        join=join,
     )
-    return Pipeline(engine, publisher, producer, consumer, scheduler, collectives)
+    return Pipeline(engine, publisher, producer, consumer, scheduler, collectives, per_rank)

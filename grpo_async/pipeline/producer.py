@@ -155,9 +155,13 @@ class RoundProducer:
             s.seed = derive_seed(self.s.seed, round_id) + row
         return s
 
-    def generate(self, prompts: list, rows: list[dict], prompt_ids: list[list[int]], round_id: int, G: int):
+    def generate(
+        self, prompts: list, rows: list[dict], prompt_ids: list[list[int]], round_id: int, G: int, first_row: int = 0
+    ):
         """Completions grouped by prompt (`[R]`), the sampler's version, and the number of generate calls. Holds the
-        backend's lock for the whole round, so the round runs on one version of the weights."""
+        backend's lock for the whole round, so the round runs on one version of the weights. `first_row`: the round
+        row of `rows[0]` (an engine on every rank generates rows `[first_row, first_row + R)` of the round; their
+        seeds are those of the same rows in one process)."""
         with self.backend.lock:
             backend = self.backend.get()
             version = backend.version if self.s.syncs_weights and backend.version is not None else 0
@@ -176,7 +180,7 @@ class RoundProducer:
                     prompts,
                     prompt_ids,
                     rows,
-                    self._sampling(G, round_id, 0),
+                    self._sampling(G, round_id, first_row),
                     G,
                     self.s.max_completion_length,
                     tokenize=lambda messages, kw: self.tokenize_prompts([messages], kw)[0][0],
@@ -190,8 +194,8 @@ class RoundProducer:
                 repeated = [p for p in prompt_ids for _ in range(G)]
                 calls = [(repeated[sl], 1, sl.start) for sl in chunk_slices(len(repeated), size)]
             completions: list[Completion] = []
-            for chunk, n, first_row in calls:  # (chunk, n, the round row of the call's first completion)
-                completions += backend.generate(chunk, self._sampling(n, round_id, first_row))
+            for chunk, n, call_row in calls:  # (chunk, n, the row of the call's first completion in `rows`)
+                completions += backend.generate(chunk, self._sampling(n, round_id, first_row + call_row))
             return completions, version, len(calls)
 
     def score(self, rows: list[dict], completions: list[Completion], logs: RewardLogs | None = None) -> torch.Tensor:
@@ -243,7 +247,9 @@ class RoundProducer:
         prompt_ids, truncated = self.tokenize_prompts(prompts)
         self._check_aborted(request.round_id)
         t0 = time.perf_counter()
-        completions, version, rollout_calls = self.generate(prompts, rows, prompt_ids, request.round_id, G)
+        completions, version, rollout_calls = self.generate(
+            prompts, rows, prompt_ids, request.round_id, G, request.first_row
+        )
         t_gen = time.perf_counter() - t0
         self._check_aborted(request.round_id)  # shutting down: the rewards (maybe slow) are not computed
         t0 = time.perf_counter()
@@ -282,7 +288,7 @@ class RoundProducer:
             "extra": logs.extra,  # log_extra columns
         }
         self.rounds_produced += 1
-        return Round(request.round_id, version, batch, metrics, samples)
+        return Round(request.round_id, version, batch, metrics, samples, rewards_per_func=rewards_per_func)
 
     def _batch(self, prompt_rep: list, completions: list[Completion], advantages, version: int, round_id: int):
         """The `MicroBatch` `[R]` of completions (row i after prompt `prompt_rep[i]`), padded, with the loss mask."""

@@ -29,6 +29,17 @@ Every rank computes the same horizon from the same state (the trainer's global s
 gathers of `_submit` stay matched.
 
 Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
+
+Two ways to spread a round over N processes:
+
+```txt
+main process generates (servers, OpenAI, rollout_func, 1 process):   an engine on every rank (`join` given):
+  every rank ─gather rows─▶ main: producer([R]) ─broadcast─▶ [R]       rank i: producer(its rows [L], first_row=i·L)
+                                                                       ─gather parts─▶ join → [R] on every rank
+```
+With `join` (the `hf` backend and in-process vLLM with several processes, `build.generates_on_every_rank`) every rank
+runs its own job queue and engine on its own rows; at fetch the parts are gathered on every rank and joined
+(`pipeline/join.py`: advantages over the whole round); the consumer then takes this rank's rows as before.
 The trainer calls `end_step` after the last micro-step of each optimizer step: the scheduler times the trainer's waits
 for the generator and the generator's busy seconds, and logs how well the step overlapped them (`pipeline/overlap.py`).
 """
@@ -81,6 +92,9 @@ class RoundScheduler:
         steps_left (`Callable[[], int]`, *optional*): optimizer steps the trainer will still run, the one in
             progress included (`max_steps - global_step`); rounds past them are never generated. `None`: no bound
             but the epoch's end.
+        join (`Callable[[list[Round]], Round]`, *optional*): given when every rank generates its own rows with its
+            own engine (`pipeline/join.py: RoundJoiner`): joins the ranks' parts of a round into the whole round.
+            `None`: the main process generates every row.
     """
 
     def __init__(
@@ -92,12 +106,15 @@ class RoundScheduler:
         publisher: PolicyPublisher,
         log: Callable[[str, float], None],
         steps_left: Callable[[], int] | None = None,
+        join: Callable[[list[Round]], Round] | None = None,
     ):
         self.s = settings
         self.steps_left = steps_left
         self.dist = collectives
         self.producer, self.consumer = producer, consumer
         self.publisher, self.log = publisher, log
+        self.join = join
+        self.generates = collectives.is_main or join is not None  # this process runs a job queue and an engine
         self.generate_every = settings.steps_per_generation * settings.num_iterations  # micro-steps per round
         # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
         self.order = reuse_order(
@@ -118,6 +135,9 @@ class RoundScheduler:
         # main process: rounds taken from the job queue before their turn (a checkpoint saves them), or restored from
         # a checkpoint; a round that failed holds its error, raised when the round is fetched
         self._ready: dict[int, Round | BaseException] = {}
+        # engine on every rank (`join`): whole rounds joined before their turn (a checkpoint joins the rounds ahead)
+        # or restored from a checkpoint, on every rank alike
+        self._joined: dict[int, Round | BaseException] = {}
 
     # ---- the trainer's calls -------------------------------------------------------------------------------
     def attach(self, loader) -> None:
@@ -198,6 +218,7 @@ class RoundScheduler:
         self._window.reset()  # the next `train()` opens a new one
         self.submitted.clear()
         self._ready.clear()
+        self._joined.clear()
         self._buffered = None
         return busy
 
@@ -212,7 +233,15 @@ class RoundScheduler:
             "round": self.round,  # next round to train
             "submitted_rounds": sorted(self.submitted),  # generated ahead, not trained
         }
-        if self.dist.is_main and self.generator is not None:
+        if self.join is not None and self.generator is not None:  # every rank: the parts are gathered and joined
+            start = time.perf_counter()
+            try:
+                done = [self._joined_round(round_id) for round_id in sorted(self.submitted)]
+            finally:
+                self._add_wait(time.perf_counter() - start)
+            if self.dist.is_main:
+                state["in_flight"] = [r for r in done if isinstance(r, Round)]
+        elif self.dist.is_main and self.generator is not None:
             done = [self._finish(round_id) for round_id in sorted(self.submitted)]
             state["in_flight"] = [r for r in done if isinstance(r, Round)]
         return state
@@ -223,14 +252,18 @@ class RoundScheduler:
         self.round = state["round"]
         self.submitted.clear()
         self._ready.clear()
+        self._joined.clear()
         self._buffered = None
-        for rnd in state.get("in_flight") or []:
+        for rnd in state.get("in_flight") or []:  # whole rounds, whichever way they were generated
             self.submitted.add(rnd.round_id)  # every rank: the gathers of `_submit` stay matched
-            if self.dist.is_main:
+            if self.join is not None:  # every rank holds the whole round, as if joined
+                self._joined[rnd.round_id] = rnd
+            elif self.dist.is_main:
                 self._ready[rnd.round_id] = rnd
 
     def _finish(self, round_id: int) -> Round | BaseException:
-        """Round `round_id` (submitted ahead), waited for and kept in `_ready` until its turn (main process)."""
+        """Round `round_id` (submitted ahead), waited for and kept in `_ready` until its turn (the process that
+        generated it: main, or with `join` every rank its own part)."""
         if round_id not in self._ready:
             start = time.perf_counter()
             try:
@@ -244,9 +277,37 @@ class RoundScheduler:
     def _collect(self, round_id: int) -> Round:
         return self.generator.get(round_id)
 
+    def _joined_round(self, round_id: int) -> Round | BaseException:
+        """With `join` (every rank, at the same point): round `round_id` whole, kept in `_joined` until its turn:
+        this rank's part (waited for), every rank's parts gathered, joined. A part that failed fails the round on
+        every rank (its error, or a `RuntimeError` naming the rank that failed)."""
+        if round_id not in self._joined:
+            part = self._ready.pop(round_id) if round_id in self._ready else self._part(round_id)
+            mine = f"{type(part).__name__}: {part}" if isinstance(part, BaseException) else part
+            parts = self.dist.gather([mine])  # [N] every rank's part (or error text), rank order
+            failed = [(i, p) for i, p in enumerate(parts) if isinstance(p, str)]
+            if isinstance(part, BaseException):
+                self._joined[round_id] = part
+            elif failed:
+                i, text = failed[0]
+                self._joined[round_id] = RuntimeError(f"Async generation failed on process {i}: {text}")
+            else:
+                try:
+                    self._joined[round_id] = self.join(parts)
+                except Exception as e:  # every rank joins the same parts: every rank fails alike
+                    self._joined[round_id] = e
+        return self._joined[round_id]
+
+    def _part(self, round_id: int) -> Round | BaseException:
+        """This rank's part of round `round_id` (waited for; the caller counts the wait), or its error."""
+        try:
+            return self._collect(round_id)
+        except Exception as e:
+            return e
+
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
-        if self.dist.is_main and self.generator is None:
+        if self.generates and self.generator is None:
             self.generator = RoundQueue(
                 self.producer,
                 max_queue_size=self.s.max_queue_size,
@@ -287,12 +348,16 @@ class RoundScheduler:
                 break
             todo.append((self.round + j, future))
         for round_id, rows in todo:
-            all_rows = self.dist.gather(list(rows))  # every rank's rows, rank order
+            if self.join is not None:  # this rank's rows, on its own engine: rows [i·L, (i+1)·L) of the round
+                request = RoundRequest(round_id, list(rows), first_row=self.dist.process_index * len(rows))
+            else:
+                all_rows = self.dist.gather(list(rows))  # every rank's rows, rank order
+                request = RoundRequest(round_id, all_rows) if self.dist.is_main else None
             self.submitted.add(round_id)
-            if self.dist.is_main:
+            if request is not None:
                 start = time.perf_counter()  # waits when the queue is full
                 try:
-                    self.generator.submit(RoundRequest(round_id, all_rows))
+                    self.generator.submit(request)
                 finally:
                     self._add_wait(time.perf_counter() - start)
 
@@ -300,6 +365,11 @@ class RoundScheduler:
         """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
         rnd, err = None, None
         start = time.perf_counter()
+        if self.join is not None:  # every rank: its part, every rank's parts gathered and joined
+            rnd = self._joined.pop(self.round) if self.round in self._joined else self._joined_round(self.round)
+            if isinstance(rnd, BaseException):
+                raise rnd
+            return self._received(rnd, time.perf_counter() - start)
         if self.dist.is_main:
             try:
                 rnd = self._ready.pop(self.round) if self.round in self._ready else self._collect(self.round)
@@ -314,6 +384,13 @@ class RoundScheduler:
             raise err
         if isinstance(rnd, str):
             raise RuntimeError(f"Async generation failed on the main process: {rnd}")
+        return self._received(rnd, wait, counted=True)
+
+    def _received(self, rnd: Round, wait: float, counted: bool = False) -> Round:
+        """Log the fetched round's metrics and timings; `wait`: seconds waited for it (added to the step's waits
+        unless already `counted`)."""
+        if not counted:
+            self._add_wait(wait)
         for k, v in rnd.metrics.items():
             self.log(k, v)
         self.log("timing/generation", rnd.generation_time)

@@ -29,11 +29,16 @@ class RoundRequest:
     Args:
         round_id (`int`): global index of the round (across epochs).
         rows (`list[dict]`): `[R]` dataset rows of every process, in rank order; each prompt's G copies are
-            consecutive (the `RepeatSampler` layout).
+            consecutive (the `RepeatSampler` layout). With an engine on every rank (`pipeline/join.py`): `[L]`, this
+            process's rows only (whole groups).
+        first_row (`int`, *optional*, defaults to 0): index of `rows[0]` in the whole round (`process_index × L` with
+            an engine on every rank): seeds and row indices count from it, so a row samples as it would in one
+            process.
     """
 
     round_id: int
     rows: list[dict]
+    first_row: int = 0
 
 
 @dataclass
@@ -129,6 +134,8 @@ class Round:
         metrics (`dict[str, float]`): rewards, lengths, timings of this round.
         samples (`dict`): prompts, completions and rewards for the completions table.
         generation_time (`float`): seconds the producer spent on the round (set by the job queue).
+        rewards_per_func (`torch.Tensor`, *optional*): `[R, F]` each reward function's reward of each row (what the
+            advantages were computed from; `pipeline/join.py` recomputes them over the rows of every rank).
     """
 
     round_id: int
@@ -137,3 +144,4 @@ class Round:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
     generation_time: float = 0.0
+    rewards_per_func: torch.Tensor | None = None  # [R, F]

@@ -1,0 +1,168 @@
+"""`RoundJoiner`: the rounds every rank generated for its own rows, joined into the round one process would have made.
+
+With an engine on every rank (the `hf` backend and in-process vLLM with several training processes,
+`build.generates_on_every_rank`), process i generates and scores rows `[i·L, (i+1)·L)` of round r with its own engine
+(L = R / N, whole groups: a prompt's G completions stay on one rank); the scheduler gathers the N parts on every rank
+(`collectives.gather`, on the trainer thread) and joins them here. Advantages are computed over the joined rewards, so
+they equal the single-process computation for every `scale_rewards` (`"batch"` normalises over the whole round) and
+`multi_objective_aggregation`:
+
+```txt
+rank 0: rows [0, L)   engine 0 → completions, rewards [L, F] ─┐  gather           join (every rank)
+rank 1: rows [L, 2L)  engine 1 → completions, rewards [L, F] ─┴────────▶ [R] rows, rewards [R, F] → advantages [R]
+                                                                          → the consumer keeps rows [i·L, (i+1)·L)
+```
+Example (G = 2, two ranks, one prompt each, `scale_rewards="batch"`): rewards [1, 0] and [1, 1] → the round's
+rewards [1, 0, 1, 1], group means [0.5, 0.5, 1, 1], batch std 0.5 → advantages [1, -1, 0, 0] (rank 1 alone would
+give [0, 0] and rank 0 alone [0.707, -0.707]).
+
+Metrics: the reward and length metrics are recomputed over the joined rows (exactly the single-process values); the
+others combine the ranks' values: counts summed, extremes taken, timings the slowest rank's, the rest averaged over
+the ranks (every rank has L rows, so a per-row mean is exact; the means of `completions/*_terminated_length` and of
+`log_metric` values are means of the ranks' means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
+from .metrics import ROUND_TOKENS
+from .types import MicroBatch, Round
+
+#: metrics summed over the ranks (counts over rows)
+SUMMED = ("prompts/truncated", "chunks/rollout", ROUND_TOKENS)
+
+
+@dataclass
+class JoinSettings:
+    """What joining needs of the config and the producer (no config object below the trainer)."""
+
+    num_generations: int  # G
+    scale_rewards: str
+    multi_objective_aggregation: str
+    pad_token_id: int
+
+
+class RoundJoiner:
+    """Joins the ranks' parts of a round (`__call__(parts) -> Round`).
+
+    Args:
+        settings (`JoinSettings`).
+        reward_weights (`Callable[[], torch.Tensor]`): the reward weights `[F]` now (the producer's: a user may set
+            `trainer.reward_weights` between rounds).
+        reward_names (`Callable[[], list[str]]`): the reward functions' names now.
+    """
+
+    def __init__(
+        self,
+        settings: JoinSettings,
+        reward_weights: Callable[[], torch.Tensor],
+        reward_names: Callable[[], list[str]],
+    ):
+        self.s = settings
+        self.reward_weights, self.reward_names = reward_weights, reward_names
+
+    def __call__(self, parts: list[Round]) -> Round:
+        """`parts[i]`: rank i's round of its rows `[L]` (`RoundProducer` on `RoundRequest(first_row=i·L)`). Returns
+        the `[R]` round, `R = N·L`, with advantages over the joined rewards."""
+        G = self.s.num_generations
+        first = parts[0]
+        for i, p in enumerate(parts):
+            if p.round_id != first.round_id:
+                raise RuntimeError(f"joining round {first.round_id}: rank {i} sent round {p.round_id}")
+            if p.rewards_per_func is None:
+                raise RuntimeError(f"joining round {first.round_id}: rank {i}'s part has no rewards_per_func")
+            if len(p.batch) != len(first.batch) or len(p.batch) % G:
+                raise RuntimeError(
+                    f"joining round {first.round_id}: rank {i} has {len(p.batch)} rows, rank 0 {len(first.batch)}; "
+                    f"every rank must hold the same number of whole groups of {G}"
+                )
+        rewards_per_func = torch.cat([p.rewards_per_func for p in parts])  # [R, F]
+        advantages = aggregate_advantages(
+            rewards_per_func, self.reward_weights(), G, self.s.scale_rewards, self.s.multi_objective_aggregation
+        )  # [R]
+        batch = dataclasses.replace(
+            cat_batches([p.batch for p in parts], self.s.pad_token_id),
+            advantages=advantages,
+            row_index=torch.arange(len(advantages)),  # [R]
+        )
+        rewards = combine_rewards(rewards_per_func, self.reward_weights())  # [R]
+        return Round(
+            first.round_id,
+            min(p.policy_version for p in parts),  # the oldest weights any row was sampled with
+            batch,
+            self._metrics(parts, batch, rewards, rewards_per_func),
+            self._samples(parts, advantages),
+            generation_time=max(p.generation_time for p in parts),  # the slowest rank
+            rewards_per_func=rewards_per_func,
+        )
+
+    def _metrics(self, parts: list[Round], batch: MicroBatch, rewards, rewards_per_func) -> dict[str, float]:
+        m: dict[str, float] = {}
+        for key in dict.fromkeys(k for p in parts for k in p.metrics):  # every key, first-seen order
+            values = [p.metrics[key] for p in parts if key in p.metrics]
+            if key in SUMMED:
+                m[key] = float(sum(values))
+            elif key.startswith("timing/"):
+                m[key] = float(max(values))
+            elif key.endswith(("max_length", "/max")):
+                m[key] = float(max(values))
+            elif key.endswith(("min_length", "/min")):
+                m[key] = float(min(values))
+            else:
+                m[key] = float(sum(values) / len(values))
+        lengths = batch.completion_mask.sum(1).float()  # [R]
+        m.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "reward": torch.nanmean(rewards).item(),
+                "reward_std": nanstd(rewards).item(),
+                "frac_reward_zero_std": group_std_is_zero(rewards, self.s.num_generations).float().mean().item(),
+            }
+        )
+        for i, name in enumerate(self.reward_names()):
+            m[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        return m
+
+    @staticmethod
+    def _samples(parts: list[Round], advantages: torch.Tensor) -> dict:
+        """The completions table of the joined round: the parts' columns in rank order."""
+        out: dict = {"round": parts[0].round_id}
+        for key in ("prompt", "completion", "reward", "policy_version"):
+            out[key] = [v for p in parts for v in p.samples.get(key, [])]
+        for key in ("rewards", "extra"):  # column name → one value per row
+            names = dict.fromkeys(n for p in parts for n in p.samples.get(key, {}))
+            out[key] = {n: [v for p in parts for v in p.samples.get(key, {}).get(n, [])] for n in names}
+        out["advantage"] = advantages.tolist()
+        return out
+
+
+def cat_batches(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
+    """Rows of `batches` in order, one `MicroBatch`: prompts re-padded on the left, completions on the right (each
+    part is padded to its own widths). Per-row tensors `[b]` are concatenated; `num_items_in_batch` summed."""
+    first = batches[0]
+    out = {}
+    for name, t in first.tensors().items():
+        parts = [getattr(b, name) for b in batches]
+        if any(p is None for p in parts):
+            raise ValueError(f"cat_batches: {name} is set in some parts only")
+        if t.dim() == 1:  # [b]
+            out[name] = torch.cat(parts)
+            continue
+        left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
+        value = pad_token_id if name in ("prompt_ids", "completion_ids") else 0
+        width = max(p.size(1) for p in parts)
+        # each part is padded to its own widest row: padding it further on the same side keeps every row's content
+        out[name] = torch.cat(
+            [F.pad(p, (width - p.size(1), 0) if left else (0, width - p.size(1)), value=value) for p in parts]
+        )  # [R, width]
+    return dataclasses.replace(first, **out, num_items_in_batch=float(sum(b.num_items_in_batch for b in batches)))

@@ -1,0 +1,114 @@
+"""Launched by tests/test_engine_per_rank.py on 2 processes (gloo on CPU): trains with an engine on every rank and
+writes, per rank, what it trained on, what its own engine counted, and its engine's logprobs against its model's.
+
+argv: MODEL OUT_DIR BACKEND ("hf" | "vllm")
+"""
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.algo.logprobs import selective_log_softmax
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.generation.base import SamplingConfig
+
+
+class Recorder(GRPOTrainer):
+    def compute_loss(self, model, inputs, *a, **k):
+        self.seen = getattr(self, "seen", [])
+        completions = [ids[m.bool()].tolist() for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
+        self.seen.append(
+            {
+                "round": inputs["round_id"].tolist(),
+                "row": inputs["row_index"].tolist(),
+                "prompt": self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True),
+                "completion": self.processing_class.batch_decode(completions, skip_special_tokens=True),
+                "advantage": inputs["advantages"].tolist(),
+            }
+        )
+        return super().compute_loss(model, inputs, *a, **k)
+
+
+def engine_counter(backend) -> int:
+    """What the engine itself counted: HF's completions generated, vLLM's requests (`LLM.request_counter`)."""
+    if hasattr(backend, "llm"):
+        return backend.llm.request_counter.counter
+    return backend.completions_generated
+
+
+@torch.no_grad()
+def engine_vs_model(trainer) -> float:
+    """Largest |engine logprob − model logprob| of one sampled completion, after publishing the model's weights."""
+    trainer.sync_weights()  # every rank: its model into its own engine
+    backend = trainer.backend
+    prompt = trainer.processing_class("Say b")["input_ids"]
+    (c,) = backend.generate([prompt], SamplingConfig(n=1, temperature=1.0, max_tokens=6, seed=123))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.tensor([prompt + c.completion_ids])
+    logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float()
+    model_logps = selective_log_softmax(logits, ids[:, len(prompt) :])[0]
+    return float((model_logps - torch.tensor(c.logprobs)).abs().max())
+
+
+def main():
+    model_path, out_dir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
+    rank = int(os.environ["LOCAL_RANK"])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % os.cpu_count()))  # each engine its own core
+    extra = {"generation_backend": "vllm", "vllm_max_model_length": 64} if backend == "vllm" else {}
+    args = GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=6,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        num_batches_ahead=1,
+        scale_rewards="batch",  # std over the whole round: one rank's rows alone would give other advantages
+        beta=0.0,
+        seed=0,
+        **extra,
+    )
+    trainer = Recorder(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    trainer.train()
+    counted = engine_counter(trainer.backend)
+    logp_gap = engine_vs_model(trainer)
+    version = trainer.backend.version
+    trainer.close()
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    with open(os.path.join(out_dir, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(
+            {
+                "rank": trainer.accelerator.process_index,
+                "world": trainer.accelerator.num_processes,
+                "seen": trainer.seen,
+                "engine_counter": counted,
+                "rounds_produced": trainer.producer.rounds_produced,
+                "engine_version": version,
+                "global_step": trainer.state.global_step,
+                "logp_gap": logp_gap,
+                "param_checksum": float(params.double().sum()),
+                "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # free the DDP reducer before the process group goes (see tests/mp_train.py)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
