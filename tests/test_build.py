@@ -19,8 +19,9 @@ def test_the_docstring_table_names_every_component_and_its_file():
         "RoundProducer",
         "RoundConsumer",
         "RoundScheduler",
+        "RoundJoiner",
     ]
-    for module in ("publisher.py", "producer.py", "consumer.py", "scheduler.py", "shared.py"):
+    for module in ("publisher.py", "producer.py", "consumer.py", "scheduler.py", "shared.py", "join.py"):
         assert module in table, module
     assert set(build.Pipeline.__dataclass_fields__) == {
         "engine",
@@ -29,6 +30,7 @@ def test_the_docstring_table_names_every_component_and_its_file():
         "consumer",
         "scheduler",
         "collectives",
+        "per_rank",
     }
 
 

@@ -10,9 +10,6 @@ engine           generation/       generation_backend,        the unwrapped poli
 PolicyPublisher  pipeline/         syncs_weights,             the engine (where there is    engine.load_weights /
                  publisher.py      weight_sync_inflight,      one)                          engine.load_adapter
                                    vllm_lora_sync
-RoundJoiner      pipeline/         G, scale_rewards,          the producer's reward         —
-(engine on       join.py           multi_objective_agg.,      weights and names
-every rank)                        the pad token
 RoundProducer    pipeline/         producer_settings(): G,    engine, tokenizer, reward     engine.generate, reward
                  producer.py       sampling, lengths,         functions, names, weights,    functions, environment
                                    rewards, seed              environment, trainer columns  or rollout_func
@@ -22,7 +19,10 @@ RoundConsumer    pipeline/         consumer_settings():       collectives (sum, 
 RoundScheduler   pipeline/         scheduler_settings():      collectives (gather,          RoundQueue(producer),
                  scheduler.py      rounds ahead, μ, reuse     broadcast), producer,         consumer, publisher
                                    order, queue, timeout      consumer, publisher, metric
-                                                              sink, steps left
+                                                              sink, steps left, joiner
+RoundJoiner      pipeline/         G, scale_rewards,          the producer's reward         —
+(every rank      join.py           multi_objective_agg.,      weights and names
+ generates)                        the pad token
 ```
 Everything the components read from the trainer while training runs (the model, wrapped by the Trainer after
 construction; its state; its metrics) goes through one [`TrainerLink`]; everything they exchange across processes

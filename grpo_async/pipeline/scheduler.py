@@ -114,7 +114,6 @@ class RoundScheduler:
         self.producer, self.consumer = producer, consumer
         self.publisher, self.log = publisher, log
         self.join = join
-        self.generates = collectives.is_main or join is not None  # this process runs a job queue and an engine
         self.generate_every = settings.steps_per_generation * settings.num_iterations  # micro-steps per round
         # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
         self.order = reuse_order(
@@ -138,6 +137,11 @@ class RoundScheduler:
         # engine on every rank (`join`): whole rounds joined before their turn (a checkpoint joins the rounds ahead)
         # or restored from a checkpoint, on every rank alike
         self._joined: dict[int, Round | BaseException] = {}
+
+    @property
+    def generates(self) -> bool:
+        """Whether this process runs a job queue and an engine: the main process, or every rank with `join`."""
+        return self.join is not None or self.dist.is_main
 
     # ---- the trainer's calls -------------------------------------------------------------------------------
     def attach(self, loader) -> None:
