@@ -10,8 +10,12 @@ import pytest
 import torch
 from mp_utils import ACCELERATE_2CPU, HERE, check_disjoint_slices
 
+from grpo_async import GRPOTrainer
 from grpo_async.algo.advantages import aggregate_advantages
-from grpo_async.demo_task import letter_reward
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.pipeline.join import JoinSettings, RoundJoiner
+from grpo_async.pipeline.types import RoundRequest
+from grpo_async.testing import tiny_config
 
 STEPS, R, G = 3, 16, 4  # a round: per_device 4 × 2 processes × steps_per_generation 2 rows, one round per step
 L = R // 2
@@ -60,3 +64,40 @@ def test_hf_engine_on_every_rank(tiny_model_path, tmp_path):
 def test_vllm_colocate_engine_on_every_rank(tiny_model_path, tmp_path):
     ranks = _launch(tiny_model_path, str(tmp_path), "vllm")
     _check(ranks, per_round_count=L // G)  # vLLM counts requests: one per prompt (n = G, seeded)
+
+
+def token_sum(completion_ids, **kwargs):
+    """A reward that varies within every group of the random tiny model's completions."""
+    return [float(sum(c) % 5) for c in completion_ids]
+
+
+def test_joined_parts_equal_the_round_one_process_makes(tiny_model_path, tmp_path):
+    """Two parts generated as two ranks would (rows [0, 8) and [8, 16), `first_row` 0 and 8), joined, equal the
+    round one process generates from all 16 rows: same tokens (each row's seed is its round row's), same padding,
+    advantages over the whole round (`scale_rewards="batch"`: neither part alone gives them), same reward metrics."""
+    args = tiny_config(tmp_path, scale_rewards="batch", max_completion_length=6, temperature=1.5)
+    t = GRPOTrainer(model=tiny_model_path, reward_funcs=token_sum, args=args, train_dataset=make_dataset(8))
+    producer = t.producer
+    rows = [r for r in make_dataset(4, seed=3) for _ in range(G)]  # [16]: 4 prompts × G
+    whole = producer(RoundRequest(7, rows))
+    parts = [producer(RoundRequest(7, rows[:L], first_row=0)), producer(RoundRequest(7, rows[L:], first_row=L))]
+    s = producer.s
+    join = RoundJoiner(
+        JoinSettings(G, s.scale_rewards, s.multi_objective_aggregation, t.processing_class.pad_token_id),
+        reward_weights=lambda: producer.reward_weights,
+        reward_names=lambda: producer.reward_names,
+    )
+    joined = join(parts)
+    assert len(joined.batch) == R and joined.round_id == 7
+    for name, want in whole.batch.tensors().items():
+        got = getattr(joined.batch, name)
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        else:
+            assert torch.equal(got, want), name
+    assert joined.batch.num_items_in_batch == whole.batch.num_items_in_batch
+    assert not torch.allclose(parts[0].batch.advantages, whole.batch.advantages[:L])  # the test can fail
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length"):
+        assert joined.metrics[key] == pytest.approx(whole.metrics[key], abs=1e-6), key
+    assert joined.samples["completion"] == whole.samples["completion"]
+    t.close()

@@ -121,7 +121,8 @@ class TrainerLink:
 
 @dataclass
 class EngineFactory:
-    """Builds the generation engine on first use (main process): `(backend, temporary model folder or None)`."""
+    """Builds the generation engine on first use (the main process, or every rank: `generates_on_every_rank`):
+    `(backend, temporary model folder or None)`."""
 
     config: Any
     link: TrainerLink

@@ -13,6 +13,9 @@ bucket beyond the model.
 rank 0 (main)   wait until no round runs ─▶ load_weights(groups) ─▶ bucket ─▶ transport ─▶ bucket ─▶ ... ─▶ end(v)
 rank 1..N-1                                 iterate groups (take part in ZeRO-3 / FSDP2 gathers), send nothing
 ```
+With an engine on every rank (`hf`, in-process `vllm`, several processes: `build.generates_on_every_rank`) every
+rank's publisher holds its own engine and loads its own model's weights into it, as rank 0 does above: no weights
+cross processes (under ZeRO-3 / FSDP2 the gathers still run on every rank, group by group).
 
 With a PEFT LoRA policy and `adapter=True` (`GRPOConfig.vllm_lora_sync` resolved by
 `weight_sync.lora.lora_sync_mode`), a publish sends only the adapter's `lora_A` / `lora_B` tensors and its config
@@ -47,8 +50,9 @@ class PolicyPublisher:
     """Publishes weights when the policy version changes.
 
     Args:
-        backend (`SharedBackend` or `None`): the sampler, on the main process; `None` on the other processes (they
-            only take part in the collectives of gathering the parameters).
+        backend (`SharedBackend` or `None`): the sampler of this process (the main process's, or with an engine on
+            every rank each rank's own); `None` on a process without one (it only takes part in the collectives of
+            gathering the parameters).
         enabled (`bool`, *optional*, defaults to `True`): `False` when the sampler never receives weights
             (`weight_sync_transport="none"`, a generation-only endpoint): `publish` does nothing.
         inflight (`bool`, *optional*, defaults to `False`): the backend loads while rounds run (servers freeze
