@@ -152,6 +152,14 @@ def tiny_config(output_dir, **overrides):
     return GRPOConfig(**fields)
 
 
+def push_state_dict(backend, state_dict, version: int) -> None:
+    """Push a flat `{hf_name: tensor}` state dict into a generation backend as the policy publisher would (module
+    groups, `backend.load_weights`): known weights for tests and tools, without a trainer."""
+    from .weight_sync.buckets import group_by_module
+
+    backend.load_weights(group_by_module(state_dict), version)
+
+
 # ---- a real pretrained model, offline -------------------------------------------------------------------------------
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

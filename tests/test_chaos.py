@@ -51,6 +51,7 @@ from vllm_utils import API_KEY, PROMPTS, SERVER_ARGS, assert_matches_hf, perturb
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.server_process import group_shm, launch_server, remove_orphan_shm, wait_ready
 from grpo_async.generation.vllm_backends import VLLMServerBackend
+from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -85,14 +86,14 @@ def test_a_restarted_server_rejoins_the_rotation(tiny_model_path):
             [a.url, b.url], api_key=API_KEY, timeout=30, transport="shm", max_concurrency=4, rejoin_interval=0
         )
         try:
-            backend.update_weights(sd_1, version=1)
+            push_state_dict(backend, sd_1, version=1)
             a.kill()
             sampling = SamplingConfig(max_tokens=4, temperature=1.0, seed=0)
             backend.generate(PROMPTS * 2, sampling)  # a's requests fail over to b, a leaves the rotation
             assert backend.live_urls == [b.url]
             servers[0] = a = wait_ready(_restart(a, tiny_model_path), timeout=300)  # same url, base weights
             assert _server_version(a.url) is None
-            backend.update_weights(sd_2, version=2)  # a answers /health again: it gets this push, then rejoins
+            push_state_dict(backend, sd_2, version=2)  # a answers /health again: it gets this push, then rejoins
             assert backend.live_urls == [a.url, b.url]
             assert _server_version(a.url) == 2 and _server_version(b.url) == 2
             before = dict(backend.router.served)

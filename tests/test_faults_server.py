@@ -19,6 +19,7 @@ from faults_helpers import FakeServer, models_routes, reply_json
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.http_client import ServerClient, ServerError, free_port
 from grpo_async.generation.vllm_backends import OpenAIRemoteBackend, VLLMServerBackend
+from grpo_async.testing import push_state_dict
 
 HERE = os.path.dirname(__file__)
 SAMPLING = SamplingConfig(n=2, max_tokens=3)
@@ -156,7 +157,7 @@ def test_broadcast_peer_that_never_joins_fails_the_push_within_the_group_timeout
     try:
         start = time.monotonic()
         with pytest.raises(RuntimeError) as err:
-            backend.update_weights(state_dict, 1)
+            push_state_dict(backend, state_dict, 1)
         text = str(err.value)
         assert "while pushing weights version 1" in text and s.url in text, text
         assert "did not join the broadcast group" in text and "group_timeout=3s" in text, text
@@ -182,7 +183,7 @@ def test_broadcast_peer_that_dies_or_hangs_mid_push_fails_the_push_naming_it(sta
         backend = VLLMServerBackend([url], timeout=20, transport="broadcast", group_timeout=4)
         start = time.monotonic()
         with pytest.raises(RuntimeError) as err:
-            backend.update_weights(state_dict, 7)
+            push_state_dict(backend, state_dict, 7)
         text = str(err.value)
         assert "while pushing weights version 7" in text and url in text, text
         assert f"weight sync to {url} failed mid-broadcast" in text, text

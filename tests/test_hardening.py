@@ -23,6 +23,7 @@ import torch
 
 from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.testing import push_state_dict
 
 KEY = "hardening-test-key"
 HEADER_TIMEOUT_S = 3
@@ -187,11 +188,11 @@ def test_logprobs_from_nan_weights_are_a_500_naming_the_weights(server, tiny_mod
     backend = VLLMServerBackend([server.url], api_key=KEY)
     body = {"sequences": [{"prompt_ids": [7, 8, 9], "completion_ids": [10, 11]}]}
     try:
-        backend.update_weights(nan, 1)
+        push_state_dict(backend, nan, 1)
         r = requests.post(server.url + "/ws/logprobs", json=body, headers=OK, timeout=60)
         assert r.status_code == 500 and "non-finite" in r.text and "weights" in r.text, (r.status_code, r.text[:300])
     finally:
-        backend.update_weights(good, 2)
+        push_state_dict(backend, good, 2)
         backend.close()
     r = requests.post(server.url + "/ws/logprobs", json=body, headers=OK, timeout=60)
     assert r.status_code == 200 and all(math.isfinite(x) for x in r.json()["logprobs"][0])

@@ -10,7 +10,7 @@ from grpo_async.algo.packing import (
     check_isolation,
     first_fit_decreasing,
     pack_rows,
-    packed_completion_logps,
+    packed_token_scores,
     unpack_completion,
 )
 
@@ -113,7 +113,7 @@ def test_packed_logps_equal_each_row_alone(tiny_model_path, attn):
         packed_chunks = completion_logps(model, ids, mask, T, temperature=0.7, batch_size=2, padding_free=True)
         padded = completion_logps(model, ids, mask, T, temperature=0.7)
         shared = pack_rows(ids, mask, T, capacity=64)  # every row in one bin: isolation by position ids alone
-        one_bin = unpack_completion(packed_completion_logps(model, shared, temperature=0.7), shared)
+        one_bin = unpack_completion(packed_token_scores(model, shared, temperature=0.7)[0], shared)
     assert shared.input_ids.size(0) == 1
     cm = mask[:, -T:].bool()
     assert (packed - truth).abs().max().item() <= 1e-6
@@ -134,7 +134,7 @@ def test_packed_gradients_equal_padded(tiny_model_path):
         model.zero_grad()
         if padding_free == "one bin":
             packed = pack_rows(ids, mask, T, capacity=64)
-            logps = unpack_completion(packed_completion_logps(model, packed), packed)
+            logps = unpack_completion(packed_token_scores(model, packed)[0], packed)
         else:
             logps = completion_logps(model, ids, mask, T, padding_free=padding_free)
         ((logps * cm).sum() / cm.sum()).backward()
@@ -162,7 +162,7 @@ def test_check_isolation_refuses_a_model_that_mixes_packed_rows(tiny_model_path)
     ids, mask = _rows()
     with torch.no_grad():
         packed = pack_rows(ids, mask, 9, capacity=64)  # all rows in one bin
-        leaky = unpack_completion(packed_completion_logps(_DropsPositions(model), packed), packed)
+        leaky = unpack_completion(packed_token_scores(_DropsPositions(model), packed)[0], packed)
         truth = _alone(model, ids, mask, 9, temperature=1.0)
     assert (leaky.double() - truth).abs().max().item() > 1e-3
 

@@ -32,6 +32,7 @@ from grpo_async.generation.vllm_backends import (
     to_completions_body,
     validate_sampling,
 )
+from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -189,14 +190,14 @@ def test_openai_remote_backend_generates_and_checkpoint_sync(servers, tiny_model
         out = remote.generate(PROMPTS[:2], SamplingConfig(n=2, max_tokens=4))
         assert len(out) == 4 and all(len(c.logprobs) == len(c.completion_ids) for c in out)
         with pytest.raises(RuntimeError, match="generation-only"):
-            remote.update_weights({}, 1)
+            push_state_dict(remote, {}, 1)
     finally:
         remote.close()
     ckpt = OpenAIRemoteBackend(
         servers[0].url, tiny_model_path, api_key=API_KEY, weight_sync="checkpoint_dir", checkpoint_dir=str(tmp_path)
     )
     _, sd = perturbed_state_dict(tiny_model_path, 5)
-    ckpt.update_weights(sd, 7)
+    push_state_dict(ckpt, sd, 7)
     from safetensors.torch import load_file
 
     assert (tmp_path / "latest").read_text().strip() == "version-7"
@@ -219,7 +220,7 @@ def test_two_servers_share_load_and_both_receive_weights(servers, tiny_model_pat
         served = backend.router.served
         assert served[urls[0]] > 0 and served[urls[1]] > 0, served
         hf_model, sd = perturbed_state_dict(tiny_model_path, 50)
-        backend.update_weights(sd, version=50)
+        push_state_dict(backend, sd, version=50)
         for u in urls:
             c = ServerClient(u, api_key=API_KEY)
             assert c.get("/ws/info")["version"] == 50
@@ -281,7 +282,7 @@ def test_inflight_update_lands_while_requests_are_running(servers, tiny_model_pa
             results[i] = _stream_completion(url, body, progress, i)  # noqa: B023
 
         try:
-            backend.update_weights(old_sd, version=2 * seed)  # known weights, pushed while the server is idle
+            push_state_dict(backend, old_sd, version=2 * seed)  # known weights, pushed while the server is idle
             threads = [threading.Thread(target=ask, args=(i,)) for i in range(k)]
             for t in threads:
                 t.start()
@@ -289,7 +290,7 @@ def test_inflight_update_lands_while_requests_are_running(servers, tiny_model_pa
             while min(progress) < 2:  # every request is decoding
                 assert time.monotonic() < deadline, f"the requests did not all start decoding: {progress}"
                 time.sleep(0.005)
-            backend.update_weights(new_sd, version=2 * seed + 1)
+            push_state_dict(backend, new_sd, version=2 * seed + 1)
             for t in threads:
                 t.join(timeout=120)
             assert all(r is not None and len(r[0]) == max_tokens for r in results), progress
@@ -351,7 +352,7 @@ def test_killing_the_only_server_gives_clear_error_within_timeout(servers):
             backend.generate(PROMPTS, SamplingConfig(max_tokens=4))
         assert time.monotonic() - t0 < 3 * timeout
         with pytest.raises(RuntimeError, match="no vLLM server left in rotation while pushing weights version 99"):
-            backend.update_weights({"model.norm.weight": __import__("torch").ones(64)}, 99)
+            push_state_dict(backend, {"model.norm.weight": __import__("torch").ones(64)}, 99)
     finally:
         backend.close()
     assert math.isfinite(timeout)

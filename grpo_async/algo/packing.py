@@ -209,11 +209,6 @@ def attention_mask_4d(allowed: torch.Tensor, model) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def packed_completion_logps(model, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:
-    """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch. Returns `[N]`."""
-    return packed_token_scores(model, packed, temperature)[0]
-
-
 @torch.no_grad()
 def check_isolation(model, atol: float = 1e-4) -> None:
     """Run two short sequences packed and alone; raise if the packed logits differ (the model's attention does not

@@ -18,7 +18,7 @@ submit round r    ────────────────────�
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -97,10 +97,6 @@ class GenerationBackend(Protocol):
         """Load full HF-named weights (PEFT already merged), streamed as `(module, [(name, tensor), ...])` groups
         straight from the live model: consume each group before asking for the next (the tensors may be views of
         gathered parameters), keep nothing after returning. Called by the policy publisher while no round runs."""
-        ...
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """`load_weights` from a flat state dict (tests, tools)."""
         ...
 
     # Optional (the vLLM backends): `load_adapter(groups, config, version)` installs a LoRA adapter (groups of

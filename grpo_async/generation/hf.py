@@ -1,7 +1,7 @@
 """`HFBackend`: generation with `transformers.generate` on a private copy of the policy.
 
 The copy is what makes background generation safe: the generator thread reads only the copy, the optimizer writes
-only the trainer's model, and `update_weights` (called between rounds) copies the new weights over.
+only the trainer's model, and `load_weights` (called between rounds) copies the new weights over.
 
 With `SamplingConfig.seed` set, sampling never touches torch's global RNG (which the trainer thread shares): a logits
 processor (`SeededSampling`) applies the sampling filters (temperature, top-k, top-p, min-p, ...) and draws each
@@ -16,11 +16,9 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Mapping
 
 import torch
 
-from ..weight_sync.buckets import group_by_module
 from .base import Completion, GenerationAborted, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
@@ -144,9 +142,6 @@ class HFBackend:
                 raise KeyError(f"HFBackend.load_weights: unknown parameter names {unknown[:5]}")
             for name, tensor in tensors:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.load_weights(group_by_module(state_dict), version)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:

@@ -29,7 +29,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Literal
 
@@ -37,7 +37,7 @@ import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
-from grpo_async.weight_sync.buckets import NamedTensors, group_by_module, iter_buckets
+from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
 from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport, make_transport
@@ -221,7 +221,7 @@ class VLLMColocateBackend:
         max_model_len (`int`, *optional*, defaults to 1024): prompt + completion tokens.
         gpu_memory_utilization (`float`, *optional*, defaults to 0.3): share of GPU memory for vLLM (ignored on CPU).
         seed (`int`, *optional*, defaults to 0): engine seed.
-        bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
+        bucket_mb (`float`, *optional*, defaults to 64): weight-sync bucket size in MiB.
         enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
         separate_process (`bool`, *optional*): run the engine core in a child process; default: when
             `torch.distributed` is initialized with more than one process.
@@ -239,7 +239,7 @@ class VLLMColocateBackend:
         max_model_len: int = 1024,
         gpu_memory_utilization: float = 0.3,
         seed: int = 0,
-        bucket_mb: float | None = 64.0,
+        bucket_mb: float = 64.0,
         enforce_eager: bool = True,
         separate_process: bool | None = None,
         lora_rank: int | None = None,
@@ -350,9 +350,6 @@ class VLLMColocateBackend:
         # the path is a label: the worker already holds the adapter, so vLLM never reads it
         self.lora_request = LoRARequest(spec["name"], spec["id"], f"grpo-async://{spec['name']}")
         self.version = version
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.load_weights(group_by_module(state_dict), version)
 
     def close(self) -> None:
         """Shut the engine down (idempotent): the transport, then the engine core. Called before the trainer's
@@ -542,7 +539,7 @@ class VLLMServerBackend:
         transport (`str`, *optional*, defaults to `"broadcast"`): a wire transport (`weight_sync.names`):
             `"broadcast"` (gloo on CPU / NCCL on GPU, works for remote servers), `"shm"` (CPU, same machine),
             `"cuda_ipc"` (GPU, same machine), or `"none"` (generation only: `load_weights` raises).
-        bucket_mb (`float` or `None`, *optional*, defaults to 64): weight-sync bucket size; `None` = per-tensor.
+        bucket_mb (`float`, *optional*, defaults to 64): weight-sync bucket size in MiB.
         model (`str`, *optional*): served model name; asked from `/v1/models` when omitted.
         max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
         master_address (`str`, *optional*): this process's address as the servers see it (broadcast only: the
@@ -566,7 +563,7 @@ class VLLMServerBackend:
         api_key: str | None = None,
         timeout: float = 120.0,
         transport: WireTransport | Literal["none"] = "broadcast",
-        bucket_mb: float | None = 64.0,
+        bucket_mb: float = 64.0,
         model: str | None = None,
         max_concurrency: int = 16,
         master_address: str | None = None,
@@ -736,9 +733,6 @@ class VLLMServerBackend:
             )
         self.version = version
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.load_weights(group_by_module(state_dict), version)
-
     def abort(self) -> None:
         """Stop waiting for the `generate` call in progress (any thread may call it): it raises `GenerationAborted`
         within 0.25 s, until `resume()`; requests already on the wire end on the server."""
@@ -836,9 +830,6 @@ class OpenAIRemoteBackend:
             f.write(f"version-{version}\n")
         os.replace(tmp, os.path.join(self.checkpoint_dir, "latest"))
         self.version = version
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.load_weights(group_by_module(state_dict), version)
 
     def abort(self) -> None:
         """As `VLLMServerBackend.abort`."""

@@ -80,26 +80,21 @@ def group_by_module(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, N
     return list(groups.items())
 
 
-def iter_buckets(groups: Iterable[tuple[str, NamedTensors]], bucket_mb: float | None) -> Iterator[NamedTensors]:
+def iter_buckets(groups: Iterable[tuple[str, NamedTensors]], bucket_mb: float) -> Iterator[NamedTensors]:
     """Greedy size-threshold bucketing of module groups.
 
     Args:
         groups (`Iterable[tuple[str, list[tuple[str, torch.Tensor]]]]`):
             `(module_name, named_tensors)` in model order, e.g. from `group_by_module` or `iter_full_params`.
-        bucket_mb (`float` or `None`):
-            threshold in MiB (2**20 bytes). `None` means per-tensor mode: every tensor is its own bucket.
+        bucket_mb (`float`):
+            threshold in MiB (2**20 bytes).
 
     Yields:
         `list[tuple[str, torch.Tensor]]`: one bucket; modules are never split, and a bucket exceeds the threshold
         only when it holds a single module that does.
     """
-    if bucket_mb is None:
-        for _, tensors in groups:
-            for item in tensors:
-                yield [item]
-        return
-    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a positive number of MiB (or None for per-tensor), got {bucket_mb!r}")
+    if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
     limit = bucket_mb * MB
     current: NamedTensors = []
     size = 0
@@ -246,6 +241,6 @@ class BucketPlan:
         return sum(self.layout["buffers"].values())
 
 
-def plan_buckets(groups: Iterable[tuple[str, NamedTensors]], bucket_mb: float | None) -> list[BucketPlan]:
+def plan_buckets(groups: Iterable[tuple[str, NamedTensors]], bucket_mb: float) -> list[BucketPlan]:
     """`iter_buckets` materialised with layouts (tensors are referenced, not copied)."""
     return [BucketPlan(b, bucket_layout(b)) for b in iter_buckets(groups, bucket_mb)]

@@ -6,10 +6,9 @@
 - `ShmTransport` (`"shm"`): server on this machine (CPU); one POSIX shared-memory segment per bucket and dtype.
 - `CudaIpcTransport` (`"cuda_ipc"`): server on this machine (GPU); CUDA IPC handles of packed buckets, as JSON.
 
-Every transport takes `bucket_mb`: a size threshold (modules never split, see `buckets.py`) or `None` for the
-per-tensor mode kept for the benchmark (one request, and one broadcast, per tensor). Nothing is ever pickled: the
-control messages are JSON layouts, the data are raw bytes. After a sync the server resets its prefix cache (a
-repeated prompt would otherwise be served from KV computed with the old weights).
+Every transport takes `bucket_mb`: a size threshold (modules never split, see `buckets.py`). Nothing is ever
+pickled: the control messages are JSON layouts, the data are raw bytes. After a sync the server resets its prefix
+cache (a repeated prompt would otherwise be served from KV computed with the old weights).
 
 Broadcast timeline (the HTTP call blocks until the worker has received everything, so it runs in a thread):
 
@@ -81,14 +80,14 @@ class WeightTransport(ABC):
     """Carries buckets to one target. `push` is called by the generator thread between rounds.
 
     Args:
-        bucket_mb (`float` or `None`, *optional*, defaults to 64): bucket threshold in MiB; `None` = per-tensor.
+        bucket_mb (`float`, *optional*, defaults to 64): bucket threshold in MiB.
     """
 
     name: ClassVar[str]
 
-    def __init__(self, bucket_mb: float | None = 64.0):
-        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a positive number of MiB or None (per-tensor), got {bucket_mb!r}")
+    def __init__(self, bucket_mb: float = 64.0):
+        if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
         self.bucket_mb = bucket_mb
 
     @abstractmethod
@@ -128,7 +127,7 @@ class ColocateTransport(WeightTransport):
 
     name = "colocate"
 
-    def __init__(self, llm, bucket_mb: float | None = 64.0):
+    def __init__(self, llm, bucket_mb: float = 64.0):
         super().__init__(bucket_mb)
         self.llm = llm
 
@@ -175,9 +174,9 @@ class ColocateTransport(WeightTransport):
 
 # ---------------------------------------------------------------------------------------------- server transports
 class _ServerTransport(WeightTransport):
-    """Common driver: one `/ws/update` request per session, or per tensor in per-tensor mode."""
+    """Common driver: a push is one reload session on the server, one `/ws/update` request per bucket."""
 
-    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, timeout: float | None = None):
+    def __init__(self, client: ServerClient, bucket_mb: float = 64.0, timeout: float | None = None):
         super().__init__(bucket_mb)
         self.client = client
         self.timeout = client.timeout if timeout is None else float(timeout)
@@ -313,7 +312,7 @@ class BroadcastTransport(_ServerTransport):
 
     Args:
         client (`ServerClient`): the server.
-        bucket_mb (`float` or `None`, *optional*, defaults to 64): bucket threshold; `None` = per-tensor.
+        bucket_mb (`float`, *optional*, defaults to 64): bucket threshold in MiB.
         master_address (`str`, *optional*): address of this (trainer) process that the server's workers can reach;
             the trainer hosts the `TCPStore`. Default: `address_seen_by(client.url)` (`127.0.0.1` for a loopback
             server, else this machine's address on the route to the server).
@@ -328,7 +327,7 @@ class BroadcastTransport(_ServerTransport):
     def __init__(
         self,
         client: ServerClient,
-        bucket_mb: float | None = 64.0,
+        bucket_mb: float = 64.0,
         *,
         master_address: str | None = None,
         backend: str | None = None,
@@ -492,7 +491,7 @@ class ShmTransport(_ServerTransport):
 
     name = "shm"
 
-    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, timeout: float | None = None):
+    def __init__(self, client: ServerClient, bucket_mb: float = 64.0, timeout: float | None = None):
         import weakref
 
         super().__init__(client, bucket_mb, timeout)
@@ -587,7 +586,7 @@ class CudaIpcTransport(_ServerTransport):
 
     name = "cuda_ipc"
 
-    def __init__(self, client: ServerClient, bucket_mb: float | None = 64.0, *, device="cuda", timeout=None):
+    def __init__(self, client: ServerClient, bucket_mb: float = 64.0, *, device="cuda", timeout=None):
         super().__init__(client, bucket_mb, timeout)
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -617,9 +616,7 @@ TRANSPORTS: dict[WireTransport, type[_ServerTransport]] = {
 }
 
 
-def make_transport(
-    name: WireTransport, client: ServerClient, bucket_mb: float | None = 64.0, **kwargs
-) -> _ServerTransport:
+def make_transport(name: WireTransport, client: ServerClient, bucket_mb: float = 64.0, **kwargs) -> _ServerTransport:
     """Build the server transport registered under `name` (`"broadcast"`, `"shm"`, `"cuda_ipc"`)."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; choose one of {sorted(TRANSPORTS)}")
