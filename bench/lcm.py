@@ -83,7 +83,7 @@ def make_round(rows: int, prompt_len: int, completion_len: int, vocab: int, seed
         completion_ids=torch.randint(3, vocab, (rows, completion_len), generator=g) * completion_mask,  # [B, T]
         completion_mask=completion_mask,
         loss_mask=completion_mask.clone(),
-        sampler_logps=torch.zeros(rows, completion_len),  # unused: importance_sampling_correction=False
+        rollout_logps=torch.zeros(rows, completion_len),  # unused: importance_sampling_correction=False
         advantages=torch.randn(rows, generator=g),
         policy_version=torch.zeros(rows, dtype=torch.long),
         round_id=torch.zeros(rows, dtype=torch.long),

@@ -89,7 +89,7 @@ def make_rows(rows: int, long: int, short: int, vocab: int):
         completion_ids=torch.randint(7, vocab, (rows, T), generator=g) * completion_mask,  # [B, T]
         completion_mask=completion_mask,
         loss_mask=completion_mask.clone(),
-        sampler_logps=torch.zeros(rows, T),  # unused: importance_sampling_correction=False
+        rollout_logps=torch.zeros(rows, T),  # unused: importance_sampling_correction=False
         advantages=torch.randn(rows, generator=g),
         policy_version=torch.zeros(rows, dtype=torch.long),
         round_id=torch.zeros(rows, dtype=torch.long),

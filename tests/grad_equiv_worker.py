@@ -42,7 +42,7 @@ def batch(model) -> MicroBatch:
         completion_ids=ids[:, P:],
         completion_mask=mask[:, P:],
         loss_mask=loss_mask,
-        sampler_logps=logps.clone(),
+        rollout_logps=logps.clone(),
         advantages=torch.randn(ROWS, generator=g, dtype=torch.float64),
         old_logps=logps + 0.3 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),  # some ratios clip
         ref_logps=logps + 0.2 * torch.randn(ROWS, T, generator=g, dtype=torch.float64),

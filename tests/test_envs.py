@@ -305,7 +305,7 @@ def test_multi_turn_training_on_hf(tiny_model_path, tmp_path):
     with torch.no_grad():
         ref = completion_logps(init, ids, am, b["completion_ids"].size(1), 1.0)
     mask = b["loss_mask"].bool()
-    assert mask.any() and (ref - b["sampler_logps"])[mask].abs().max() < 1e-4
+    assert mask.any() and (ref - b["rollout_logps"])[mask].abs().max() < 1e-4
 
 
 def test_mask_env_responses_false_trains_environment_tokens(tiny_model_path, tmp_path):

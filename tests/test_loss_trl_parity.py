@@ -201,7 +201,7 @@ def _run_ours(objective, t: dict, o: dict, ctx: LossContext, end_of_window: bool
         old_logps=t["old"] if o["with_old"] else None,
         ref_logps=t["ref"] if o["beta"] else None,
         is_weights=w,
-        sampler_logps=t["sampler"] if o["with_sampler"] else None,
+        rollout_logps=t["sampler"] if o["with_sampler"] else None,
         policy_version=torch.zeros(B, dtype=torch.long),
     )
     scores = TokenScores(logps=x["logps"], entropies=x["entropies"], aux_loss=x["aux"] if objective.router else None)
@@ -275,7 +275,7 @@ def test_accumulation_and_round_geometry_match_trl(loss_type, ga, spg):
 
 @pytest.mark.parametrize("with_old,with_sampler", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_on_policy_and_missing_sampler_logps_match_trl(loss_type, with_old, with_sampler):
+def test_on_policy_and_missing_rollout_logps_match_trl(loss_type, with_old, with_sampler):
     """π_old absent (ratio 1 with gradient); the off-policy mask falls back to π_old without sampler logps."""
     o = {**DEFAULTS, "loss_type": loss_type, "with_old": with_old, "with_sampler": with_sampler}
     o.update(off_policy_mask_threshold=0.05, beta=0.04, entropy_coef=0.01)

@@ -110,7 +110,7 @@ def _loss_and_grads(model, ids, mask, T, share: bool, padding_free: bool, loss_t
         settings=LossSettings(loss_type=loss_type, beta=0.04),
         old_per_token_logps=old,
         ref_per_token_logps=ref,
-        sampler_per_token_logps=old,
+        rollout_per_token_logps=old,
         ctx=LossContext(num_items_in_batch=float(cmask.sum()), max_completion_length=T),
     )
     loss = out.loss - 0.01 * (scores.entropies * cmask).sum() / cmask.sum()

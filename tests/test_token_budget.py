@@ -43,7 +43,7 @@ def _micro_batch(vocab: int, B: int = 8, P: int = 10, T: int = 12, seed: int = 0
         completion_ids=torch.randint(3, vocab, (B, T), generator=g) * completion_mask,
         completion_mask=completion_mask,
         loss_mask=loss_mask,
-        sampler_logps=logps,
+        rollout_logps=logps,
         advantages=torch.randn(B, generator=g),
         policy_version=torch.zeros(B, dtype=torch.long),
         round_id=torch.zeros(B, dtype=torch.long),

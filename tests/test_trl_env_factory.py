@@ -125,7 +125,7 @@ def test_rollout_func_generates_trains_and_forwards_its_fields(tiny_model_path, 
     assert [v for *_, v in calls] == [0, 1]  # the backend received the weights of step 1 before round 2
     assert seen["source"][0] == [f"rollout {i}" for i in range(8)]
     batches = t.batches
-    columns = ("prompt_ids", "completion_ids", "completion_mask", "loss_mask", "sampler_logps")
+    columns = ("prompt_ids", "completion_ids", "completion_mask", "loss_mask", "rollout_logps")
     for p, ids, attend, train, sampler in zip(*(_rows(batches, k) for k in columns), strict=True):
         prompt = tok.decode(p[p != tok.pad_token_id])
         assert prompt.startswith("Say ") and prompt.endswith(":")  # the rollout's prompt ids, not the chat template

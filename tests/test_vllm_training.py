@@ -79,7 +79,7 @@ def _first_round_logps_match(trainer, model_path):
     with torch.no_grad():
         ref = completion_logps(init, ids, am, batch["completion_ids"].size(1), trainer.args.temperature)
     mask = batch["completion_mask"].bool()
-    worst = (ref - batch["sampler_logps"])[mask].abs().max().item()
+    worst = (ref - batch["rollout_logps"])[mask].abs().max().item()
     assert worst < 1e-4, f"sampler and trainer logprobs differ by {worst:.2e} on the on-policy round"
 
 

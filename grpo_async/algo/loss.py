@@ -180,7 +180,7 @@ def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> t
 def off_policy_mask(
     advantages: torch.Tensor,
     per_token_logps: torch.Tensor,
-    sampler_per_token_logps: torch.Tensor,
+    rollout_per_token_logps: torch.Tensor,
     mask: torch.Tensor,
     threshold: float,
 ) -> torch.Tensor:
@@ -189,7 +189,7 @@ def off_policy_mask(
 
     advantages `[B, 1]`, logps `[B, T]`, mask `[B, T]` → `[B, 1]` of 1.0 (kept) / 0.0 (dropped), in `mask`'s dtype.
     """
-    kl = torch.nan_to_num(sampler_per_token_logps - per_token_logps.detach(), nan=0.0)  # [B, T]
+    kl = torch.nan_to_num(rollout_per_token_logps - per_token_logps.detach(), nan=0.0)  # [B, T]
     avg_seq_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [B, 1]
     return ((advantages >= 0) | (avg_seq_kl <= threshold)).to(dtype=mask.dtype)
 
@@ -241,7 +241,7 @@ def grpo_loss(
     old_per_token_logps: torch.Tensor | None = None,
     ref_per_token_logps: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
-    sampler_per_token_logps: torch.Tensor | None = None,
+    rollout_per_token_logps: torch.Tensor | None = None,
     token_mask: torch.Tensor | None = None,
     ctx: LossContext | None = None,
     **knobs,
@@ -258,7 +258,8 @@ def grpo_loss(
         ref_per_token_logps (`[B, T]`, *optional*): log π_ref, required when `beta > 0`.
         importance_weights (`[B, T]` or `[B, 1]`, *optional*): π_old / π_sampler correction, multiplied into the
             loss (vespo: folded into its gamma weights; token-level only).
-        sampler_per_token_logps (`[B, T]`, *optional*): the sampler's logps, for the off-policy mask (else π_old).
+        rollout_per_token_logps (`[B, T]`, *optional*): the generation engine's logps, for the off-policy mask
+            (else π_old).
         token_mask (`[B, T]`, *optional*): tokens whose policy term is kept (the high-entropy mask).
         ctx (`LossContext`): normalisation scalars.
     """
@@ -272,7 +273,7 @@ def grpo_loss(
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     keep = None
     if s.off_policy_mask_threshold is not None:
-        sampled = old if sampler_per_token_logps is None else sampler_per_token_logps
+        sampled = old if rollout_per_token_logps is None else rollout_per_token_logps
         keep = off_policy_mask(advantages, per_token_logps, sampled, mask, s.off_policy_mask_threshold)  # [B, 1]
     log_ratio = per_token_logps - old  # [B, T]
     ratio = _importance_ratio(log_ratio, mask, s.importance_sampling_level)  # [B, T']
@@ -378,7 +379,7 @@ IS_MODES: dict[str, tuple[Callable, Callable]] = {
 
 def importance_sampling_weights(
     old_per_token_logps: torch.Tensor,
-    sampler_per_token_logps: torch.Tensor,
+    rollout_per_token_logps: torch.Tensor,
     mask: torch.Tensor,
     mode: str = "sequence_mask",
     clip_min: float | None = None,
@@ -387,7 +388,7 @@ def importance_sampling_weights(
     """Importance weights π_old / π_sampler that correct for sampling with another policy (a stale or differently
     computed one: async rounds, vLLM kernels), the same math as TRL 1.16's vLLM importance-sampling correction.
 
-    Per token `d = (log π_old − log π_sampler) · mask` (NaN sampler logprobs count as `d = 0`); token modes use
+    Per token `d = (log π_old − log π_sampler) · mask` (NaN rollout logprobs count as `d = 0`); token modes use
     `exp(d)` per token `[B, T]`, sequence modes `exp(Σ_t d)` per completion `[B, 1]`. `*_truncate` clips the ratio
     to `[clip_min, clip_max]`; `*_mask` sets ratios outside it to 0 (that token / sequence is not trained).
 
@@ -399,7 +400,7 @@ def importance_sampling_weights(
     """
     if mode not in IS_MODES:
         raise ValueError(f"Unknown importance sampling mode {mode!r}; choose one of {tuple(IS_MODES)}")
-    diff = (old_per_token_logps - sampler_per_token_logps) * mask  # [B, T]
+    diff = (old_per_token_logps - rollout_per_token_logps) * mask  # [B, T]
     diff = torch.nan_to_num(diff, nan=0.0)
     level, bound = IS_MODES[mode]
     return bound(torch.exp(level(diff)), clip_min, clip_max), diff

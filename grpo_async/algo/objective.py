@@ -4,7 +4,7 @@ adaptive coefficient, and the MoE load-balancing loss. Collectives come in as ca
 state, the adaptive entropy coefficient, has `state_dict` / `load_state_dict` for checkpoints.
 
 ```txt
-TokenScores(logps [B, T], entropies [B, T], aux_loss [])  +  micro-batch (advantages, masks, old/ref/sampler logps)
+TokenScores(logps [B, T], entropies [B, T], aux_loss [])  +  micro-batch (advantages, masks, old/ref/rollout logps)
    ─▶ entropy mask [B, T] (top_entropy_quantile < 1: entropy ≥ the (1 − ρ)-quantile of all processes' tokens)
    ─▶ grpo_loss(...)                                        policy loss, scaled for gradient accumulation
    ─▶ − coef · mean entropy over the (entropy-masked) tokens / GA        (entropy_coef ≠ 0 or use_adaptive_entropy)
@@ -226,7 +226,7 @@ class PolicyObjective:
 
     def __call__(self, scores, batch, ctx: LossContext, end_of_window: bool = True) -> ObjectiveOutput:
         """`scores`: `TokenScores`; `batch`: a `MicroBatch` (reads `advantages [B]`, `loss_mask [B, T]`, `old_logps`,
-        `ref_logps`, `is_weights`, `sampler_logps`); `end_of_window`: the last micro-batch before an optimizer step."""
+        `ref_logps`, `is_weights`, `rollout_logps`); `end_of_window`: the last micro-batch before an optimizer step."""
         mask = batch.loss_mask  # [B, T]
         entropies = scores.entropies  # [B, T]
         if ctx.micro_batch_rows is not None and (self.top_entropy_quantile < 1.0 or self.router is not None):
@@ -248,7 +248,7 @@ class PolicyObjective:
             old_per_token_logps=batch.old_logps,
             ref_per_token_logps=batch.ref_logps,
             importance_weights=batch.is_weights,
-            sampler_per_token_logps=getattr(batch, "sampler_logps", None),
+            rollout_per_token_logps=getattr(batch, "rollout_logps", None),
             token_mask=emask,
             ctx=ctx,
         )

@@ -206,7 +206,7 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None):
     if model_source is None and args.generation_backend == "vllm":
         from ..weight_sync.collect import hf_name
 
-        folder = model_source = tempfile.mkdtemp(prefix="grpo_async_sampler_")
+        folder = model_source = tempfile.mkdtemp(prefix="grpo_async_engine_")
         state = None
         if hasattr(model, "peft_config"):  # unmerged base weights, without PEFT's base_layer / lora names
             named = ((hf_name(k, True), v) for k, v in base_model(model).state_dict().items())

@@ -153,10 +153,10 @@ class RoundConsumer:
         """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens."""
         s = self.s
         mask = local.loss_mask  # [L, T]
-        old = local.old_logps if local.old_logps is not None else local.sampler_logps
+        old = local.old_logps if local.old_logps is not None else local.rollout_logps
         weights, diff = importance_sampling_weights(
             old,
-            local.sampler_logps,
+            local.rollout_logps,
             mask,
             s.importance_sampling_mode,
             s.importance_sampling_clip_min,

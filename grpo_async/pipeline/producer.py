@@ -307,7 +307,7 @@ class RoundProducer:
             completion_ids=pad(completion_ids, self.tokenizer.pad_token_id),  # [R, T]
             completion_mask=completion_mask,
             loss_mask=loss_mask,
-            sampler_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
+            rollout_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
             advantages=advantages,
             policy_version=torch.full((R,), version, dtype=torch.long),  # [R]
             round_id=torch.full((R,), round_id, dtype=torch.long),  # [R]

@@ -51,7 +51,7 @@ class MicroBatch:
     completion_ids: torch.Tensor  # [B, T] right-padded
     completion_mask: torch.Tensor  # [B, T] 1 = the token exists (attention)
     loss_mask: torch.Tensor  # [B, T] 1 = trained on (never the attention mask: env tokens, truncation, staleness)
-    sampler_logps: torch.Tensor  # [B, T] the sampler's logprobs of the sampled tokens (temperature applied)
+    rollout_logps: torch.Tensor  # [B, T] the generation engine's logprobs of the sampled tokens (temperature applied)
     advantages: torch.Tensor  # [B]
     policy_version: torch.Tensor  # [B] optimizer step of the weights the row was sampled with
     round_id: torch.Tensor  # [B]
@@ -120,7 +120,7 @@ class MicroBatch:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MicroBatch))
-_PER_TOKEN = ("completion_ids", "completion_mask", "loss_mask", "sampler_logps", "old_logps", "ref_logps")
+_PER_TOKEN = ("completion_ids", "completion_mask", "loss_mask", "rollout_logps", "old_logps", "ref_logps")
 
 
 @dataclass
