@@ -48,14 +48,17 @@ torch-cpu:
 		$(PIP) install -q $(PIP_FAST) $(TORCH_PIP_FLAGS) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"; \
 	fi
 
-# the files run on TEST_WORKERS workers (pytest-xdist; one file stays on one worker, so module fixtures are shared)
+# the tests run on TEST_WORKERS workers (pytest-xdist): a file's tests stay on one worker (its module fixtures are
+# shared), the long tests (chaos, bench smokes, 2-process runs) are units of their own, longest first (tests/suite_plan.py)
 TEST_WORKERS ?= 2
+DIST = --dist loadgroup --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -q tests -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q tests -m "not gpu" -n $(TEST_WORKERS) $(DIST) --durations=15
 
-# the inner loop: unit tests only (no vLLM engine, no server, no second process, nothing marked slow)
+# the inner loop: unit tests only (no vLLM engine, no server, no second process, nothing slow or heavy: a test that took
+# >= 2 s in the run recorded in tests/durations.json; see tests/suite_plan.py)
 test-fast: install
-	$(PY) -m pytest -q tests -m "not gpu and not slow and not vllm and not multiprocess" -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(PY) -m pytest -q tests -m "not gpu and not slow and not vllm and not multiprocess and not heavy" -n $(TEST_WORKERS) $(DIST) --durations=10
 
 test-all: install
 	$(PY) -m pytest -q tests --durations=15

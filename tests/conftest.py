@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import suite_plan
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -8,7 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-# `make test` runs the files on 2 workers (pytest-xdist, `-n 2 --dist loadfile`): each worker gets a core of its own.
+# `make test` runs the suite on 2 workers (pytest-xdist `-n 2 --dist loadgroup`, units planned by tests/suite_plan.py):
+# each worker gets a core of its own.
 # vLLM's CPU engine binds its OpenMP threads to core 0 by default, so both workers' engines (in-process and the servers
 # they start) would share core 0 while core 1 idles; and two workers with torch's default 2 threads each would
 # oversubscribe 2 cores. Set before torch is imported; an explicit setting in the environment wins.
@@ -19,7 +21,13 @@ if _WORKER and (os.cpu_count() or 1) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_configure(config):
+    suite_plan.register_recorder(config)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the `xdist_group` marks
 def pytest_collection_modifyitems(config, items):
+    suite_plan.plan(items, suite_plan.load_durations(), order=bool(_WORKER))
     try:
         import torch
 

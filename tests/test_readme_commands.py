@@ -125,11 +125,13 @@ def test_make_targets_run_what_the_readme_says():
     assert proc.returncode == 0, proc.stderr
     test, fast, check, fmt, bench = proc.stdout.strip().splitlines()
     assert "-m pytest" in test and ' tests -m "not gpu" ' in test, test
-    assert "-m pytest" in fast and '-m "not gpu and not slow and not vllm and not multiprocess"' in fast, fast
+    fast_marks = '-m "not gpu and not slow and not vllm and not multiprocess and not heavy"'
+    assert "-m pytest" in fast and fast_marks in fast and "--dist loadgroup --no-loadscope-reorder" in fast, fast
+    assert "--dist loadgroup --no-loadscope-reorder" in test, test  # the units tests/suite_plan.py plans
     assert check.endswith("ruff check .") and fmt.endswith("ruff format --check ."), (check, fmt)
     assert bench.endswith("python bench/run_all.py"), bench
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert '`pytest -m "not gpu and not slow and not vllm and not multiprocess"`' in f.read()
+        assert '`pytest -m "not gpu and not slow and not vllm and not multiprocess and not heavy"`' in f.read()
 
 
 def _env():
