@@ -435,6 +435,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
         ref = None
         if a.beta:
             scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
+            scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py, as in training
             ref = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
         config = link.unwrapped_policy().config
         state = self.objective.state_dict()  # the entropy coefficient training has now

@@ -464,7 +464,42 @@ def consumer_settings(a: GRPOConfig):
         importance_sampling_clip_max=a.importance_sampling_clip_max,
         seed=a.seed,  # the shuffle within a round: its own generator, whatever else draws from torch's global RNG
         token_budget=a.token_budget,  # algo/token_budget.py
+        keep_groups=keep_groups_together(a),  # the training forward shares each group's prompt
     )
+
+
+def keep_groups_together(a: GRPOConfig) -> bool:
+    """Whether the consumer deals a round to micro-batches in whole groups (`share_prompt_prefix`: the training
+    forward then computes each prompt once for all its completions) instead of shuffled rows. Only where which rows
+    share a micro-batch changes no optimizer step, so a run with sharing on trains exactly as one with it off:
+
+    - every optimizer step accumulates whole passes over rounds (`steps_per_generation = gradient_accumulation_steps`
+      with μ = 1 or the "epoch" reuse order, or steps spanning whole rounds), not some micro-batches of a round;
+    - the loss type's normaliser is not the micro-batch's own token count (`bnpo`), and nothing else in the loss is a
+      statistic of the micro-batch (`top_entropy_quantile < 1`, the entropy bonus's per-micro-batch mean).
+
+    Elsewhere rows are shuffled as before and each micro-batch shares what prompts its rows happen to have in common.
+
+    Example: TRL's defaults (dapo, steps_per_generation = gradient_accumulation_steps) → True; `loss_type="bnpo"` or
+    `steps_per_generation = 2 × gradient_accumulation_steps` → False.
+    """
+    from .algo.loss import MICRO_BATCH_NORMALISED_LOSS_TYPES
+    from .pipeline.rows import reuse_order
+
+    if not a.share_prompt_prefix or a.loss_type in MICRO_BATCH_NORMALISED_LOSS_TYPES:
+        return False
+    if a.top_entropy_quantile < 1.0 or a.entropy_coef != 0.0 or a.use_adaptive_entropy:
+        return False
+    passes = reuse_order(list(range(a.steps_per_generation)), a.num_iterations, a.reuse_order)  # micro-steps
+    window = a.gradient_accumulation_steps
+    if window % len(passes) == 0:
+        return True  # each optimizer step accumulates whole rounds
+    if len(passes) % window:
+        return False  # a step would end inside one round and take part of the next
+    spg = a.steps_per_generation
+    whole_pass = sorted(list(range(spg)) * (window // spg))  # each micro-batch of the round equally often
+    steps = [passes[i : i + window] for i in range(0, len(passes), window)]
+    return window % spg == 0 and all(sorted(step) == whole_pass for step in steps)
 
 
 def scheduler_settings(a: GRPOConfig):

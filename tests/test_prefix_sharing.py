@@ -4,6 +4,7 @@ SmolLM2, padding-free on and off, with PEFT; the fallback warning where the atte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -13,7 +14,14 @@ from transformers import AutoModelForCausalLM
 from grpo_async.algo import prefix_sharing
 from grpo_async.algo.logprobs import score_tokens
 from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings, grpo_loss
-from grpo_async.algo.prefix_sharing import SharingCost, find_groups, pack_shared, plan_group, unsupported_reason
+from grpo_async.algo.prefix_sharing import (
+    SharingCost,
+    find_groups,
+    group_permutation,
+    pack_shared,
+    plan_group,
+    unsupported_reason,
+)
 
 SHARE_ALL = SharingCost(per_token=1.0, per_pair=0.0)  # always cheapest as one tree
 # SmolLM2-135M's shapes (hidden 576, 9 heads of 64, 3 key-value heads, MLP 1536)
@@ -67,6 +75,37 @@ def test_plan_group_follows_the_cost():
     assert plan_group(256, [32] * 8, SMOLLM2_COST) == [list(range(8))]
     assert plan_group(32, [256] * 8, SMOLLM2_COST) == [[i] for i in range(8)]
     assert plan_group(4, [3, 1, 2], SHARE_ALL) == [[0, 1, 2]]
+
+
+def test_group_permutation_keeps_groups_together():
+    # prompts (real tokens) [5 6], [7], [5 6], [8] (left-padded): groups [[0, 2], [1], [3]]
+    ids = torch.tensor([[5, 6], [0, 7], [5, 6], [0, 8]])
+    mask = torch.tensor([[1, 1], [0, 1], [1, 1], [0, 1]])
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.randperm(3, generator=torch.Generator().manual_seed(0)).tolist()  # the groups' order
+    groups = [[0, 2], [1], [3]]
+    assert group_permutation(ids, mask, g).tolist() == [i for k in drawn for i in groups[k]]
+
+
+@pytest.mark.parametrize(
+    "overrides, together",
+    [
+        ({}, True),  # dapo, steps_per_generation = GA = 2: each step is a whole round
+        ({"share_prompt_prefix": False}, False),
+        ({"loss_type": "bnpo"}, False),  # normalised by each micro-batch's own tokens
+        ({"loss_type": "grpo", "num_iterations": 2}, True),  # "epoch" order: a b | a b, a step per pass
+        ({"num_iterations": 2, "reuse_order": "consecutive"}, False),  # a a | b b: a step trains one micro-batch
+        ({"steps_per_generation": 4}, False),  # 2 steps per round: which rows each step trains depends on the deal
+        ({"gradient_accumulation_steps": 4, "steps_per_generation": 2, "per_device_train_batch_size": 4}, True),
+        ({"top_entropy_quantile": 0.5}, False),  # a quantile over each micro-batch's tokens
+        ({"entropy_coef": 0.01}, False),  # the bonus is a mean over each micro-batch's tokens
+    ],
+)
+def test_keep_groups_together_where_the_deal_changes_no_step(tmp_path, overrides, together):
+    from grpo_async.testing import tiny_config
+    from grpo_async.trainer_setup import keep_groups_together
+
+    assert keep_groups_together(tiny_config(tmp_path, **overrides)) is together
 
 
 def test_empty_prompt_is_refused():
@@ -179,19 +218,69 @@ def test_peft_lora_equals_unshared(tiny_model_path):
         _assert_same(unshared, shared)
 
 
+@pytest.fixture
+def float64_rmsnorm(monkeypatch):
+    """Llama's RMSNorm computes in float32 whatever the model's dtype: a float64 model then rounds every layer's
+    input to float32, and the shared and unshared paths (which sum the prompt's gradients in another order) differ
+    by float32 noise (1.2e-6 on SmolLM2's gradients, measured). Here it computes in the input's dtype (float32 at
+    least, as before), so a float64 model is float64 throughout and the two paths can be compared exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def forward(self, hidden_states):
+        x = hidden_states.to(torch.promote_types(hidden_states.dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(hidden_states.dtype)
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+
+
+def test_float64_every_loss_type_is_exact(tiny_model_path, float64_rmsnorm):
+    """In float64 the shared computation is the unshared one: log-probs, every loss type and every gradient to
+    1e-12 (measured ≤ 6e-16), padding-free on and off. A real difference (a token attending to the wrong key, a
+    gradient summed twice) would be orders of magnitude larger; the float32 tests bound what remains: summation
+    order."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
+    ids, mask = _batch(model.config.vocab_size, groups=2, G=4, P=24, T=8)
+    assert pack_shared(ids, mask, 8, prefix_sharing.sharing_cost(model)) is not None
+    for loss_type in LOSS_TYPES:
+        for padding_free in (False, True):
+            unshared = _loss_and_grads(model, ids, mask, 8, False, padding_free, loss_type)
+            shared = _loss_and_grads(model, ids, mask, 8, True, padding_free, loss_type)
+            assert unshared[0].dtype == torch.float64
+            _assert_same(unshared, shared, tol=1e-12)
+
+
+def _max_grad_diff(a, b) -> float:
+    return max((grad - b[2][name]).abs().max().item() for name, grad in a[2].items())
+
+
 @pytest.mark.slow
-def test_smollm2_equals_unshared(smollm2_path):
+def test_smollm2_equals_unshared(smollm2_path, float64_rmsnorm):
+    """SmolLM2 (30 layers): float64, shared = unshared to 1e-12 relative (measured 7e-14 on gradients up to 6.8).
+    float32: log-probs to 1e-5 relative and the loss to 1e-5, but the gradients carry float32 summation-order noise
+    that no implementation avoids: the unshared path against itself with one more column of left padding (the same
+    arithmetic, other matrix shapes, so another summation order) differs by as much (measured 1.0e-5 to 1.8e-5 for
+    1 to 5 columns; shared vs unshared 1.2e-5 to 1.4e-5, on layer norms' weights whose gradients sum over every
+    token). The gradients are held to twice that floor, measured here on the same batch."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
-    ids, mask = _batch(model.config.vocab_size, groups=1, G=4, P=48, T=6, seed=7)
+    ids, mask = _batch(49152, groups=1, G=4, P=48, T=6, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float64)
     assert pack_shared(ids, mask, 6, prefix_sharing.sharing_cost(model)) is not None  # SmolLM2's cost shares it
+    # one group: one tree whether padding-free or not (the tiny model's tests cover both packings)
+    unshared = _loss_and_grads(model, ids, mask, 6, False, False, "grpo")
+    shared = _loss_and_grads(model, ids, mask, 6, True, False, "grpo")
+    largest = max(g.abs().max().item() for g in shared[2].values())
+    _assert_same(unshared, shared, tol=1e-12, grad_tol=1e-12 * largest)
+    del model, unshared, shared
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     assert unsupported_reason(model) is None  # the probe passes (float noise ≈ 2e-4 at |logp| ≈ 20)
-    for padding_free in (False, True):
-        unshared = _loss_and_grads(model, ids, mask, 6, False, padding_free, "grpo")
-        shared = _loss_and_grads(model, ids, mask, 6, True, padding_free, "grpo")
-        # gradients: 30 layers of float32 summed in another order (the prompt's from 4 branches at once); measured
-        # 1.19e-5 on layers.0.input_layernorm (|grad| up to 0.47), so 5e-5 here, 1e-5 on the tiny model
-        _assert_same(unshared, shared, grad_tol=5e-5)
+    unshared = _loss_and_grads(model, ids, mask, 6, False, False, "grpo")
+    pad = torch.zeros(ids.size(0), 1, dtype=ids.dtype)  # one more column of left padding: same values, other order
+    repadded = _loss_and_grads(model, torch.cat([pad, ids], 1), torch.cat([pad, mask], 1), 6, False, False, "grpo")
+    floor = _max_grad_diff(repadded, unshared)
+    assert 0 < floor < 1e-4, floor
+    shared = _loss_and_grads(model, ids, mask, 6, True, True, "grpo")
+    _assert_same(unshared, shared, grad_tol=2 * floor)
 
 
 @pytest.mark.slow  # FlexAttention compiles on CPU: ~50 s
@@ -260,18 +349,34 @@ class _Echo:
         return [{"role": "user", "content": f"ok {n}"}], {**state, "replies": n}
 
 
-def _seeded_run(model_path, out, share: bool, monkeypatch, **overrides) -> tuple[list[float], int]:
-    """A short seeded_generation run; its per-step losses and how many forward passes ran as trees."""
+@dataclasses.dataclass
+class _Pass:
+    """One forward pass of a run: with gradient (the training forward) or not (a log-prob stage), the sizes of the
+    groups of rows that share a prompt, and the tokens computed against one tree per group (`None`: unshared)."""
+
+    grad: bool
+    group_sizes: list[int]
+    tokens: int | None
+    one_tree_per_group: int
+
+
+def _seeded_run(model_path, out, share: bool, monkeypatch, **overrides) -> tuple[list[float], list[_Pass]]:
+    """A short seeded_generation run; its per-step losses and its forward passes."""
     import grpo_async.algo.logprobs as logprobs
     from grpo_async import GRPOTrainer
     from grpo_async.demo_task import letter_reward, make_dataset
     from grpo_async.testing import tiny_config
 
-    trees = []
+    passes = []
 
-    def counting(*args, **kwargs):  # the real packer; counts the passes that shared a prompt
-        packed = pack_shared(*args, **kwargs)
-        trees.append(packed is not None)
+    def counting(ids, mask, T, *args, **kwargs):  # the real packer; records what each pass shared
+        packed = pack_shared(ids, mask, T, *args, **kwargs)
+        groups = find_groups(ids, mask, T)
+        prompt = mask[:, :-T].sum(1)  # [b]
+        completion = mask[:, -T:].sum(1)  # [b]
+        one_tree = sum(int(prompt[g[0]]) + int(completion[g].sum()) for g in groups)
+        tokens = None if packed is None else int(packed.real.sum())
+        passes.append(_Pass(torch.is_grad_enabled(), [len(g) for g in groups], tokens, one_tree))
         return packed
 
     monkeypatch.setattr(logprobs, "pack_shared", counting)
@@ -293,16 +398,59 @@ def _seeded_run(model_path, out, share: bool, monkeypatch, **overrides) -> tuple
         trainer.train()
     finally:
         trainer.close()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], sum(trees)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], passes
 
 
 def test_seeded_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path, tmp_path, monkeypatch):
-    unshared, trees_off = _seeded_run(tiny_model_path, tmp_path / "off", False, monkeypatch)
-    shared, trees_on = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch)
-    assert trees_off == 0 and trees_on > 0  # the stages ran as trees only with sharing on
+    """Same per-step losses (≤ 1e-5) with sharing on and off, and with it on the training forward shares whole
+    groups: the consumer deals micro-batches of whole groups (`keep_groups`; the default dapo loss sums to the same
+    step loss however rows are dealt), each one tree. Shuffled rows (the deal with sharing off) split groups: 8 rows
+    drawn from 4 groups of 4 leave about 2 of a group per micro-batch."""
+    unshared, passes_off = _seeded_run(tiny_model_path, tmp_path / "off", False, monkeypatch)
+    shared, passes_on = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch)
+    assert not passes_off  # with sharing off nothing is packed as trees
     assert len(shared) == len(unshared) == 2
     for a, b in zip(shared, unshared, strict=True):
         assert abs(a - b) <= 1e-5, (shared, unshared)
+    training = [p for p in passes_on if p.grad]
+    assert len(training) == 2 * 2  # 2 optimizer steps of GA 2 micro-batches (one round, trained μ = 2 times)
+    assert [p for p in passes_on if not p.grad]  # the old and reference log-prob stages share too
+    for p in training:
+        assert p.group_sizes == [4, 4]  # 8 rows: 2 whole groups of G = 4
+        assert p.tokens == p.one_tree_per_group  # each group one tree: its prompt computed once
+
+
+def test_eval_loss_shares_the_prompt_and_equals_unshared(tiny_model_path, tmp_path, monkeypatch):
+    """`evaluate()`'s eval_loss (TRL's prediction_step loss: the policy's and the reference's log-probs of the eval
+    completions) scores each share of whole groups as trees, and logs the unshared loss (≤ 1e-5)."""
+    import grpo_async.algo.logprobs as logprobs
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.testing import tiny_config
+
+    trees = []
+    monkeypatch.setattr(logprobs, "pack_shared", lambda *a, **k: trees.append(pack_shared(*a, **k)) or trees[-1])
+
+    def eval_loss(share: bool) -> tuple[float, int]:
+        args = tiny_config(tmp_path / str(share), seeded_generation=True, beta=0.1, per_device_eval_batch_size=8)
+        args.share_prompt_prefix = share
+        trainer = GRPOTrainer(
+            model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(16)
+        )
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in trainer.model.parameters():  # move the policy from its reference: a KL term in the loss
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        try:
+            trees.clear()
+            loss = trainer.evaluate(make_dataset(4, seed=5))["eval_loss"]
+        finally:
+            trainer.close()
+        return loss, sum(t is not None for t in trees)
+
+    (shared, trees_on), (unshared, trees_off) = eval_loss(True), eval_loss(False)
+    assert trees_on == 2 * 2 and trees_off == 0  # 2 shares of 2 groups, the policy and the reference each
+    assert shared != 0.0 and abs(shared - unshared) <= 1e-5, (shared, unshared)
 
 
 def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_path, tmp_path, monkeypatch):
@@ -311,8 +459,8 @@ def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_p
 
     echo = type("Echo", (_Echo, Environment), {})
     unshared, _ = _seeded_run(tiny_model_path, tmp_path / "off", False, monkeypatch, environment=echo())
-    shared, trees_on = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch, environment=echo())
-    assert trees_on > 0 and len(shared) == 2
+    shared, passes = _seeded_run(tiny_model_path, tmp_path / "on", True, monkeypatch, environment=echo())
+    assert any(p.tokens is not None for p in passes) and len(shared) == 2
     for a, b in zip(shared, unshared, strict=True):
         assert abs(a - b) <= 1e-5, (shared, unshared)
 

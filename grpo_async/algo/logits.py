@@ -28,16 +28,18 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 128) -> torch.Tensor:
-    """Shannon entropy (nats) of `softmax(logits / temperature)`, in float32 whatever the logits' dtype, `chunk_rows`
-    rows at a time so the float32 copy never exceeds `chunk_rows × V`. Differentiable. `[..., V]` → `[...]`.
+    """Shannon entropy (nats) of `softmax(logits / temperature)`, in float32 whatever the logits' dtype (float64
+    stays float64), `chunk_rows` rows at a time so the float32 copy never exceeds `chunk_rows × V`. Differentiable.
+    `[..., V]` → `[...]`.
 
     A non-contiguous `[B, T, V]` (the padded path's `logits[:, :-1]`) is walked row by row rather than reshaped,
     which would copy all of it."""
     if logits.dim() > 2 and not logits.is_contiguous():
         return torch.stack([entropy_from_logits(row, temperature, chunk_rows) for row in logits.unbind(0)])
     flat = logits.reshape(-1, logits.size(-1))  # [N, V] (a view)
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 → float32; float64 is not rounded down
     out = []
     for chunk in flat.split(chunk_rows):
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)  # [n, V]
+        logp = torch.log_softmax(chunk.to(dtype) / temperature, dim=-1)  # [n, V]
         out.append(-(logp.exp() * logp).sum(-1))  # [n]
-    return (torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)).reshape(logits.shape[:-1])
+    return (torch.cat(out) if out else flat.new_zeros(0, dtype=dtype)).reshape(logits.shape[:-1])

@@ -124,6 +124,9 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossContext], torch.
     "luspo": _seq_sum_then_mean,
     "vespo": _global_token_mean,
 }
+#: loss types whose normaliser is the micro-batch's own token count: which rows share a micro-batch changes the
+#: gradient (every other loss type's micro-batch losses sum to the same step loss however the rows are dealt)
+MICRO_BATCH_NORMALISED_LOSS_TYPES = tuple(name for name, reduce in REDUCTIONS.items() if reduce is _token_mean)
 _PER_WINDOW = ("dapo", "cispo", "vespo")  # the normaliser already covers the accumulation window
 LOSS_TYPES = tuple(REDUCTIONS)
 #: loss types with the clipped surrogate `-min(w·A, clip(w)·A)` (clip_ratio/* metrics)

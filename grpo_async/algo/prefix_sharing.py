@@ -119,6 +119,20 @@ def find_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
     return list(groups.values())
 
 
+def group_permutation(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """A random order of rows `[L, P]` (left-padded prompts) that keeps the rows of a prompt together: the groups
+    (`find_groups`) in random order, each group's rows in their own order. Cut into micro-batches, it puts a group's
+    completions in the same forward pass, where they share the prompt. Returns `[L]` row indices.
+
+    Example: prompts (real tokens) [a, b, a, c], groups [[0, 2], [1], [3]] drawn in the order (2, 0, 1) → [3, 0, 2, 1].
+    """
+    groups = find_groups(prompt_ids, prompt_mask, 0)  # the whole row is the prompt
+    order = torch.randperm(len(groups), generator=generator).tolist()
+    return torch.tensor([i for g in order for i in groups[g]], dtype=torch.long)  # [L]
+
+
 def pack_shared(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,

@@ -5,6 +5,8 @@ Round [R rows, every process] ─▶ slice [L = R / N, this rank] ─▶ stale r
    ─▶ old logps (chunks of old_logps_micro_batch_size), ref logps (chunks of ref_logps_micro_batch_size)
    ─▶ IS weights π_old / π_sampler ─▶ shuffle ─▶ steps_per_generation micro-batches [B = L / steps], trimmed
 ```
+The shuffle deals rows, or with `keep_groups` whole groups (rows of one prompt stay consecutive, so a micro-batch's
+forward pass shares their prompt: `algo.prefix_sharing.group_permutation`).
 Every stage runs only full chunks of exactly its size (the config checks that each size divides L). Example:
 L = 12, ref 3, old 6 → ref logps in 4 chunks of 3, old logps in 2 chunks of 6. With `token_budget` each chunk holds
 instead as many consecutive rows as fit in that many real tokens (`algo.token_budget`).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algo.loss import importance_sampling_weights
+from ..algo.prefix_sharing import group_permutation
 from ..algo.throughput import generated_tokens_per_second
 from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
@@ -48,6 +51,7 @@ class ConsumerSettings:
     importance_sampling_clip_max: float | None
     seed: int | None = None  # the shuffle within a round: a generator seeded from (seed, round); None: torch's global
     token_budget: int | None = None  # tokens per logps forward pass instead of the stages' row counts (per device)
+    keep_groups: bool = False  # shuffle whole groups, not rows (trainer_setup.keep_groups_together says when)
 
 
 class RoundConsumer:
@@ -92,7 +96,12 @@ class RoundConsumer:
         local = self._add_logps(local)
         if self.s.importance_sampling_correction:
             local = self._add_importance_weights(local)
-        local = local.select(torch.randperm(len(local), generator=self._shuffler(rnd.round_id)))  # within the round
+        shuffler = self._shuffler(rnd.round_id)
+        if self.s.keep_groups:
+            order = group_permutation(local.prompt_ids, local.prompt_mask, shuffler)  # [L] groups kept together
+        else:
+            order = torch.randperm(len(local), generator=shuffler)  # [L]
+        local = local.select(order)  # within the round
         return [b.trim() for b in local.split(self.s.steps_per_generation)]
 
     def _shuffler(self, round_id: int) -> torch.Generator | None:

@@ -35,7 +35,8 @@ def eval_loss(
     """TRL's `eval_loss` of `batches` (the eval batches `RoundProducer.evaluate` returned).
 
     Args:
-        config (`GRPOConfig`): the loss settings, `per_device_eval_batch_size`, `temperature`, `padding_free`.
+        config (`GRPOConfig`): the loss settings, `per_device_eval_batch_size`, `temperature`, `padding_free`,
+            `share_prompt_prefix`.
         model (`nn.Module`): the policy as trained (wrapped); put in eval mode for the passes, then restored.
         batches (`list[MicroBatch]`): `[R]` rows each, without logps.
         objective_state (`dict`): the training objective's `state_dict()` (the entropy coefficient it has now).
@@ -63,8 +64,9 @@ def eval_loss(
                 if ref_logps is not None:
                     part.ref_logps = ref_logps(ids, mask, T)  # [b, T]
                 part = part.to(device)
+                scoring = {"share_prefix": a.share_prompt_prefix, **objective.scoring}  # a share holds whole groups
                 scores = score_tokens(
-                    model, ids.to(device), mask.to(device), T, a.temperature, None, a.padding_free, **objective.scoring
+                    model, ids.to(device), mask.to(device), T, a.temperature, None, a.padding_free, **scoring
                 )
                 out = objective(scores, part, ctx, end_of_window=False)
                 total, rows = total + out.loss.item() * len(part), rows + len(part)
