@@ -11,20 +11,30 @@ CPU tensors (plain malloc) together with everything else.
    backward. The number is the peak *during the step* (`VmHWM` reset just before it through
    `/proc/self/clear_refs`) minus the resident set just before it (model, trainer), i.e. the activations, logits and
    attention temporaries it needs.
-2. reference (`GRPOConfig.ref_server_url`): the peak of the whole trainer process (construction with beta > 0 and
+2. token budget (`GRPOConfig.token_budget`): `--tb_rows` rows of long-tailed lengths (Pareto, most rows short, one
+   of `--tb_long` tokens), one training step (`compute_loss` + backward, padding-free) split by a budget of
+   `--tb_budget` tokens per forward pass, against the row-based split that fits the same peak: micro-batches of
+   `k = tb_budget // tb_long` rows (gradient accumulation over them), the most rows whose worst case (k rows of the
+   longest length) stays within the budget; 2k and 4k rows are measured too (their worst case does not fit). The
+   budget's bound is the step peak of one pass of k rows of the longest length (`tb_bound`).
+3. reference (`GRPOConfig.ref_server_url`): the peak of the whole trainer process (construction with beta > 0 and
    one ref-logps pass over the same rows), with the reference copy in-process vs asked from a server.
 
 The limit it compares to: padded rows cost `rows × longest` token positions (and `rows × longest²` attention
 scores), packed rows `Σ lengths` (and one `(Σ lengths)²` block-diagonal mask), so on this batch the activation part
 can shrink by up to `rows × longest / Σ lengths`; the fixed part (weights, gradients, allocator slack) does not
-shrink. The in-process reference costs one more copy of the weights plus its forward's temporaries.
+shrink. The in-process reference costs one more copy of the weights plus its forward's temporaries. A token budget
+bounds each forward pass by its tokens whatever the lengths; a fixed row count must be sized for its longest rows, so
+on long-tailed lengths its passes hold far fewer tokens than the budget allows.
 
 How to read the ratios: `packing_memory_ratio = padded / packed` step peak (> 1: packing needs that many times less;
 target ≥ 1.5 on the default batch); `ref_memory_ratio = in-process / server` trainer peak (> 1: the server saves
-that much of the trainer's memory). Times of the packed/padded steps are printed too (2 cores: rough).
+that much of the trainer's memory); `token_budget_peak_ratio = token-budget step peak / the budget's bound` (goal
+≤ 1) and `token_budget_throughput_ratio = tokens per second of the token-budget step / of the row-based split of k
+rows` (goal ≥ 1.3). Times of the packed/padded steps are printed too (2 cores: rough).
 
-Run: `python bench/memory.py` (~2 min on 2 cores: four fresh processes and one server). Writes
-`bench/out/memory.json`; ends with `RESULT packing_memory_ratio=<x>`.
+Run: `python bench/memory.py` (~5 min on 2 cores: nine fresh processes and one server). Writes
+`bench/out/memory.json`; ends with the `RESULT` lines.
 """
 
 from __future__ import annotations
@@ -72,10 +82,28 @@ def reset_peak() -> float:
 
 def make_rows(rows: int, long: int, short: int, vocab: int):
     """One long row, the others short; prompts a quarter of each row. Left-padded prompts, right-padded completions."""
+    return rows_of_lengths([long] + [short] * (rows - 1), vocab)
+
+
+def tailed_lengths(rows: int, long: int, scale: int = 48, alpha: float = 1.5, seed: int = 0) -> list[int]:
+    """Long-tailed row lengths: Pareto(`alpha`) from `scale` tokens, capped at `long`, one row exactly `long`, in
+    random order. Example (rows 64, long 1024): mostly 48-150 tokens, a few hundred-token rows, one of 1024."""
     import torch
 
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(rows, generator=g).clamp(min=1e-6)
+    lengths = (scale * u ** (-1 / alpha)).clamp(max=long).long()  # [rows]
+    lengths[torch.randint(rows, (1,), generator=g)] = long
+    return lengths.tolist()
+
+
+def rows_of_lengths(lengths: list[int], vocab: int):
+    """A `MicroBatch` of rows of `lengths` tokens, prompts a quarter of each row (left-padded prompts, right-padded
+    completions)."""
+    import torch
+
+    rows = len(lengths)
     g = torch.Generator().manual_seed(0)
-    lengths = [long] + [short] * (rows - 1)
     p_len = torch.tensor([max(1, n // 4) for n in lengths])
     c_len = torch.tensor(lengths) - p_len
     P, T = int(p_len.max()), int(c_len.max())
@@ -98,10 +126,71 @@ def make_rows(rows: int, long: int, short: int, vocab: int):
     )
 
 
+def token_budget_child(a) -> dict:
+    """One token-budget variant (`tb_bound`, `tb_budget`, `tb_rows_<k>`) in this fresh process: its step peak, the
+    fastest of `--tb_repeats` steps and the tokens it trained."""
+    import torch
+
+    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+
+    torch.manual_seed(0)
+    k_safe = a.tb_budget // a.tb_long
+    if a.variant == "tb_bound":
+        lengths, per_pass, budget = [a.tb_long] * k_safe, k_safe, None  # one pass at the budget's worst case
+    else:
+        lengths = tailed_lengths(a.tb_rows, a.tb_long)
+        budget = a.tb_budget if a.variant == "tb_budget" else None
+        per_pass = len(lengths) if budget else int(a.variant.rsplit("_", 1)[1])
+    accumulation = len(lengths) // per_pass
+    args = GRPOConfig(
+        output_dir=os.path.join(a.tmp, a.variant),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=per_pass,
+        gradient_accumulation_steps=accumulation,
+        num_generations=2,
+        max_completion_length=a.tb_long,
+        max_prompt_length=a.tb_long,
+        padding_free=True,
+        token_budget=budget,
+        share_prompt_prefix=False,  # every prompt differs here; nothing to share
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    t = GRPOTrainer(model=a.model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(len(lengths)))
+    rows = rows_of_lengths(lengths, t.model.config.vocab_size)
+    t.current_gradient_accumulation_steps = accumulation  # what the training loop sets before its micro-steps
+    t.model.train()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        for start in range(0, len(lengths), per_pass):  # the micro-batches of one optimizer step
+            loss = t.compute_loss(t.model, rows.select(slice(start, start + per_pass)).trim())
+            t.accelerator.backward(loss)
+        t.model.zero_grad(set_to_none=False)
+        return time.perf_counter() - t0
+
+    step()  # warm-up, untimed: first-call costs (allocator, kernels, the padding-free check)
+    before = reset_peak()
+    times = [step() for _ in range(a.tb_repeats)]
+    return {
+        "step_peak_mb": peak_mb() - before,
+        "seconds": min(times),
+        "times": times,
+        "tokens": sum(lengths),
+        "rows_per_pass": per_pass,
+        "passes": accumulation if budget is None else None,
+    }
+
+
 def child(a) -> dict:
     """One variant in this (fresh) process; returns its measurements."""
     import dataclasses
 
+    if a.variant.startswith("tb_"):
+        return token_budget_child(a)
     import torch
 
     from grpo_async import GRPOConfig, GRPOTrainer
@@ -158,6 +247,8 @@ def child(a) -> dict:
 def run_child(a, variant: str, model: str, server: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model, "--tmp", a.tmp]
     cmd += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
+    cmd += ["--tb_rows", str(a.tb_rows), "--tb_long", str(a.tb_long), "--tb_budget", str(a.tb_budget)]
+    cmd += ["--tb_repeats", str(a.tb_repeats)]
     if server:
         cmd += ["--server", server]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -171,6 +262,10 @@ def main(argv=None) -> float:
     p.add_argument("--rows", type=int, default=16, help="rows of the micro-batch")
     p.add_argument("--long", type=int, default=512, help="tokens of the one long row (prompt + completion)")
     p.add_argument("--short", type=int, default=48, help="tokens of every other row")
+    p.add_argument("--tb_rows", type=int, default=64, help="token budget: rows of the long-tailed step")
+    p.add_argument("--tb_long", type=int, default=1024, help="token budget: the longest row's tokens")
+    p.add_argument("--tb_budget", type=int, default=2048, help="token budget: tokens per forward pass")
+    p.add_argument("--tb_repeats", type=int, default=2, help="token budget: timed steps per variant (fastest kept)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the bench runs (seconds)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -179,6 +274,7 @@ def main(argv=None) -> float:
     a = p.parse_args(argv)
     if a.smoke:
         a.rows, a.long, a.short = 4, 64, 16
+        a.tb_rows, a.tb_long, a.tb_budget, a.tb_repeats = 16, 128, 256, 1
     if a.child:
         a.variant = a.child
         print(json.dumps(child(a)), flush=True)
@@ -192,6 +288,13 @@ def main(argv=None) -> float:
     model = build_tiny_model(os.path.join(a.tmp, "model"), TinyModelSpec(**SPEC, **pos))
     ref_model = build_tiny_model(os.path.join(a.tmp, "ref_model"), TinyModelSpec(**REF_SPEC, **pos))
     res = {v: run_child(a, v, model) for v in ("padded", "packed")}
+    k = a.tb_budget // a.tb_long
+    if k < 1 or a.tb_rows % (4 * k):
+        raise SystemExit(
+            f"--tb_budget {a.tb_budget} must hold a row of --tb_long {a.tb_long}; --tb_rows a multiple of 4k"
+        )
+    tb_variants = ["tb_bound", "tb_budget", *(f"tb_rows_{m * k}" for m in (1, 2, 4))]
+    res.update({v: run_child(a, v, model) for v in tb_variants})
     server = launch_server(
         ref_model,
         api_key="bench",
@@ -231,12 +334,46 @@ def main(argv=None) -> float:
         f"(a float32 copy: {res['ref_server']['params_m'] * 4:.0f} MB)"
     )
     print(f"reference: in-process / server trainer peak = {ref_ratio:.2f}x")
+    lengths = tailed_lengths(a.tb_rows, a.tb_long)
+    print(
+        f"token budget: {a.tb_rows} rows of long-tailed lengths (median {sorted(lengths)[len(lengths) // 2]}, "
+        f"max {max(lengths)}, {sum(lengths)} tokens), budget {a.tb_budget} tokens per pass; row-based split sized "
+        f"for the longest rows: {k} rows per pass"
+    )
+    for v in tb_variants:
+        r = res[v]
+        r["tokens_per_second"] = r["tokens"] / r["seconds"]
+        what = {"tb_bound": f"bound: {k} rows of {a.tb_long}, one pass", "tb_budget": "token budget"}.get(v, "")
+        what = what or f"{r['rows_per_pass']} rows per pass ({r['passes']} passes)"
+        print(
+            f"{v:>11}: step peak +{r['step_peak_mb']:8.1f} MB, step {r['seconds']:.2f} s, "
+            f"{r['tokens_per_second']:.0f} tokens/s  [{what}]"
+        )
+    tb_peak = res["tb_budget"]["step_peak_mb"] / res["tb_bound"]["step_peak_mb"]
+    tb_speed = res["tb_budget"]["tokens_per_second"] / res[f"tb_rows_{k}"]["tokens_per_second"]
+    print(
+        f"token budget: step peak {tb_peak:.2f}x the budget's bound (goal <= 1); {tb_speed:.2f}x the tokens per "
+        f"second of {k} rows per pass (goal >= 1.3)"
+    )
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke" if a.smoke else "")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "memory.json"), "w") as f:
-        json.dump({"results": res, "packing_memory_ratio": ratio, "ref_memory_ratio": ref_ratio, "args": vars(a)}, f)
+        json.dump(
+            {
+                "results": res,
+                "packing_memory_ratio": ratio,
+                "ref_memory_ratio": ref_ratio,
+                "token_budget_peak_ratio": tb_peak,
+                "token_budget_throughput_ratio": tb_speed,
+                "token_budget_rows_per_pass": k,
+                "args": vars(a),
+            },
+            f,
+        )
     print(f"RESULT ref_memory_ratio={ref_ratio:.2f}")
     print(f"RESULT packing_memory_ratio={ratio:.2f}")
+    print(f"RESULT token_budget_peak_ratio={tb_peak:.2f}")
+    print(f"RESULT token_budget_throughput_ratio={tb_speed:.2f}")
     return ratio
 
 
