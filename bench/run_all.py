@@ -146,7 +146,7 @@ def _rows_lcm(data: dict) -> list[dict]:
 
 def _rows_memory(data: dict) -> list[dict]:
     r = data["results"]
-    return [
+    rows = [
         {
             "metric": "trainer step peak memory, packed (padding-free) vs padded (MB)",
             "ours": r["packed"]["step_peak_mb"],
@@ -162,6 +162,25 @@ def _rows_memory(data: dict) -> list[dict]:
             "ratio": data["ref_memory_ratio"],
         },
     ]
+    if "token_budget_throughput_ratio" in data:  # issue 25: token-budget micro-batches on long-tailed lengths
+        k = data["token_budget_rows_per_pass"]
+        rows += [
+            {
+                "metric": "token budget: step peak on long-tailed rows vs the budget's bound (MB; ratio <= 1: within)",
+                "ours": r["tb_budget"]["step_peak_mb"],
+                "peer": r["tb_bound"]["step_peak_mb"],
+                "peer_name": f"one pass of {k} longest rows",
+                "ratio": data["token_budget_peak_ratio"],
+            },
+            {
+                "metric": "token budget: training tokens per second vs the row-based split that fits the same peak",
+                "ours": r["tb_budget"]["tokens_per_second"],
+                "peer": r[f"tb_rows_{k}"]["tokens_per_second"],
+                "peer_name": f"{k} rows per pass",
+                "ratio": data["token_budget_throughput_ratio"],
+            },
+        ]
+    return rows
 
 
 def _rows_lora_sync(data: dict) -> list[dict]:
