@@ -25,11 +25,13 @@ class ReferenceFields:
             "help": "Compute the prompt of a group once in the logps and training forward passes: the rows of a "
             "forward pass that share a prompt run as one row [prompt, completion 1, ..., completion k] whose "
             "completions attend to the prompt and to themselves only (a tree attention mask, per-branch position "
-            "ids; grpo_async/algo/prefix_sharing.py). Same log-probs, loss and gradients as unshared (<= 1e-5 in "
-            "float32); a cost model groups the completions into the rows that cost least, so long completions "
-            "behind a short prompt stay unshared. Needs an attention that takes a 4D mask (sdpa, eager): with "
-            "FlashAttention or FlexAttention, sliding-window attention, or a model found to ignore the mask: one "
-            "warning and unshared rows."
+            "ids; grpo_async/algo/prefix_sharing.py). Same log-probs, loss and gradients as unshared (1e-12 in "
+            "float64; in float32 within the summation-order noise of the unshared path itself); a cost model groups "
+            "the completions into the rows that cost least, so long completions behind a short prompt stay "
+            "unshared. Where it changes no optimizer step, a round is dealt to micro-batches in whole groups so the "
+            "training forward shares each prompt (trainer_setup.keep_groups_together). Needs an attention that "
+            "takes a 4D mask (sdpa, eager): with FlashAttention or FlexAttention, sliding-window attention, or a "
+            "model found to ignore the mask: one warning and unshared rows."
         },
     )
     ref_server_url: str | None = field(
