@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, Trainer
 
 from .algo.logprobs import score_tokens
 from .algo.loss import LossContext
-from .algo.objective import PolicyObjective, ProcessOps
+from .algo.objective import PolicyObjective
 from .algo.ref_sync import RefModelSyncCallback
 from .algo.throughput import throughput_meter
 from .algo.token_budget import budgeted_loss
@@ -169,7 +169,8 @@ class GRPOTrainer(TRLAttributes, Trainer):
         self.num_generations = a.num_generations
         self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
         unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
-        self.objective = PolicyObjective.from_config(a, unwrapped_config, ProcessOps.of(self.accelerator))
+        self.collectives = AcceleratorCollectives(self.accelerator)  # the one way across the training processes
+        self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives)
         self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
         self.compute_old_logps = (
             a.num_iterations > 1
@@ -191,7 +192,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
         pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
             a,
             link,
-            AcceleratorCollectives(self.accelerator),
+            self.collectives,
             tokenizer=processing_class,
             rewards=rewards,
             reward_weights=weights,
@@ -364,8 +365,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
             self._metrics["train"][key].append(value)
 
     def _log_loss(self, out, inputs: MicroBatch) -> None:
-        reduce = lambda t: self.accelerator.reduce(t, reduction="sum")  # noqa: E731
-        metrics = loss_metrics(out, inputs, self.state.global_step, reduce=reduce, gather=self.accelerator.gather)
+        metrics = loss_metrics(out, inputs, self.state.global_step, self.collectives)
         for k, v in metrics.items():
             self._metrics["train"][k].append(v)
 

@@ -16,7 +16,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 
 from grpo_async.algo.logprobs import TokenScores, score_tokens
 from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings
-from grpo_async.algo.objective import EntropyController, PolicyObjective, ProcessOps, high_entropy_mask
+from grpo_async.algo.objective import EntropyController, PolicyObjective, SingleProcess, high_entropy_mask
 from grpo_async.pipeline.metrics import loss_metrics
 
 B, T = 6, 7
@@ -154,7 +154,7 @@ def _ours(o: dict, ga: int, spg: int, max_len: int, aux_coef: float) -> PolicyOb
         entropy=entropy,
         aux_loss_coef=aux_coef,
         router=(4, 2) if aux_coef else None,
-        ops=ProcessOps.single(),
+        ops=SingleProcess(),
     )
 
 
@@ -207,7 +207,7 @@ def _run_ours(objective, t: dict, o: dict, ctx: LossContext, end_of_window: bool
     scores = TokenScores(logps=x["logps"], entropies=x["entropies"], aux_loss=x["aux"] if objective.router else None)
     out = objective(scores, batch, ctx, end_of_window=end_of_window)
     out.loss.backward()
-    metrics = loss_metrics(out, batch, 0, reduce=lambda v: v, gather=lambda v: v)
+    metrics = loss_metrics(out, batch, 0, SingleProcess())
     metrics = {k: v for k, v in metrics.items() if not k.startswith("async/")}
     return out.loss.detach(), {k: v.grad for k, v in x.items()}, metrics
 
@@ -350,7 +350,7 @@ def test_entropy_quantile_over_two_processes_agrees_with_one():
     def gather(t):  # both processes' padded tensors, in rank order
         return torch.cat([pad(x, pad_index=state["pad_index"]) for x in locals_])
 
-    ops = ProcessOps(reduce_sum=lambda t: t, gather=gather, pad_across_processes=pad)
+    ops = SimpleNamespace(reduce_sum=lambda t: t, gather_tensor=gather, pad_across_processes=pad)  # two ranks' data
     cut = torch.quantile(torch.cat(locals_), 0.4)
     for ei, mi in zip(e, m, strict=True):
         got = high_entropy_mask(ei, mi, 0.4, ops)
@@ -360,7 +360,8 @@ def test_entropy_quantile_over_two_processes_agrees_with_one():
 _QUANTILE_WORKER = """
 import json, sys, torch
 from accelerate import Accelerator
-from grpo_async.algo.objective import ProcessOps, high_entropy_mask
+from grpo_async.algo.objective import high_entropy_mask
+from grpo_async.pipeline.collectives import AcceleratorCollectives
 acc = Accelerator(cpu=True)
 g = torch.Generator().manual_seed(7)
 e = [torch.rand(3, 5, generator=g) * 2, torch.rand(2, 4, generator=g) * 2]  # rank r's entropies
@@ -368,7 +369,7 @@ m = [torch.ones(3, 5), torch.ones(2, 4)]
 m[0][0, 3:] = 0
 m[1][1, 1:] = 0
 r = acc.process_index
-mask = high_entropy_mask(e[r], m[r], 0.4, ProcessOps.of(acc))
+mask = high_entropy_mask(e[r], m[r], 0.4, AcceleratorCollectives(acc))
 cut = torch.quantile(torch.cat([e[0][m[0].bool()], e[1][m[1].bool()]]), 0.4)  # every process's tokens together
 json.dump({"ok": torch.equal(mask, (e[r] >= cut) & m[r].bool()), "kept": int(mask.sum())},
           open(sys.argv[1] + f"/rank{r}.json", "w"))
@@ -396,7 +397,7 @@ def test_entropy_quantile_on_two_real_processes(tmp_path):
 def test_entropy_quantile_zero_keeps_only_the_top_token():
     e = torch.tensor([[0.1, 0.9, 0.5], [0.3, 2.0, 0.0]])
     m = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    mask = high_entropy_mask(e, m, 1.0, ProcessOps.single())  # top_entropy_quantile = 0
+    mask = high_entropy_mask(e, m, 1.0, SingleProcess())  # top_entropy_quantile = 0
     assert mask.tolist() == [[False, True, False], [False, False, False]]
 
 

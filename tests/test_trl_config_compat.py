@@ -329,7 +329,7 @@ def wiring(c) -> dict:
     """What the trainer's components receive from config `c`, built with the trainer's own construction helpers."""
     import torch
 
-    from grpo_async.algo.objective import PolicyObjective, ProcessOps
+    from grpo_async.algo.objective import PolicyObjective, SingleProcess
     from grpo_async.algo.ref_sync import RefModelSyncCallback
     from grpo_async.trainer_setup import (
         consumer_settings,
@@ -339,7 +339,7 @@ def wiring(c) -> dict:
         scheduler_settings,
     )
 
-    objective = PolicyObjective.from_config(c, _moe_config(), ProcessOps.single())
+    objective = PolicyObjective.from_config(c, _moe_config(), SingleProcess())
     entropy = objective.entropy
     ref_sync = RefModelSyncCallback.from_config(c, torch.nn.Linear(1, 1), lambda: None)
     return _flat(

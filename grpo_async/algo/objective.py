@@ -1,6 +1,6 @@
 """The training objective around the pure loss (`algo.loss.grpo_loss`), TRL 1.16's `_compute_loss` after the forward
 pass: the high-entropy token mask (a quantile over every process's tokens), the entropy bonus with its static or
-adaptive coefficient, and the MoE load-balancing loss. Collectives come in as callables (`ProcessOps`); the only
+adaptive coefficient, and the MoE load-balancing loss. Collectives come in as one object (`Collectives`); the only
 state, the adaptive entropy coefficient, has `state_dict` / `load_state_dict` for checkpoints.
 
 ```txt
@@ -15,44 +15,46 @@ TokenScores(logps [B, T], entropies [B, T], aux_loss [])  +  micro-batch (advant
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .loss import LossContext, LossOutput, LossSettings, grpo_loss, mean_entropy
 
 
-@dataclass
-class ProcessOps:
-    """Collectives over the training processes (identity with one process).
+class Collectives(Protocol):
+    """What the objective does across the training processes. Training passes the pipeline's one
+    `AcceleratorCollectives` (`grpo_async/pipeline/collectives.py`); a single process (evaluation, tests)
+    `SingleProcess()`. Tensors come back on the device they were given on."""
 
-    Args:
-        reduce_sum (`Callable[[Tensor], Tensor]`): element-wise sum over processes.
-        gather (`Callable[[Tensor], Tensor]`): concatenation over processes along dim 0.
-        pad_across_processes (`Callable[..., Tensor]`): `(tensor, dim=0, pad_index=v)` → padded with `v` along `dim`
-            to the longest process's length (accelerate's signature).
-    """
+    def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the processes."""
+        ...
 
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor]
-    gather: Callable[[torch.Tensor], torch.Tensor]
-    pad_across_processes: Callable[..., torch.Tensor]
+    def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Every process's `t`, concatenated along dim 0 in rank order."""
+        ...
 
-    @classmethod
-    def single(cls) -> ProcessOps:
-        return cls(reduce_sum=lambda t: t, gather=lambda t: t, pad_across_processes=lambda t, **_: t)
-
-    @classmethod
-    def of(cls, accelerator) -> ProcessOps:
-        """An `accelerate.Accelerator`'s collectives."""
-        return cls(
-            reduce_sum=lambda t: accelerator.reduce(t, reduction="sum"),
-            gather=accelerator.gather,
-            pad_across_processes=accelerator.pad_across_processes,
-        )
+    def pad_across_processes(self, t: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        """`t` padded with `pad_index` along `dim` to the longest process's length (accelerate's signature)."""
+        ...
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float, ops: ProcessOps) -> torch.Tensor:
+class SingleProcess:
+    """The `Collectives` of one process: every call is the identity."""
+
+    def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def pad_across_processes(self, t: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        return t
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float, ops: Collectives) -> torch.Tensor:
     """Tokens whose entropy is at least the `threshold`-quantile of the entropies of every process's masked tokens
     (TRL's `get_high_entropy_mask`; `threshold = 1 − top_entropy_quantile`).
 
@@ -62,7 +64,7 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: fl
     """
     local = entropies[mask.bool()].detach().float()  # [n] this process's tokens
     sentinel = -1e9
-    gathered = ops.gather(ops.pad_across_processes(local, dim=0, pad_index=sentinel))  # [N · max n]
+    gathered = ops.gather_tensor(ops.pad_across_processes(local, dim=0, pad_index=sentinel))  # [N · max n]
     gathered = gathered[gathered != sentinel]
     if gathered.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.bool)
@@ -179,7 +181,7 @@ class PolicyObjective:
         top_entropy_quantile (`float`): ρ; train only the top-ρ tokens by entropy (1.0: all tokens).
         entropy (`EntropyController`, *optional*): the entropy bonus (off when `None` or not `enabled`).
         aux_loss_coef (`float`), router (`(num_experts, top_k)`, *optional*): the MoE load-balancing loss.
-        ops (`ProcessOps`): collectives (the entropy quantile, the adaptive controller's window mean).
+        ops (`Collectives`): collectives (the entropy quantile, the adaptive controller's window mean).
     """
 
     def __init__(
@@ -190,15 +192,15 @@ class PolicyObjective:
         entropy: EntropyController | None = None,
         aux_loss_coef: float = 0.0,
         router: tuple[int, int] | None = None,
-        ops: ProcessOps | None = None,
+        ops: Collectives | None = None,
     ):
         self.settings, self.top_entropy_quantile = settings, top_entropy_quantile
         self.entropy = entropy or EntropyController()
         self.aux_loss_coef, self.router = aux_loss_coef, router
-        self.ops = ops or ProcessOps.single()
+        self.ops = ops or SingleProcess()
 
     @classmethod
-    def from_config(cls, args, model_config, ops: ProcessOps) -> PolicyObjective:
+    def from_config(cls, args, model_config, ops: Collectives) -> PolicyObjective:
         """From a `GRPOConfig` (TRL's field names) and the policy's model config (for the MoE auxiliary loss)."""
         coef, router = router_aux_settings(model_config, args.router_aux_loss_coef)
         entropy = EntropyController(

@@ -1,8 +1,9 @@
 """`AcceleratorCollectives`: the pipeline's one way across the training processes.
 
 The scheduler gathers every process's rows and broadcasts the main process's round (Python objects); the consumer
-sums metrics and gathers per-row values (tensors). Both go through this one object, built on the trainer's
-`accelerate.Accelerator` (`pipeline/build.py`); with one process every call is the identity.
+sums metrics and gathers per-row values, the objective (`algo.objective.Collectives`) reduces and gathers the
+entropies of every process's tokens, the loss metrics sum and gather their terms (tensors). All of it goes through
+this one object, built by the trainer on its `accelerate.Accelerator`; with one process every call is the identity.
 """
 
 from __future__ import annotations
@@ -45,9 +46,14 @@ class AcceleratorCollectives:
         return broadcast_object_list([obj], from_process=0)[0]
 
     def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the processes (on this process's device, returned on the CPU)."""
-        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum").cpu()
+        """`t` summed over the processes (computed on this process's device, returned on `t`'s)."""
+        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum").to(t.device)
 
     def gather_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Every process's `t` concatenated along dim 0 (returned on the CPU)."""
-        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+        """Every process's `t` concatenated along dim 0, in rank order (returned on `t`'s device)."""
+        return self.accelerator.gather(t.to(self.accelerator.device)).to(t.device)
+
+    def pad_across_processes(self, t: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        """`t` padded with `pad_index` along `dim` to the longest process's length (returned on `t`'s device)."""
+        out = self.accelerator.pad_across_processes(t.to(self.accelerator.device), dim=dim, pad_index=pad_index)
+        return out.to(t.device)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..algo.logprobs import score_tokens
 from ..algo.loss import LossContext
-from ..algo.objective import PolicyObjective, ProcessOps
+from ..algo.objective import PolicyObjective, SingleProcess
 from .types import MicroBatch
 
 
@@ -45,7 +45,7 @@ def eval_loss(
         model_config: the unwrapped model's config (MoE: the load-balancing loss).
     """
     a = config
-    objective = PolicyObjective.from_config(a, model_config, ProcessOps.single())  # its own adaptive state
+    objective = PolicyObjective.from_config(a, model_config, SingleProcess())  # its own adaptive state
     objective.load_state_dict(objective_state)
     total, rows, was_training = 0.0, 0, model.training
     model.eval()

@@ -47,7 +47,7 @@ def window_summary(window: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
+def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
     """What one micro-batch's loss reports over every process, with TRL 1.16's names: `kl`, `entropy` (means over
     trained tokens), `clip_ratio/{low,high,region}_mean`, `clip_ratio/low_min`, `clip_ratio/high_max` (clipped loss
     types), `cispo_clip_ratio`, `vespo/phi_seq_mean`, `policy_loss` and `entropy_coef` (entropy bonus on),
@@ -59,7 +59,7 @@ def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
         out (`grpo_async.algo.objective.ObjectiveOutput`): the loss and its terms.
         batch (`MicroBatch`): the micro-batch (`loss_mask [B, T]`, `policy_version [B]`).
         version (`int`): the policy version being trained.
-        reduce (`Callable`): sum over processes; gather (`Callable`): concatenation over processes.
+        collectives (`grpo_async.algo.objective.Collectives`): the sum and the concatenation over processes.
     """
     import torch
 
@@ -71,11 +71,11 @@ def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
         else:
             m = mask.to(x.dtype)
             local = torch.stack([(x * m).sum(), m.sum()])
-        totals = reduce(local)
+        totals = collectives.reduce_sum(local)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
     def seq_means(x):  # TRL's masked_seq_mean, gathered: [B·N], NaN for rows without trained tokens
-        return gather(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
+        return collectives.gather_tensor(x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1))
 
     def nan_extreme(x, fn):
         x = x[~torch.isnan(x)]
@@ -99,12 +99,12 @@ def loss_metrics(out, batch, version: int, reduce, gather) -> dict[str, float]:
     elif terms.phi_seq is not None:
         m["vespo/phi_seq_mean"] = masked_mean(terms.phi_seq)
     if out.entropy_bonus:
-        m["policy_loss"] = gather(terms.policy_loss.reshape(1)).nanmean().item()
+        m["policy_loss"] = collectives.gather_tensor(terms.policy_loss.reshape(1)).nanmean().item()
     if out.entropy_coef is not None:
         m["entropy_coef"] = out.entropy_coef
     if out.aux_loss is not None:
-        m["aux_loss"] = gather(out.aux_loss.detach().reshape(1)).mean().item()
-    stale = gather((version - batch.policy_version.to(mask.device)).float())  # [B·N]
+        m["aux_loss"] = collectives.gather_tensor(out.aux_loss.detach().reshape(1)).mean().item()
+    stale = collectives.gather_tensor((version - batch.policy_version.to(mask.device)).float())  # [B·N]
     m["async/staleness"] = stale.mean().item()
     m["async/staleness_max"] = stale.max().item()
     m["async/staleness_min"] = stale.min().item()
