@@ -12,59 +12,41 @@ Trainer overrides only; each job has its own component (`grpo_async/pipeline/`),
  micro-steps ─▶ optimizer.step() ─▶ PolicyPublisher ────────┘ (before the round that uses them is generated)
 ```
 
-Timeline with `num_batches_ahead = 1` (one round = steps_per_generation × μ micro-steps):
-
-```txt
-trainer  | publish v0, submit r0, r1 | wait r0 | train r0 ......... | publish v1, submit r2 | train r1 .........
-job queue|                           | gen r0 (v0) | gen r1 (v0)    |                       | gen r2 (v1) ...
-```
-Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
-(optimizer steps), ≤ ceil(k × steps_per_round) when its round starts.
+Which round is generated when, from which weights (the staleness it gets): `pipeline/scheduler.py`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
-from collections import defaultdict
 
 import torch
-from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, Trainer
 
 from .algo.logprobs import score_tokens
 from .algo.loss import LossContext
-from .algo.objective import PolicyObjective
-from .algo.ref_sync import RefModelSyncCallback
-from .algo.throughput import throughput_meter
 from .algo.token_budget import budgeted_loss
 from .config import GRPOConfig
-from .data.async_loader import AsyncDataLoaderWrapper
+from .data.async_loader import AsyncDataLoaderWrapper, wrapper_skips_batches
 from .data.sampler import RepeatSampler
-from .generation.ref_client import RefLogpsClient
-from .logging_utils import MetricsJsonlCallback, log_completions
+from .logging_utils import MetricsJsonlCallback
 from .model_card import write_model_card
 from .model_config import check_context_length, needs_find_unused_parameters
 from .pipeline import checkpointing as ckpt
-from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
-from .pipeline.evaluation import eval_loss
-from .pipeline.metrics import ROUND_TOKENS, loss_metrics, window_summary
+from .pipeline.metrics import loss_metrics
 from .pipeline.types import MicroBatch
 from .rewards.reward_model import RewardModel
+from .trainer_pipeline import TrainerPipeline
 from .trainer_setup import (
-    bound_collectives,
     check_datasets,
     default_args,
-    eval_chunk_prompts,
     experimental_warnings,
     is_iterable,
     is_peer_failure,
     peer_failure_error,
     prepare_models,
     prepare_rewards,
-    reference_scorer,
     train_stream,
     trainer_environment,
 )
@@ -77,7 +59,7 @@ def _identity(rows):
     return rows
 
 
-class GRPOTrainer(TRLAttributes, Trainer):
+class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
     """Group Relative Policy Optimization with asynchronous generation.
 
     Args:
@@ -140,10 +122,8 @@ class GRPOTrainer(TRLAttributes, Trainer):
         rewards, weights = prepare_rewards(reward_funcs, reward_processing_classes, args, self.environment)
         experimental_warnings(rollout_func, environment_factory)  # TRL's, verbatim
         self.tools = list(tools or [])  # TRL's attribute: the standalone tools
-        self.reward_processing_classes = [
-            f.tokenizer if isinstance(f, RewardModel) else None for f in rewards[0]
-        ]  # TRL's attribute: a reward model's tokenizer, None for a function
-
+        # TRL's attribute: a reward model's tokenizer, None for a function
+        self.reward_processing_classes = [f.tokenizer if isinstance(f, RewardModel) else None for f in rewards[0]]
         super().__init__(
             model=model,
             args=args,
@@ -155,55 +135,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
             optimizers=optimizers,
         )
         self.add_callback(MetricsJsonlCallback())
-        bound_collectives(self.accelerator.num_processes, args.ddp_timeout)
-        self.ref_model = None
-        if ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-        self.ref_client = None
-        if args.beta > 0 and args.ref_server_url is not None:
-            self.ref_client = RefLogpsClient(
-                args.ref_server_url, args.ref_server_api_key or args.vllm_api_key, args.vllm_server_timeout
-            )
-
-        a = args
-        self.num_generations = a.num_generations
-        self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
-        unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
-        self.collectives = AcceleratorCollectives(self.accelerator)  # the one way across the training processes
-        self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives)
-        self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
-        self.compute_old_logps = (
-            a.num_iterations > 1
-            or a.steps_per_generation > a.gradient_accumulation_steps
-            or a.importance_sampling_correction  # π_old of the IS ratio π_old / π_sampler
-        )
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._step = 0  # training_step calls
-        self._train_step_time = 0.0
-        self._step_time = 0.0  # TRL's step_time: the training_step calls of an optimizer step, waits included
-        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
-        scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
-        link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
-        if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
-            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
-        ref_logps = None
-        if a.beta:
-            ref_logps = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
-        pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
-            a,
-            link,
-            self.collectives,
-            tokenizer=processing_class,
-            rewards=rewards,
-            reward_weights=weights,
-            environment=self.environment,
-            model_source=self._model_source,
-            scoring=scoring,
-            old_logps=self.compute_old_logps,
-            ref_logps=ref_logps,
-        )
-        self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
-        self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
+        self._build_pipeline(ref_model, processing_class, rewards, weights, rollout_func)  # trainer_pipeline.py
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
@@ -263,38 +195,12 @@ class GRPOTrainer(TRLAttributes, Trainer):
         return loader
 
     # ---- the pipeline --------------------------------------------------------------------------------------------
-    def _publish(self) -> None:
-        self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
-
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
         policy = self.accelerator.unwrap_model(self.model)
         batch = self.rounds.next_micro_batch(generation_batch, self.state.global_step, policy)
         return batch.to(self.accelerator.device)
-
-    def sync_weights(self) -> None:
-        """Publish the trainer's current weights to the sampler now (every rank must call), e.g. to inspect the
-        sampler between `train()` calls. Training publishes by itself at each round boundary."""
-        self.publisher.reset()
-        self._publish()
-
-    @property
-    def backend(self):
-        """The generation backend (main process; `None` until first used)."""
-        return self.engine.built if self.engine is not None else None
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the job-queue thread (a round in progress is aborted) and shut the backend down (`train()` can run
-        again); safe to call again. A thread still stuck after `timeout` seconds (in a reward, say) is joined again
-        at interpreter exit; the backend it uses is left open until then."""
-        generator_busy = self.rounds.stop(timeout)
-        if self.engine is not None:
-            if generator_busy:
-                logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
-                self.engine.forget()
-            self.engine.close()
-        self.publisher.reset()
 
     def end(self) -> None:
         """Transformers' `Trainer.end` (finish the trackers, destroy the process group), after `close()`: the engine
@@ -329,7 +235,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
             **(totals or {}),
         )
         out = self.objective(scores, inputs, ctx, end_of_window=self.accelerator.sync_gradients and last)
-        self._log_loss(out, inputs)
+        self.metric_windows.record_all(loss_metrics(out, inputs, self.state.global_step, self.collectives))
         return out.loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -342,49 +248,18 @@ class GRPOTrainer(TRLAttributes, Trainer):
                 raise peer_failure_error(e, self.accelerator, self._step, self.state.global_step, self.args) from e
             raise
         self._step += 1
-        self._step_time += time.perf_counter() - start
-        self._train_step_time += time.perf_counter() - start - self.rounds.take_wait()  # compute only, no waits
+        self.metric_windows.add_call(time.perf_counter() - start, waited=self.rounds.take_wait())
         if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics["train"]["timing/train_step"].append(self._train_step_time)
-            for k, v in self.throughput.step(self._train_step_time).items():  # perf/train_tokens_per_second, ...
-                self._metrics["train"][k].append(v)
-            self._metrics["train"]["step_time"].append(self._step_time)
-            self._train_step_time = self._step_time = 0.0
+            self.metric_windows.end_step(self.throughput)  # step_time, timing/train_step, perf/*
             self.rounds.end_step()  # logs async/overlap, async/trainer_wait, async/generator_idle of this step
         return loss
 
     # ---- metrics -------------------------------------------------------------------------------------------------
-    def record_metric(self, key: str, value: float) -> None:
-        """Record a training metric of the pipeline, logged (averaged over the window) at the next `log`. A round's
-        token count goes to `state.num_input_tokens_seen`, logged as TRL's `num_tokens` (the running total, counted
-        when a round is first trained, as TRL counts at generation)."""
-        if key == ROUND_TOKENS:
-            self.state.num_input_tokens_seen += int(value)
-            self._metrics["train"]["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        else:
-            self._metrics["train"][key].append(value)
-
-    def _log_loss(self, out, inputs: MicroBatch) -> None:
-        metrics = loss_metrics(out, inputs, self.state.global_step, self.collectives)
-        for k, v in metrics.items():
-            self._metrics["train"][k].append(v)
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        metrics = {prefix + k: v for k, v in window_summary(self._metrics[mode]).items()}
-        logs = {**logs, **{k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}}
-        super().log(logs, start_time)
-        self._metrics[mode].clear()
-        if self.args.log_completions and self.accelerator.is_main_process and self.rounds.last_samples:
-            log_completions(
-                self.rounds.last_samples,
-                self.args.output_dir,
-                self.state.global_step,
-                self.args.num_completions_to_print,
-                self.args.log_unique_prompts,
-            )
-            self.rounds.last_samples = None  # each round's samples are logged once
+        super().log({**logs, **{prefix + k: v for k, v in self.metric_windows.pop(mode).items()}}, start_time)
+        self._log_completions()  # log_completions: the last round's samples, once
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs) -> None:
         """Writes `README.md` into `output_dir` (main process): method, base model, reward functions and weights,
@@ -401,8 +276,8 @@ class GRPOTrainer(TRLAttributes, Trainer):
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`num_generations_eval` completions per eval prompt on the current weights (published first, after any round
-        in flight), scored; logs TRL's `<prefix>_loss` (`_eval_loss`), `_reward`, `_reward_std`, `_rewards/<func>`,
-        `_completions/mean_length`."""
+        in flight), scored (`pipeline/evaluation.py`); logs TRL's `<prefix>_loss`, `_reward`, `_reward_std`,
+        `_rewards/<func>`, `_completions/mean_length`."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset  # Trainer: an eval set's name
         if dataset is None:
@@ -414,13 +289,8 @@ class GRPOTrainer(TRLAttributes, Trainer):
             return out
         start = time.perf_counter()
         self._publish()
-        generated = None
-        if self.accelerator.is_main_process:
-            batch_rows = self.args.per_device_eval_batch_size * self.accelerator.num_processes  # TRL's eval batch,
-            batch_rows = math.lcm(batch_rows, self.num_generations_eval)  # whole groups (TRL: checked if evaluating)
-            generated = self.producer.evaluate(dataset, eval_chunk_prompts(self.args), batch_rows)
-        metrics, batches = broadcast_object_list([generated], from_process=0)[0]
-        metrics = {"loss": self._eval_loss(batches), **metrics}  # TRL's eval_loss: metric_for_best_model="loss"
+        config = self.accelerator.unwrap_model(self.model).config
+        metrics = self.evaluator(dataset, self.model, self.objective.state_dict(), config)  # pipeline/evaluation.py
         metrics["runtime"] = time.perf_counter() - start
         metrics["num_tokens"] = float(self.state.num_input_tokens_seen)  # TRL's eval_num_tokens
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
@@ -429,18 +299,6 @@ class GRPOTrainer(TRLAttributes, Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def _eval_loss(self, batches: list[MicroBatch]) -> float:
-        """TRL's `eval_loss` of the eval batches (`pipeline/evaluation.py`): every process computes every share."""
-        a, link, dev = self.args, TrainerLink(self), self.accelerator.device
-        ref = None
-        if a.beta:
-            scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": dev}
-            scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py, as in training
-            ref = reference_scorer(self.ref_client, self.ref_model, link.policy, link.unwrapped_policy, scoring)
-        config = link.unwrapped_policy().config
-        state = self.objective.state_dict()  # the entropy coefficient training has now
-        return eval_loss(a, self.model, batches, state, ref, dev, self.accelerator.num_processes, config)
-
     # ---- lifecycle and checkpoints -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; resuming also restores the pipeline (`pipeline/checkpointing.py`): the run continues with
@@ -448,10 +306,7 @@ class GRPOTrainer(TRLAttributes, Trainer):
         trained at the checkpoint are generated again, from the checkpoint's weights)."""
         if resume_from_checkpoint:
             resume_from_checkpoint = ckpt.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-            saved = ckpt.read_pipeline_state(resume_from_checkpoint, self._pipeline_state()["geometry"])
-            self._step = saved["micro_steps"]
-            self.rounds.load_state_dict(saved)
-            self.objective.load_state_dict(saved.get("objective"))
+            self._restore_pipeline(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except KeyboardInterrupt:
@@ -461,15 +316,6 @@ class GRPOTrainer(TRLAttributes, Trainer):
             raise
         finally:
             self.rounds.stop()
-
-    def _pipeline_state(self) -> dict:
-        return {
-            "micro_steps": self._step,  # training_step calls so far
-            "policy_version": self.state.global_step,
-            "objective": self.objective.state_dict(),  # the adaptive entropy coefficient
-            **self.rounds.state_dict(),
-            "geometry": ckpt.batch_geometry(self.args, self.accelerator.num_processes),
-        }
 
     def _get_output_dir(self, trial) -> str:
         import os
@@ -495,19 +341,5 @@ class GRPOTrainer(TRLAttributes, Trainer):
             self._saving_into_staging = False
 
     def _run_epoch(self, *args, **kwargs):
-        # Resuming mid-epoch, the Trainer skips batches with accelerate's `skip_first_batches`, which rebuilds a
-        # plain dataloader: our look-ahead wrapper skips them itself instead, so peeking stays on the same stream.
-        import transformers.trainer as hf_trainer
-
-        original = hf_trainer.skip_first_batches
-
-        def skip(dataloader, num_batches=0):
-            if isinstance(dataloader, AsyncDataLoaderWrapper):
-                return dataloader.skip_first_batches(num_batches)
-            return original(dataloader, num_batches)
-
-        hf_trainer.skip_first_batches = skip
-        try:
+        with wrapper_skips_batches():  # resuming mid-epoch: our look-ahead wrapper skips the batches itself
             return super()._run_epoch(*args, **kwargs)
-        finally:
-            hf_trainer.skip_first_batches = original

@@ -12,6 +12,7 @@ peek_ahead(1) → b3, peek_ahead(3) → b5   (nothing consumed; None past the en
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from typing import Any
@@ -135,3 +136,24 @@ class AsyncDataLoaderWrapper:
                     f"batch {index} was consumed {back} batches ago; history_size={self.history_size} keeps fewer"
                 )
             return self._history[-back]
+
+
+@contextlib.contextmanager
+def wrapper_skips_batches():
+    """While it is open, transformers' `skip_first_batches` (what `Trainer` calls to resume mid-epoch) lets an
+    `AsyncDataLoaderWrapper` skip the batches itself (`AsyncDataLoaderWrapper.skip_first_batches`): accelerate's would
+    rebuild a plain dataloader, and the pipeline could no longer peek at the rounds ahead on the same stream."""
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.skip_first_batches
+
+    def skip(dataloader, num_batches=0):
+        if isinstance(dataloader, AsyncDataLoaderWrapper):
+            return dataloader.skip_first_batches(num_batches)
+        return original(dataloader, num_batches)
+
+    hf_trainer.skip_first_batches = skip
+    try:
+        yield
+    finally:
+        hf_trainer.skip_first_batches = original

@@ -10,6 +10,7 @@ eval_loss = Σ loss(share) × rows(share) / Σ rows(share)          (averaged ov
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -73,3 +74,35 @@ def eval_loss(
     finally:
         model.train(was_training)
     return total / max(rows, 1)
+
+
+class Evaluator:
+    """What `GRPOTrainer.evaluate()` reports for one eval set, TRL's way: the main process generates
+    `num_generations_eval` completions per prompt on the weights the sampler holds (published by the trainer first)
+    in TRL's eval batches (`per_device_eval_batch_size × processes` rows, rounded up to whole groups) and scores
+    them; every process receives them and computes `eval_loss` (`eval_loss`, above).
+
+    Args:
+        config (`GRPOConfig`): the eval batch size, `num_generations_eval` and what `eval_loss` reads.
+        producer (`RoundProducer`): generates and scores (`RoundProducer.evaluate`).
+        collectives (`AcceleratorCollectives`): `is_main`, `broadcast`, `num_processes`.
+        ref_logps (`LogpsFn`, *optional*): the reference scorer when `beta > 0`.
+        device (`torch.device`): this process's.
+        chunk_prompts (`int`): prompts generated at a time (`trainer_setup.eval_chunk_prompts`).
+    """
+
+    def __init__(self, config, producer, collectives, ref_logps: Callable | None, device, chunk_prompts: int):
+        self.config, self.producer, self.collectives = config, producer, collectives
+        self.ref_logps, self.device, self.chunk_prompts = ref_logps, device, chunk_prompts
+
+    def __call__(self, dataset, model: nn.Module, objective_state: dict, model_config) -> dict[str, float]:
+        """The eval set's metrics, unprefixed: `loss`, `reward`, `reward_std`, `rewards/<func>`, ..."""
+        generated = None
+        if self.collectives.is_main:
+            rows = self.config.per_device_eval_batch_size * self.collectives.num_processes  # TRL's eval batch,
+            rows = math.lcm(rows, self.config.num_generations_eval or self.config.num_generations)  # whole groups
+            generated = self.producer.evaluate(dataset, self.chunk_prompts, rows)
+        metrics, batches = self.collectives.broadcast(generated)
+        n = self.collectives.num_processes
+        loss = eval_loss(self.config, model, batches, objective_state, self.ref_logps, self.device, n, model_config)
+        return {"loss": loss, **metrics}  # TRL's eval_loss: metric_for_best_model="loss"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 #: a round's metric that is not logged as it is: the prompt + completion tokens of the round (every rank's rows);
 #: the trainer adds it to `state.num_input_tokens_seen` and logs that running total as TRL's `num_tokens`
 ROUND_TOKENS = "round_tokens"
@@ -109,3 +111,48 @@ def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
     m["async/staleness_max"] = stale.max().item()
     m["async/staleness_min"] = stale.min().item()
     return m
+
+
+class MetricWindows:
+    """The trainer's metrics since its last log, per mode (`"train"`, `"eval"`; TRL's `_metrics`), and the timings of
+    the `training_step` calls of the optimizer step in progress.
+
+    ```txt
+    training_step 1 .. GA of one optimizer step:  [wait for the round][compute]  [wait][compute]  ...
+      step_time          = Σ (wait + compute)        (TRL's: the whole training_step calls)
+      timing/train_step  = Σ compute                 (and perf/* of the throughput meter over that time)
+    ```
+    """
+
+    def __init__(self):
+        self.windows: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.step_s = self.compute_s = 0.0  # of the optimizer step in progress
+
+    def record(self, key: str, value: float, mode: str = "train") -> None:
+        self.windows[mode][key].append(value)
+
+    def record_all(self, metrics: dict[str, float], mode: str = "train") -> None:
+        for k, v in metrics.items():
+            self.windows[mode][k].append(v)
+
+    def set_total(self, key: str, value: float) -> None:
+        """A running total (TRL's `num_tokens`): the window holds its latest value only."""
+        self.windows["train"][key] = [float(value)]
+
+    def add_call(self, seconds: float, waited: float) -> None:
+        """One `training_step` call took `seconds`, `waited` of them for its round."""
+        self.step_s += seconds
+        self.compute_s += seconds - waited
+
+    def end_step(self, throughput) -> None:
+        """The optimizer step is complete: record its timings (and `throughput.step(compute)`), start the next."""
+        self.record("timing/train_step", self.compute_s)
+        self.record_all(throughput.step(self.compute_s))  # perf/train_tokens_per_second, ...
+        self.record("step_time", self.step_s)
+        self.step_s = self.compute_s = 0.0
+
+    def pop(self, mode: str) -> dict[str, float]:
+        """The window's summary (`window_summary`, NaN values left out); the window starts again empty."""
+        out = {k: v for k, v in window_summary(self.windows[mode]).items() if not (isinstance(v, float) and v != v)}
+        self.windows[mode].clear()
+        return out

@@ -1,0 +1,133 @@
+"""`TrainerPipeline`: the part of `GRPOTrainer` that is not a Trainer override, mixed into it: building the round
+pipeline at construction (one call, `pipeline/build.py: build_pipeline`), publishing the weights, the generation
+backend, shutting the pipeline down, recording its metrics, its checkpoint state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .algo.objective import PolicyObjective
+from .algo.ref_sync import RefModelSyncCallback
+from .algo.throughput import throughput_meter
+from .logging_utils import log_completions
+from .pipeline import checkpointing as ckpt
+from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
+from .pipeline.evaluation import Evaluator
+from .pipeline.metrics import ROUND_TOKENS, MetricWindows
+from .trainer_setup import bound_collectives, eval_chunk_prompts, needs_old_logps, reference_client, reference_scorer
+
+logger = logging.getLogger("grpo_async.trainer")
+
+
+class TrainerPipeline:
+    """The trainer's pipeline: components built once from the config (`_build_pipeline`, called by
+    `GRPOTrainer.__init__` once `Trainer.__init__` made the accelerator), then driven by the Trainer overrides."""
+
+    def _build_pipeline(self, ref_model, processing_class, rewards, weights, rollout_func) -> None:
+        """Build the objective, the metric windows and every pipeline component (`pipeline/build.py`: which reads
+        what, receives what, calls what); `ref_model` is the frozen reference copy (or None)."""
+        a = self.args
+        bound_collectives(self.accelerator.num_processes, a.ddp_timeout)
+        self.ref_model = None
+        if ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        self.ref_client = reference_client(a)
+        self.num_generations = a.num_generations
+        self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
+        unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
+        self.collectives = AcceleratorCollectives(self.accelerator)  # the one way across the training processes
+        self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives)
+        self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
+        self.compute_old_logps = needs_old_logps(a)
+        self.metric_windows = MetricWindows()  # what `log` reports; step timings
+        self._step = 0  # training_step calls
+        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
+        link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
+        if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
+            self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
+        scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
+        ref_logps = reference_scorer(self.ref_client, self.ref_model, link, scoring) if a.beta else None
+        pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
+            a,
+            link,
+            self.collectives,
+            tokenizer=processing_class,
+            rewards=rewards,
+            reward_weights=weights,
+            environment=self.environment,
+            model_source=self._model_source,
+            scoring=scoring,
+            old_logps=self.compute_old_logps,
+            ref_logps=ref_logps,
+        )
+        self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
+        self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
+        dev, chunk = self.accelerator.device, eval_chunk_prompts(a)
+        self.evaluator = Evaluator(a, self.producer, self.collectives, ref_logps, dev, chunk)  # evaluate()
+
+    def _publish(self) -> None:
+        self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)
+
+    def sync_weights(self) -> None:
+        """Publish the trainer's current weights to the sampler now (every rank must call), e.g. to inspect the
+        sampler between `train()` calls. Training publishes by itself at each round boundary."""
+        self.publisher.reset()
+        self._publish()
+
+    @property
+    def backend(self):
+        """The generation backend (main process; `None` until first used)."""
+        return self.engine.built if self.engine is not None else None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the job-queue thread (a round in progress is aborted) and shut the backend down (`train()` can run
+        again); safe to call again. A thread still stuck after `timeout` seconds (in a reward, say) is joined again
+        at interpreter exit; the backend it uses is left open until then."""
+        generator_busy = self.rounds.stop(timeout)
+        if self.engine is not None:
+            if generator_busy:
+                logger.warning("generator thread still busy after %.0fs; the generation backend is left open", timeout)
+                self.engine.forget()
+            self.engine.close()
+        self.publisher.reset()
+
+    def record_metric(self, key: str, value: float) -> None:
+        """Record a training metric of the pipeline, logged (averaged over the window) at the next `log`. A round's
+        token count goes to `state.num_input_tokens_seen`, logged as TRL's `num_tokens` (the running total, counted
+        when a round is first trained, as TRL counts at generation)."""
+        if key == ROUND_TOKENS:
+            self.state.num_input_tokens_seen += int(value)
+            self.metric_windows.set_total("num_tokens", self.state.num_input_tokens_seen)
+        else:
+            self.metric_windows.record(key, value)
+
+    def _log_completions(self) -> None:
+        """`log_completions`: print and save the samples of the last round generated, once (main process)."""
+        if self.args.log_completions and self.accelerator.is_main_process and self.rounds.last_samples:
+            a = self.args
+            log_completions(
+                self.rounds.last_samples,
+                a.output_dir,
+                self.state.global_step,
+                a.num_completions_to_print,
+                a.log_unique_prompts,
+            )
+            self.rounds.last_samples = None  # each round's samples are logged once
+
+    def _pipeline_state(self) -> dict:
+        return {
+            "micro_steps": self._step,  # training_step calls so far
+            "policy_version": self.state.global_step,
+            "objective": self.objective.state_dict(),  # the adaptive entropy coefficient
+            **self.rounds.state_dict(),
+            "geometry": ckpt.batch_geometry(self.args, self.accelerator.num_processes),
+        }
+
+    def _restore_pipeline(self, checkpoint: str) -> None:
+        """Resume the pipeline from `checkpoint` (`pipeline/checkpointing.py`): the rounds, the micro-step count,
+        the objective's adaptive state; raises when the batch geometry changed since."""
+        saved = ckpt.read_pipeline_state(checkpoint, self._pipeline_state()["geometry"])
+        self._step = saved["micro_steps"]
+        self.rounds.load_state_dict(saved)
+        self.objective.load_state_dict(saved.get("objective"))
