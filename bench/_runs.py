@@ -12,7 +12,11 @@ addition as chat messages with `recipes/real_math.py`'s problems and `sum_reward
 `max_prompt_length` (ours; default 32, the letter task's prompts are shorter), `enforce_eager` (both engines in
 eager mode: no compile at start-up; `bench/vs_trl.py --smoke`), `trl_args` (TRL only: more `trl.GRPOConfig` fields,
 the settings a TRL user can set), `env` (environment variables set in the run's process before anything starts, e.g.
-`VLLM_CPU_KVCACHE_SPACE`).
+`VLLM_CPU_KVCACHE_SPACE`), `processes` (default 1; N > 1: the run is `accelerate launch`ed on N processes with the
+README's CPU flags, each process gets `prompts × G / N` rows of every step, rank 0 prints the record), `backend`
+(ours: the generation backend, default "vllm"), `trl_generation` (TRL: "vllm" colocate, the default, or "hf":
+transformers `generate`, TRL's default). With transformers `generate` both trainers get
+`generation_kwargs={"min_new_tokens": T}` (T tokens each, as `ignore_eos` does for vLLM).
 
 Both trainers also get bench-only timers around the same named methods (`Phases`): `compute_loss` (the training
 forward: the policy's log-probs and the loss, before the backward) in both; TRL's old-logps pass (its
@@ -165,16 +169,19 @@ def run_ours(spec: dict) -> dict:
         torch.set_num_threads(1)
     try:
         G, P = spec["G"], spec["prompts"]
+        rows = P * G // spec.get("processes", 1)  # per process
+        backend = "vllm_server" if server else spec.get("backend", "vllm")
         args = GRPOConfig(
             output_dir=os.path.join(spec["workdir"], "ours"),
             use_cpu=cpu,
-            per_device_train_batch_size=P * G,
+            per_device_train_batch_size=rows,
             gradient_accumulation_steps=1,
             num_generations=G,
             max_prompt_length=spec.get("max_prompt_length", 32),
             max_completion_length=spec["T"],
             vllm_max_model_length=256,
-            rollout_micro_batch_size=P * G,  # one generate call per round
+            rollout_micro_batch_size=rows,  # one generate call per round (per process with an engine on every rank)
+            generation_kwargs={"min_new_tokens": spec["T"]} if backend == "hf" else None,
             padding_free=spec.get("padding_free", True),  # the product default
             # let vLLM compile the in-process engine, as TRL's does (0.79 → 0.65 s/round); eager in smoke runs
             vllm_enforce_eager=bool(spec.get("enforce_eager", False)),
@@ -182,7 +189,7 @@ def run_ours(spec: dict) -> dict:
             lr_scheduler_type="constant",
             beta=0.0,
             num_batches_ahead=spec["num_batches_ahead"],
-            generation_backend="vllm_server" if server else spec.get("backend", "vllm"),
+            generation_backend=backend,
             vllm_server_urls=[server.url] if server else None,
             vllm_max_concurrency=max(32, P),
             max_steps=spec["steps"],
@@ -288,6 +295,7 @@ def run_trl(spec: dict) -> dict:
 
     G, P = spec["G"], spec["prompts"]
     cpu = spec["device"] == "cpu"
+    use_vllm = spec.get("trl_generation", "vllm") == "vllm"
     llm_kwargs = {}
     if spec.get("vllm_dtype"):
         # TRL builds its `vllm.LLM` without a dtype, and vLLM's "auto" downcasts a float32 model to bfloat16;
@@ -306,7 +314,7 @@ def run_trl(spec: dict) -> dict:
     args = GRPOConfig(
         output_dir=os.path.join(spec["workdir"], "trl"),
         use_cpu=cpu,
-        per_device_train_batch_size=P * G,
+        per_device_train_batch_size=P * G // spec.get("processes", 1),
         gradient_accumulation_steps=1,
         num_generations=G,
         max_completion_length=spec["T"],
@@ -314,11 +322,11 @@ def run_trl(spec: dict) -> dict:
         lr_scheduler_type="constant",
         beta=0.0,
         loss_type="dapo",
-        use_vllm=True,
+        use_vllm=use_vllm,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3,
         vllm_max_model_length=256,
-        generation_kwargs={"ignore_eos": True},
+        generation_kwargs={"ignore_eos": True} if use_vllm else {"min_new_tokens": spec["T"]},
         max_steps=spec["steps"],
         logging_steps=1,
         save_strategy="no",
@@ -342,9 +350,10 @@ def run_trl(spec: dict) -> dict:
         train_dataset=dataset(spec),
         callbacks=[clock.callback],
     )
-    make_trl_sync_work_on_vllm_cpu(trainer.vllm_generation)
-    ph.wrap(trainer.vllm_generation, "sync_weights", "weight_sync")
-    ph.wrap(trainer.vllm_generation, "generate", "generate")
+    if use_vllm:
+        make_trl_sync_work_on_vllm_cpu(trainer.vllm_generation)
+        ph.wrap(trainer.vllm_generation, "sync_weights", "weight_sync")
+        ph.wrap(trainer.vllm_generation, "generate", "generate")
     ph.wrap(trainer, "_calculate_rewards", "rewards")
     ph.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
     ph.wrap(trainer, "training_step", "training_step")
@@ -367,13 +376,13 @@ def launch(spec: dict, timeout: float = 1200.0, log=None) -> dict:
     """Run one spec in a fresh process; return its `RUN` record (raise with the log tail if it produced none)."""
     import subprocess
 
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    cmd, env = [sys.executable, os.path.abspath(__file__), json.dumps(spec)], None
+    if spec.get("processes", 1) > 1:  # the README's CPU flags (tests/mp_utils.ACCELERATE_2CPU), a free port
+        accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1"]
+        accelerate += ["--num_processes", str(spec["processes"]), "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd = [*accelerate, "--main_process_port", "0", *cmd[1:]]
+        env = {**os.environ, "ACCELERATE_USE_CPU": "true"} if spec["device"] == "cpu" else None
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
     if log is not None:
         log.write(proc.stdout)
         log.flush()
@@ -417,6 +426,10 @@ def main(spec: dict) -> dict:
     if bad:
         raise ValueError(f"spec['env'] maps variable names to strings; got {bad}")
     os.environ.update(spec.get("env", {}))  # before anything reads them (vLLM reads its variables when used)
+    if spec.get("processes", 1) > 1 and spec["device"] == "cpu":  # each rank's engine on its own core, both trainers
+        core = int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     with tempfile.TemporaryDirectory(prefix="bench_run_") as workdir:
         spec = {**spec, "workdir": workdir}
         t0 = time.perf_counter()
@@ -430,6 +443,7 @@ def main(spec: dict) -> dict:
 
 if __name__ == "__main__":
     result = main(json.loads(sys.argv[1]))
-    print("RUN " + json.dumps(result), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # one record per run (every rank times the same steps)
+        print("RUN " + json.dumps(result), flush=True)
     sys.stdout.flush()
     os._exit(0)  # no finalizers: engine threads / gloo teardown can hang at interpreter exit

@@ -48,7 +48,16 @@ OUT = os.path.join(HERE, "out")  # raw output of the last runs here (logs, JSON)
 PLOTS = os.path.join(HERE, "plots")
 RECORDS = os.path.join(HERE, "results")  # each bench's latest record: committed
 #: benchmark scripts, in the order they run (cheapest first)
-BENCHES = ["weight_sync.py", "lora_sync.py", "lcm.py", "prefix.py", "memory.py", "overlap.py", "vs_trl.py"]
+BENCHES = [
+    "weight_sync.py",
+    "lora_sync.py",
+    "lcm.py",
+    "prefix.py",
+    "memory.py",
+    "overlap.py",
+    "vs_trl.py",
+    "vs_trl_2proc.py",
+]
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
 
 

@@ -104,6 +104,15 @@ OPTIONAL_MODES = {
     },
 }
 ALL_MODES = {**MODES, **OPTIONAL_MODES}
+# `--processes N` (N > 1): both trainers under `accelerate launch` on N processes, each as shipped, ours against the
+# TRL mode of the same generation (`PEER`)
+PROCESS_MODES = {
+    "trl_hf": {"trainer": "trl", "trl_generation": "hf"},  # TRL's default: transformers generate on every rank
+    "ours_hf": {"trainer": "ours", "mode": "colocate", "backend": "hf", "num_batches_ahead": 1},  # our default
+    "trl_colocate": {"trainer": "trl", "mode": "colocate", "num_batches_ahead": 0},  # an engine per rank (bf16)
+    "ours_colocate": {"trainer": "ours", "mode": "colocate", "backend": "vllm", "num_batches_ahead": 1},
+}
+PEER = {"ours_hf": "trl_hf", "ours_colocate": "trl_colocate"}
 
 
 PHASES = (
@@ -275,7 +284,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--modes", nargs="*", default=None, choices=list(ALL_MODES), help=f"default: {list(MODES)}")
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        default=None,
+        choices=[*ALL_MODES, *PROCESS_MODES],
+        help=f"default: {list(MODES)}; with --processes: {list(PROCESS_MODES)}",
+    )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="N > 1: both trainers under `accelerate launch` on N CPU processes (the README's flags), each rank "
+        f"generating its own rows; modes {list(PROCESS_MODES)}, each ours against TRL with the same generation "
+        "(transformers generate: TRL's and our default; in-process vLLM); writes vs_trl[_smollm2]_<N>proc.json",
+    )
     ap.add_argument("--from-runs", default=None, help="summarize the RUN records of this runs.log; run nothing")
     ap.add_argument("--model-dir", default=None, help="where the model folder is (built if missing)")
     ap.add_argument("--out", default=None, help="default: bench/out/vs_trl[_smollm2].json")
@@ -286,7 +309,12 @@ def main(argv=None) -> dict:
     if a.smoke:
         a.model = "smoke"
         # every TRL reference the published record has (each prints its RESULT line) and one of ours
-        a.modes = a.modes or ["trl", "trl_default_bf16", "trl_tuned", "ours_async_colocate"]
+        if a.processes == 1:
+            a.modes = a.modes or ["trl", "trl_default_bf16", "trl_tuned", "ours_async_colocate"]
+    if a.processes > 1:
+        a.modes = a.modes or list(PROCESS_MODES)
+        if any(m not in PROCESS_MODES for m in a.modes):
+            ap.error(f"with --processes the modes are {list(PROCESS_MODES)}")
     a.modes = a.modes or list(MODES)
     preset = MODELS[a.model]
     for k in ("prompts", "G", "T", "steps", "warmup", "repeats"):
@@ -294,11 +322,12 @@ def main(argv=None) -> dict:
             setattr(a, k, preset[k])
     if a.steps <= a.warmup:
         ap.error(f"--steps ({a.steps}) must be more than --warmup ({a.warmup}): no step would be measured")
-    a.out = a.out or os.path.join(HERE, "out", f"vs_trl{preset['suffix']}.json")
+    suffix = preset["suffix"] + (f"_{a.processes}proc" if a.processes > 1 else "")
+    a.out = a.out or os.path.join(HERE, "out", f"vs_trl{suffix}.json")
     # a smoke run's plot stays with its JSON: bench/plots/ holds the committed plots of real runs
     plots = os.path.join(HERE, "out" if a.smoke else "plots")
-    a.plot = a.plot or os.path.join(plots, f"vs_trl{preset['suffix']}.png")
-    if "trl" not in a.modes:
+    a.plot = a.plot or os.path.join(plots, f"vs_trl{suffix}.png")
+    if a.processes == 1 and "trl" not in a.modes:
         raise SystemExit("--modes must include 'trl' (the reference every ratio is taken against)")
 
     import trl
@@ -321,6 +350,8 @@ def main(argv=None) -> dict:
     common = {"model": model, "steps": a.steps, "prompts": a.prompts, "G": a.G, "T": a.T, "device": "cpu"}
     common["padding_free"] = a.padding_free
     common.update(preset["spec"])
+    if a.processes > 1:
+        return main_processes(a, common, preset)
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     load_before, t_start = load_average(), time.time()
@@ -482,6 +513,105 @@ def main(argv=None) -> dict:
         print(f"RESULT speedup_vs_trl={result['speedup_vs_trl']:.3f}")
         if tuned_s is not None:
             print(f"RESULT speedup_vs_trl_tuned={result['speedup_vs_trl_tuned']:.3f}")
+    return result
+
+
+def main_processes(a, common: dict, preset: dict) -> dict:
+    """`--processes N`: the `PROCESS_MODES` alternated `--repeats` times, each mode's least-disturbed run, ours
+    against the TRL mode of the same generation (`PEER`). Prints `RESULT speedup_vs_trl_<N>proc=` (the default
+    generation: transformers generate) and `RESULT speedup_vs_trl_colocate_<N>proc=`."""
+    import trl
+
+    common = {**common, "processes": a.processes}
+    load_before, t_start = load_average(), time.time()
+    runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+    failed: dict[str, str] = {}
+    with open(a.out.replace(".json", ".runs.log"), "w") as log:
+        for r in range(a.repeats):
+            for m in a.modes:
+                if m in failed:
+                    continue
+                before, started = load_average(), time.time()
+                try:
+                    run = launch({**common, **PROCESS_MODES[m]}, log=log, timeout=3600.0)
+                except RuntimeError as e:  # e.g. TRL's colocate vLLM on several CPU processes: reported, not hidden
+                    failed[m] = str(e)[-2000:]
+                    print(f"[{r}] {m:16s} FAILED: {str(e)[-600:]}", flush=True)
+                    continue
+                run.update(load_before=before, load_after=load_average(), started=started, ended=time.time())
+                runs[m].append(run)
+                st, _ = after_warmup(run, a.warmup)
+                print(
+                    f"[{r}] {m:16s} {median(st):.3f} s/step (steps {[round(x, 2) for x in st]}; "
+                    f"wall {run['wall']:.1f} s; load before {before}, after {run['load_after']})",
+                    flush=True,
+                )
+    load_after = load_average()
+    modes = {}
+    for m, rs in runs.items():
+        if not rs:
+            continue
+        best_run = min(rs, key=lambda r: median(after_warmup(r, a.warmup)[0]))  # the least-disturbed run
+        step_s = median(after_warmup(best_run, a.warmup)[0])
+        modes[m] = {
+            "step_s": step_s,
+            "tokens_per_s": best_run["tokens_per_step"] / step_s,
+            "runs": [
+                {
+                    "step_s": median(after_warmup(r, a.warmup)[0]),
+                    "steps": after_warmup(r, a.warmup)[0],
+                    "wall_s": r.get("wall"),
+                    "load_before": r.get("load_before"),
+                    "load_after": r.get("load_after"),
+                }
+                for r in rs
+            ],
+        }
+    rows, speedups = [], {}
+    for ours, peer in PEER.items():
+        if ours in modes and peer in modes:
+            speedups[ours] = modes[peer]["step_s"] / modes[ours]["step_s"]
+            rows.append(
+                {
+                    "metric": f"{'SmolLM2-135M ' if a.model == 'smollm2' else ''}vs TRL, {a.processes} processes: "
+                    f"s/step, {ours} vs {peer}",
+                    "ours": modes[ours]["step_s"],
+                    "peer": modes[peer]["step_s"],
+                    "ratio": speedups[ours],
+                    "peer_name": f"TRL {trl.__version__} {peer}",
+                }
+            )
+    result = {
+        "device": f"CPU x{os.cpu_count()}",
+        "trl_version": trl.__version__,
+        "processes": a.processes,
+        "setup": {**{k: v for k, v in common.items() if k != "model"}, "model": preset["desc"], "warmup": a.warmup},
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "wall_s": time.time() - t_start,
+        "modes": modes,
+        "failed": failed,
+        "speedups": speedups,
+        "rows": rows,
+    }
+    print(f"{a.processes} processes; TRL {trl.__version__}; {preset['desc']}")
+    print(
+        f"{a.prompts} prompts × G={a.G} × T={a.T} tokens/step; load average before {load_before}, after {load_after}"
+    )
+    for m, d in modes.items():
+        vs = f"{speedups[m]:.2f}x vs {PEER[m]}" if m in speedups else ""
+        loads = ", ".join(f"{x['step_s']:.3f} s (load {x['load_before']} -> {x['load_after']})" for x in d["runs"])
+        print(f"{m:16s} {d['step_s']:8.3f} s/step {d['tokens_per_s']:8.1f} tok/s {vs}\n{'':16s} runs: {loads}")
+    for m, err in failed.items():
+        print(f"{m}: failed: {err[-300:]}")
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {a.out}")
+    tag = f"{a.processes}proc"  # the same names in a smoke run (tests/test_benches.py compares them)
+    if "ours_hf" in speedups:
+        print(f"RESULT speedup_vs_trl_{tag}={speedups['ours_hf']:.3f}")
+    if "ours_colocate" in speedups:
+        print(f"RESULT speedup_vs_trl_colocate_{tag}={speedups['ours_colocate']:.3f}")
     return result
 
 
