@@ -213,6 +213,19 @@ PANELS = (
             ("perf/generated_tokens_per_second", "generated"),
         ],
     ),
+    (
+        "stream mode: the engine",
+        "fraction / groups",
+        [
+            ("async/engine_busy", "engine busy (share of wall time with work)"),
+            ("async/inflight_groups", "prompt groups in flight"),
+        ],
+    ),
+    (
+        "stream mode: group latency",
+        "seconds",
+        [("async/group_latency/p50", "p50 (start → scored)"), ("async/group_latency/p90", "p90")],
+    ),
     ("training FLOPs per second", "FLOP/s (per device)", [("perf/flops_per_second", "FLOP/s")]),
     ("model FLOPs utilisation", "% of the device's peak", [("perf/mfu", "MFU")]),
 )

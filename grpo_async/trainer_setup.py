@@ -513,6 +513,9 @@ def scheduler_settings(a: GRPOConfig):
         max_queue_size=a.async_max_queue_size,
         generation_timeout=a.async_generation_timeout,
         gradient_accumulation_steps=a.gradient_accumulation_steps,  # the horizon: rounds past max_steps never made
+        async_mode=a.async_mode,
+        num_generations=a.num_generations,
+        max_inflight_groups=a.max_inflight_groups,
     )
 
 

@@ -45,6 +45,10 @@ def main():
     server = {}
     if len(sys.argv) > 5:
         server = dict(generation_backend="vllm_server", vllm_server_urls=[sys.argv[5]], vllm_api_key=sys.argv[6])
+    elif os.environ.get("GRPO_TEST_BACKEND") == "vllm":  # the in-process engine (main process)
+        server = dict(generation_backend="vllm", vllm_max_model_length=128)
+    if "GRPO_TEST_ASYNC_MODE" in os.environ:  # "stream": tests/test_streaming.py
+        server["async_mode"] = os.environ["GRPO_TEST_ASYNC_MODE"]
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,

@@ -23,6 +23,7 @@ VIOLATIONS = {
     "clip_bounds_ordered": {"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 1.0},
     "truncation_has_a_bound": {"importance_sampling_mode": "token_truncate", "importance_sampling_clip_max": None},
     "queue_holds_the_rounds_ahead": {"num_batches_ahead": 3, "async_max_queue_size": 2},
+    "stream_needs_a_streaming_backend": {"async_mode": "stream"},  # hf generates round by round
     "entropy_coef_bounds_ordered": {"entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
     "vespo_takes_token_ratios": {"loss_type": "vespo", "use_vllm": True},
     "inflight_needs_a_server": {"weight_sync_inflight": True},  # hf cannot pause a generate call
@@ -122,3 +123,15 @@ def test_registered_backend_is_accepted_by_name_only_after_registration():
     finally:
         for table in (BACKENDS, SYNC_BY_BACKEND, SYNC_WHY):
             table.pop("my_engine")
+
+
+def test_stream_mode_derives_its_bound_and_takes_inflight_updates_on_the_in_process_engine():
+    kw = {**BASE, "num_generations": 2, "async_mode": "stream", "use_vllm": True, "vllm_mode": "colocate"}
+    c = GRPOConfig(**kw, num_batches_ahead=2)  # a round: 4 rows = 2 groups; 3 rounds held
+    assert c.max_inflight_groups == 6
+    assert GRPOConfig(**kw, max_inflight_groups=1).max_inflight_groups == 1
+    assert GRPOConfig(**kw, weight_sync_inflight=True).weight_sync_inflight  # the engine loop loads between steps
+    with pytest.raises(ValueError, match=r"GRPOConfig\.weight_sync_inflight: .*async_mode='rounds'"):
+        GRPOConfig(**{**kw, "async_mode": "rounds"}, weight_sync_inflight=True)
+    with pytest.raises(ValueError, match=r"GRPOConfig\.async_mode: 'stream' needs .*generation_backend='hf'"):
+        GRPOConfig(**BASE, num_generations=2, async_mode="stream")

@@ -310,3 +310,17 @@ def test_the_completions_table_cuts_the_prompt_at_a_word_boundary():
     assert cut.startswith("…") and cut.endswith("Say b") and len(cut) <= 40
     assert cut[1:].split()[0] in text.split()  # starts with a whole word
     assert cut_prompt("short prompt", 40) == "short prompt"
+
+
+def test_plot_draws_the_stream_panels_when_logged(tmp_path):
+    """Stream mode's live metrics (`async/engine_busy`, `async/inflight_groups`, `async/group_latency/p50|p90`) get
+    their two panels, only when logged."""
+    path = str(tmp_path / METRICS_FILE)
+    with open(path, "w") as f:
+        for step in (1, 2, 3):
+            row = {"step": step, "reward": 0.1 * step, "async/engine_busy": 0.95, "async/inflight_groups": 6.0}
+            f.write(json.dumps({**row, "async/group_latency/p50": 0.4, "async/group_latency/p90": 2.5}) + "\n")
+    panels = metric_panels(read_metrics(path))
+    assert [t for t, _, _ in panels] == ["reward", "stream mode: the engine", "stream mode: group latency"]
+    assert [k for k, _ in panels[2][2]] == ["async/group_latency/p50", "async/group_latency/p90"]
+    assert _png_size(plot_metrics(path, str(tmp_path / "stream.png"))) == (1320, 748)

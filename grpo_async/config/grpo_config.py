@@ -152,6 +152,10 @@ class GRPOConfig(*reversed(FIELD_GROUPS), TrainingArguments, metaclass=TRLKeywor
         elif spg is None:
             spg = derived(gbs // micro)
         self.generation_batch_size, self.steps_per_generation = gbs, spg
+        self.max_inflight_groups = given(self.max_inflight_groups)
+        if self.max_inflight_groups is None:  # every group of the rounds the pipeline holds (stream mode)
+            groups = max(1, self.generation_batch_size // max(1, self.num_generations))
+            self.max_inflight_groups = derived((self.num_batches_ahead + 1) * groups)
         for name in STAGES:
             if given(getattr(self, name)) is None:
                 setattr(self, name, derived(self.per_device_train_batch_size))
@@ -223,14 +227,16 @@ class GRPOConfig(*reversed(FIELD_GROUPS), TrainingArguments, metaclass=TRLKeywor
     def staleness_limit(self) -> int | None:
         """Most policy versions (optimizer steps) a trained sample may lag (see `max_staleness`), or `None`: no limit.
 
-        `max_staleness` if set; else, when the sampler receives weights, the most the pipeline produces,
+        `max_staleness` if set; else, when the sampler receives weights in rounds mode, the most the pipeline produces,
         `ceil(num_batches_ahead × steps_per_round)` (nothing is dropped by default); else `None` (the sampler never
-        updates, samples are corrected by importance sampling, nothing is dropped).
+        updates, or stream mode, where a long group keeps generating while the trainer moves on: samples are
+        corrected by importance sampling, nothing is dropped).
         """
         if self.max_staleness is not None:
             return self.max_staleness
-        if not self.syncs_weights:
-            return None
+        if not self.syncs_weights or self.async_mode == "stream":  # stream: a straggler group may lag any number of
+            return None  # versions (it keeps generating while others train); it is corrected, not dropped
+
         # integer form of ceil(num_batches_ahead * steps_per_round): no float rounding
         num = self.num_batches_ahead * self.steps_per_generation * self.num_iterations
         return -(-num // self.gradient_accumulation_steps)

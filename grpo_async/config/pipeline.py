@@ -80,10 +80,33 @@ class PipelineFields:
         metadata={
             "help": "Most policy versions (optimizer steps) a sample may lag: a sample generated from the weights of "
             "step v and trained in a round starting from the weights of step s has staleness s - v; staler samples "
-            "are not trained (loss mask zeroed, counted in async/dropped_stale). Default: what the pipeline can "
-            "produce, ceil(num_batches_ahead × steps_per_round), so nothing is dropped; when the sampler never "
+            "are not trained (loss mask zeroed, counted in async/dropped_stale). A sample's version is its oldest "
+            "token's (with in-flight weight updates a completion's tokens span versions). Default: what the "
+            "pipeline can produce, ceil(num_batches_ahead × steps_per_round), so nothing is dropped; in stream mode "
+            "no limit (a "
+            "straggler group keeps generating while the trainer moves on); when the sampler never "
             "receives weights (weight_sync_transport='none', or the openai backend without 'checkpoint_dir') there "
             "is no limit and it must stay unset.",
+        },
+    )
+    async_mode: Literal["rounds", "stream"] = field(
+        default="rounds",
+        metadata={
+            "help": "How the generator feeds the trainer. 'rounds': whole rounds, one generate job per round; a round "
+            "is ready when its slowest completion is. 'stream': prompt groups are submitted to the engine "
+            "continuously (up to max_inflight_groups), a group is scored as soon as its G completions are done, and "
+            "each training round takes the groups that finished first (in order of readiness), so a long completion "
+            "delays only its own group (pipeline/group_stream.py). Backends: vllm (in-process), vllm_server, openai; "
+            "the hf backend is round-based. See docs/async_pipeline.md for what determinism still holds.",
+        },
+    )
+    max_inflight_groups: int | None = checked_field(
+        Number(ge=1, integer=True, optional=True, what="an int >= 1 (prompt groups generating at once) or None"),
+        default=None,
+        metadata={
+            "help": "async_mode='stream': most prompt groups (each G completions) generating or being scored at "
+            "once. Default: every group of the rounds the pipeline holds, (num_batches_ahead + 1) × "
+            "generation_batch_size / num_generations. Read in stream mode only.",
         },
     )
     async_max_queue_size: int | None = checked_field(

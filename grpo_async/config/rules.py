@@ -22,6 +22,8 @@ from ..generation import SYNC_BY_BACKEND, SYNC_WHY
 from .checks import config_error
 from .derived import is_derived
 
+#: backends that generate prompt groups concurrently (`async_mode="stream"`)
+STREAMING_BACKENDS = ("vllm", "vllm_server", "openai")
 #: the per-stage micro-batch fields, rollout first
 STAGES = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
 
@@ -188,6 +190,16 @@ def _staleness_needs_a_weight_sync(c) -> str | None:
     )
 
 
+def _stream_needs_a_streaming_backend(c) -> str | None:
+    if c.async_mode != "stream" or c.generation_backend in STREAMING_BACKENDS:
+        return None
+    return (
+        f"'stream' needs a backend that runs prompt groups concurrently ({', '.join(STREAMING_BACKENDS)}); "
+        f"generation_backend={c.generation_backend!r} generates round by round: set async_mode='rounds' (the hf "
+        "backend's mode), or generation_backend='vllm' (use_vllm=True, vllm_mode='colocate')"
+    )
+
+
 # ---- generation backend and weight sync -----------------------------------------------------------------------------
 def _transport_fits_backend(c) -> str | None:
     allowed = SYNC_BY_BACKEND[c.generation_backend]
@@ -200,11 +212,16 @@ def _transport_fits_backend(c) -> str | None:
 
 
 def _inflight_needs_a_server(c) -> str | None:
-    if not c.weight_sync_inflight or (c.generation_backend == "vllm_server" and c.weight_sync_transport != "none"):
+    if (
+        not c.weight_sync_inflight
+        or c.weight_sync_transport != "none"
+        and (c.generation_backend == "vllm_server" or (c.generation_backend == "vllm" and c.async_mode == "stream"))
+    ):
         return None
     return (
         "in-flight weight updates need the vllm_server backend with a weight-sync transport (a server can pause "
-        f"running requests and resume them); got generation_backend={c.generation_backend!r}, "
+        "running requests and resume them), or the vllm backend with async_mode='stream' (its engine loop loads "
+        f"between two steps); got generation_backend={c.generation_backend!r}, async_mode={c.async_mode!r}, "
         f"weight_sync_transport={c.weight_sync_transport!r}"
     )
 
@@ -328,6 +345,7 @@ RULES: tuple[Rule, ...] = (
         _truncation_has_a_bound,
     ),
     Rule("queue_holds_the_rounds_ahead", ("async_max_queue_size", "num_batches_ahead"), _queue_holds_the_rounds_ahead),
+    Rule("stream_needs_a_streaming_backend", ("async_mode", "generation_backend"), _stream_needs_a_streaming_backend),
     Rule("entropy_coef_bounds_ordered", ("entropy_coef_min", "entropy_coef_max"), _entropy_coef_bounds_ordered),
     Rule(
         "vespo_takes_token_ratios",
@@ -336,7 +354,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "inflight_needs_a_server",
-        ("weight_sync_inflight", "generation_backend", "weight_sync_transport"),
+        ("weight_sync_inflight", "generation_backend", "weight_sync_transport", "async_mode"),
         _inflight_needs_a_server,
     ),
     Rule(

@@ -50,11 +50,19 @@ class SamplingConfig:
     #: backend-native extras (TRL's `generation_kwargs`): `GenerationConfig` fields for hf, `SamplingParams` fields
     #: for the in-process engine, `/v1/completions` body fields for servers; they override the fields above
     extra: dict | None = None
+    #: per prompt of the call, extras over `extra` (a dataset row's `generation_kwargs` column, e.g.
+    #: `{"min_tokens": 40, "max_tokens": 40}`); None: the same sampling for every prompt
+    per_prompt: list[dict | None] | None = None
 
     def for_prompt(self, i: int) -> SamplingConfig:
         """The sampling of prompt `i` of a call on its own: seed `seed + i·n`, so that its n samples take seeds
-        `seed + i·n + j` (vLLM gives sample j of a request seed + j): every completion of the call has its own seed."""
-        return self if self.seed is None else replace(self, seed=self.seed + i * self.n)
+        `seed + i·n + j` (vLLM gives sample j of a request seed + j): every completion of the call has its own seed;
+        its `per_prompt` extras merged over `extra`."""
+        out = self if self.seed is None else replace(self, seed=self.seed + i * self.n)
+        if self.per_prompt is not None:
+            own = self.per_prompt[i] or {}
+            out = replace(out, per_prompt=None, extra={**(self.extra or {}), **own} if own or self.extra else None)
+        return out
 
 
 #: seeds `derive_seed` returns stay below this, so that `seed + k` for a round's completions fits in 31 bits
@@ -81,6 +89,10 @@ class Completion:
     finish_reason: str = "stop"  # "stop" (EOS or stop string) | "length"
     text: str | None = None
     extra: dict = field(default_factory=dict)
+    #: `versions[i]`: the policy version of the weights that sampled `completion_ids[i]`, when the backend knows it
+    #: per token (the in-process vLLM engine loop loads weights between two steps of a running request); None: the
+    #: version the backend held when the call started, for every token
+    versions: list[int] | None = None
 
 
 @runtime_checkable

@@ -31,11 +31,13 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
+from grpo_async.generation.engine_loop import EngineLoop
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
@@ -108,7 +110,7 @@ def to_vllm_sampling_params(s: SamplingConfig):
     from vllm import SamplingParams
 
     validate_sampling(s)
-    return SamplingParams(
+    fields = dict(
         n=s.n,
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -119,8 +121,8 @@ def to_vllm_sampling_params(s: SamplingConfig):
         seed=s.seed,
         repetition_penalty=s.repetition_penalty,
         logprobs=0,
-        **(s.extra or {}),
     )
+    return SamplingParams(**{**fields, **(s.extra or {})})  # the extras override the fields (as in a request body)
 
 
 def to_completions_body(model: str, prompt: list[int], s: SamplingConfig) -> dict:
@@ -231,6 +233,8 @@ class VLLMColocateBackend:
         **llm_kwargs: passed to `vllm.LLM`.
     """
 
+    takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+
     def __init__(
         self,
         model_path: str,
@@ -281,11 +285,26 @@ class VLLMColocateBackend:
             self.transport = ColocateTransport(self.llm, bucket_mb)
         self.version: int | None = None
         self._aborted = threading.Event()
+        self._loop: EngineLoop | None = None  # stream mode: the thread that steps the engine (`start_streaming`)
+
+    def start_streaming(self) -> None:
+        """Stream mode (`GroupStream`): from now on an engine loop thread owns the engine (`EngineLoop`); `generate`
+        may be called from several threads at once, each call's requests finishing on their own, and a load runs
+        between two engine steps with requests still running (every token then records its weights' version)."""
+        if self._loop is None or not self._loop.is_running():
+            self._loop = EngineLoop(self.llm.llm_engine, lambda: self.version).start()
+
+    def busy_seconds(self) -> float | None:
+        """Seconds the engine loop had requests to step (stream mode); None without the loop."""
+        return self._loop.busy_seconds() if self._loop is not None else None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
+        if self._loop is not None:
+            return self._generate_streamed(prompt_ids, sampling)
         params = to_vllm_sampling_params(sampling)
-        if sampling.seed is not None:  # one request per prompt, its own seed (its n samples: seed + j, vLLM's rule)
+        if sampling.seed is not None or sampling.per_prompt is not None:  # one request per prompt, its own seed
+            # (its n samples: seed + j, vLLM's rule) and its own extras
             params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
         outputs = self._run(prompt_ids, params)
         completions = []
@@ -302,6 +321,31 @@ class VLLMColocateBackend:
                     )
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
+
+    def _generate_streamed(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        """`generate` through the engine loop: one request per completion (n = 1; seeded: completion j of prompt i
+        samples with `seed + i·n + j`, vLLM's own rule for a request's n samples), waited for here."""
+        if self._aborted.is_set():
+            raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
+        n, params, prompts = sampling.n, [], []
+        for i, p in enumerate(prompt_ids):
+            own = sampling.for_prompt(i)
+            for j in range(n):
+                seed = None if own.seed is None else own.seed + j
+                params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
+                prompts.append(p)
+        requests = self._loop.submit(prompts, params, self.lora_request)
+        self._loop.wait(requests, self._aborted)
+        completions = [
+            Completion(
+                completion_ids=r.token_ids,
+                logprobs=r.logprobs,
+                finish_reason=r.finish_reason or "stop",
+                versions=[v if v is not None else 0 for v in r.versions],  # None: the weights it was built with
+            )
+            for r in requests
+        ]
+        return check_completions(completions, len(prompt_ids), n, "VLLMColocateBackend")
 
     def _run(self, prompt_ids: list[list[int]], params) -> list:
         """`LLM.generate`, stepped here (`LLM.enqueue`, then `llm_engine.step()` until done) so that `abort()` can end
@@ -331,16 +375,29 @@ class VLLMColocateBackend:
     def resume(self) -> None:
         self._aborted.clear()
 
+    def _between_steps(self, fn, version: int) -> None:
+        """`fn()` (a load), between two steps of the engine loop when it runs (stream mode), else now."""
+        if self._loop is not None and self._loop.is_running():
+            self._loop.between_steps(fn, version)
+        else:
+            fn()
+
     def load_weights(self, groups: Groups, version: int) -> None:
-        self.transport.push(groups, version)
-        if self.separate_process:
-            self.llm.reset_prefix_cache()
-        self.lora_request = None  # full weights are the whole policy
-        self.version = version
+        def load():
+            self.transport.push(groups, version)
+            if self.separate_process:
+                self.llm.reset_prefix_cache()
+            self.lora_request = None  # full weights are the whole policy
+            self.version = version
+
+        self._between_steps(load, version)
 
     def load_adapter(self, groups: Groups, config: dict, version: int) -> None:
         """Install a LoRA adapter (its `lora_A` / `lora_B` tensors, PEFT-named, and its config) as policy `version`:
         a new vLLM adapter id per version (`weight_sync.lora.adapter_spec`), used by every later `generate`."""
+        self._between_steps(lambda: self._load_adapter(groups, config, version), version)
+
+    def _load_adapter(self, groups: Groups, config: dict, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
         spec = adapter_spec(version, config)
@@ -355,6 +412,9 @@ class VLLMColocateBackend:
         """Shut the engine down (idempotent): the transport, then the engine core. Called before the trainer's
         process group is destroyed (`GRPOTrainer.end`), as the in-process engine's own groups need it."""
         self._aborted.set()
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.stop()
         transport = self.__dict__.pop("transport", None)
         if transport is not None:
             transport.close()
@@ -556,6 +616,8 @@ class VLLMServerBackend:
             and rejoins the rotation once it has loaded it. `None`: a server that left never comes back.
     """
 
+    takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+
     def __init__(
         self,
         urls: list[str],
@@ -621,6 +683,10 @@ class VLLMServerBackend:
     @property
     def live_urls(self) -> list[str]:
         return self.router.live_urls
+
+    def start_streaming(self) -> None:
+        """Stream mode: nothing to start; `generate` already takes calls from several threads at once (each request
+        its own HTTP call, `max_concurrency` at a time)."""
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         return self.router.generate(prompt_ids, sampling)
@@ -770,6 +836,8 @@ class OpenAIRemoteBackend:
     returns temperature-scaled ones.
     """
 
+    takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+
     def __init__(
         self,
         base_url: str,
@@ -799,6 +867,9 @@ class OpenAIRemoteBackend:
         self.weight_sync = weight_sync
         self.checkpoint_dir = checkpoint_dir
         self.version: int | None = None
+
+    def start_streaming(self) -> None:
+        """Stream mode: as `VLLMServerBackend.start_streaming` (concurrent calls are already safe)."""
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         return self.router.generate(prompt_ids, sampling)

@@ -44,6 +44,20 @@ def _join_at_exit() -> None:
             generator.stop(generator.generation_timeout)
 
 
+def join_at_exit(owner) -> None:
+    """Join `owner`'s threads at interpreter exit if they still run then (`owner.is_running()`, `owner.stop(t)`,
+    `owner.generation_timeout`): `RoundQueue` and `GroupStream` register themselves when they start."""
+    _LIVE.add(owner)
+    # (re-)registered last, so it runs first at exit: before the handlers of engines built since (vLLM's)
+    atexit.unregister(_join_at_exit)
+    atexit.register(_join_at_exit)
+
+
+def joined(owner) -> None:
+    """`owner`'s threads have exited: nothing to join at exit."""
+    _LIVE.discard(owner)
+
+
 class RoundQueue:
     """Owns the generator thread, its bounded request queue and the completed rounds.
 
@@ -99,10 +113,7 @@ class RoundQueue:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
-        _LIVE.add(self)
-        # (re-)registered last, so it runs first at exit: before the handlers of engines built since (vLLM's)
-        atexit.unregister(_join_at_exit)
-        atexit.register(_join_at_exit)
+        join_at_exit(self)
         return self
 
     def stop(self, timeout: float = 10.0) -> bool:
@@ -128,7 +139,7 @@ class RoundQueue:
                 self.interrupt is not None,
             )
             return False
-        _LIVE.discard(self)
+        joined(self)
         return True
 
     def is_running(self) -> bool:

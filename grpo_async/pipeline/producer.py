@@ -15,6 +15,7 @@ Round(round_id=3, policy_version=v, batch=MicroBatch(prompt_ids [2, 3], completi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,10 @@ from ..rewards import RewardLogs, score_completions
 from .metrics import ROUND_TOKENS, terminated_length_metrics
 from .rows import chunk_slices, pad
 from .types import MicroBatch, Round, RoundRequest
+
+#: a dataset column whose dict (per row, the same for a prompt's G rows) is merged over the run's generation_kwargs
+#: for that prompt's requests, e.g. `{"min_tokens": 40, "max_tokens": 40}` (vLLM `SamplingParams` fields)
+ROW_SAMPLING = "generation_kwargs"
 
 
 def is_conversational(prompt) -> bool:
@@ -120,6 +125,19 @@ class RoundProducer:
         self._aborted.clear()
         self.backend.resume()
 
+    def start_streaming(self) -> None:
+        """Stream mode: build the backend and make it take concurrent `generate` calls (`start_streaming` of the
+        vLLM backends); a backend that cannot (hf) is refused naming both settings."""
+        backend = self.backend.get()
+        start = getattr(backend, "start_streaming", None)
+        if start is None:
+            raise TypeError(
+                f"async_mode='stream' needs a backend that generates prompt groups concurrently; "
+                f"{type(backend).__name__} (generation_backend='hf' or a registered backend without start_streaming) "
+                "generates round by round: set async_mode='rounds'"
+            )
+        start()
+
     def _check_aborted(self, round_id: int) -> None:
         if self._aborted.is_set():
             raise GenerationAborted(f"round {round_id} aborted: the generator is shutting down")
@@ -156,13 +174,22 @@ class RoundProducer:
         return s
 
     def generate(
-        self, prompts: list, rows: list[dict], prompt_ids: list[list[int]], round_id: int, G: int, first_row: int = 0
+        self,
+        prompts: list,
+        rows: list[dict],
+        prompt_ids: list[list[int]],
+        round_id: int,
+        G: int,
+        first_row: int = 0,
+        concurrent: bool = False,
     ):
         """Completions grouped by prompt (`[R]`), the sampler's version, and the number of generate calls. Holds the
-        backend's lock for the whole round, so the round runs on one version of the weights. `first_row`: the round
-        row of `rows[0]` (an engine on every rank generates rows `[first_row, first_row + R)` of the round; their
-        seeds are those of the same rows in one process)."""
-        with self.backend.lock:
+        backend's lock for the whole round, so the round runs on one version of the weights; `concurrent` (stream
+        mode: one prompt group per call, from several threads at once) does not: the backend is then one that takes
+        concurrent calls (`start_streaming`), and a publish either waits for the groups running
+        (`GroupStream.held`) or loads between two engine steps (in-flight, the completions' `versions` say so).
+        `first_row`: the round row of `rows[0]` (the sampling seeds)."""
+        with contextlib.nullcontext() if concurrent else self.backend.lock:
             backend = self.backend.get()
             version = backend.version if self.s.syncs_weights and backend.version is not None else 0
             if self.rollout_func is not None:  # the user generates: one completion per row, G copies of each prompt
@@ -188,14 +215,26 @@ class RoundProducer:
                 )
                 return [r.to_completion() for r in results], version, max(r.turns for r in results)
             size = self.s.rollout_micro_batch_size
-            if size % G == 0:  # whole groups per call: prompts with n = G
+            if concurrent:  # one group (or a few): one call, n = G
+                calls = [(prompt_ids, G, 0)]
+            elif size % G == 0:  # whole groups per call: prompts with n = G
                 calls = [(prompt_ids[sl], G, sl.start * G) for sl in chunk_slices(len(prompt_ids), size // G)]
             else:  # a chunk may cut a group: every prompt G times with n = 1
                 repeated = [p for p in prompt_ids for _ in range(G)]
                 calls = [(repeated[sl], 1, sl.start) for sl in chunk_slices(len(repeated), size)]
+            own = [r.get(ROW_SAMPLING) for r in rows]  # [R] a row's own generation_kwargs (None: the run's)
+            if any(k is not None for k in own) and not getattr(backend, "takes_per_prompt_sampling", False):
+                raise ValueError(
+                    f"the dataset's {ROW_SAMPLING!r} column sets sampling per prompt, which {type(backend).__name__} "
+                    "cannot do (the vLLM backends can); drop the column or use generation_backend 'vllm' / "
+                    "'vllm_server' / 'openai'"
+                )
             completions: list[Completion] = []
-            for chunk, n, call_row in calls:  # (chunk, n, the row of the call's first completion in `rows`)
-                completions += backend.generate(chunk, self._sampling(n, round_id, first_row + call_row))
+            for chunk, n, row in calls:  # (chunk, n, the request row of the call's first completion)
+                sampling = self._sampling(n, round_id, first_row + row)
+                if any(k is not None for k in own):
+                    sampling.per_prompt = [own[row + i * n] for i in range(len(chunk))]
+                completions += backend.generate(chunk, sampling)
             return completions, version, len(calls)
 
     def score(self, rows: list[dict], completions: list[Completion], logs: RewardLogs | None = None) -> torch.Tensor:
@@ -238,7 +277,9 @@ class RoundProducer:
                 self.environment.release(columns["env_state"])
 
     # ---- the round ----------------------------------------------------------------------------------------
-    def __call__(self, request: RoundRequest) -> Round:
+    def __call__(self, request: RoundRequest, concurrent: bool = False) -> Round:
+        """The round of `request`; `concurrent`: one of several calls running at once (stream mode, a request per
+        prompt group; see `generate`)."""
         G, rows = self.s.num_generations, request.rows
         for g in range(0, len(rows), G):
             if any(self.prompt_of(rows[g + i]) != self.prompt_of(rows[g]) for i in range(G)):
@@ -248,7 +289,7 @@ class RoundProducer:
         self._check_aborted(request.round_id)
         t0 = time.perf_counter()
         completions, version, rollout_calls = self.generate(
-            prompts, rows, prompt_ids, request.round_id, G, request.first_row
+            prompts, rows, prompt_ids, request.round_id, G, request.first_row, concurrent
         )
         t_gen = time.perf_counter() - t0
         self._check_aborted(request.round_id)  # shutting down: the rewards (maybe slow) are not computed
@@ -262,9 +303,8 @@ class RoundProducer:
             rewards_per_func, self.reward_weights, G, self.s.scale_rewards, self.s.multi_objective_aggregation
         )  # [R]
 
-        R = len(rows)
         prompt_rep = [c.extra.get("prompt_ids") or prompt_ids[i // G] for i, c in enumerate(completions)]  # [R]
-        batch = self._batch(prompt_rep, completions, advantages, version, request.round_id)
+        batch = self._batch(prompt_rep, completions, advantages, version, request.round_id, request.first_row)
         completion_mask = batch.completion_mask  # [R, T] tokens that exist
         metrics = self._metrics(completions, rewards, rewards_per_func, completion_mask, G)
         metrics.update(
@@ -283,16 +323,40 @@ class RoundProducer:
             "rewards": {name: rewards_per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
             "reward": rewards.tolist(),
             "advantage": advantages.tolist(),
-            "policy_version": [version] * R,
+            "policy_version": batch.policy_version.tolist(),  # each row's oldest token
             "round": request.round_id,
             "extra": logs.extra,  # log_extra columns
         }
         self.rounds_produced += 1
-        return Round(request.round_id, version, batch, metrics, samples, rewards_per_func=rewards_per_func)
+        return Round(
+            request.round_id, int(batch.policy_version.min()), batch, metrics, samples, rewards_per_func=rewards_per_func
+        )
 
-    def _batch(self, prompt_rep: list, completions: list[Completion], advantages, version: int, round_id: int):
-        """The `MicroBatch` `[R]` of completions (row i after prompt `prompt_rep[i]`), padded, with the loss mask."""
+    def _token_versions(self, completions: list[Completion], version: int) -> list[list[int]]:
+        """`[R][T_i]` the policy version of each token: the backend's per-token `versions` when it knows them (and the
+        sampler receives weights at all), else `version` for every token."""
+        out = []
+        for c in completions:
+            known = c.versions is not None and self.s.syncs_weights
+            if known and len(c.versions) != len(c.completion_ids):
+                raise RuntimeError(f"a completion has {len(c.completion_ids)} tokens but {len(c.versions)} versions")
+            out.append(list(c.versions) if known else [version] * len(c.completion_ids))
+        return out
+
+    def _batch(
+        self,
+        prompt_rep: list,
+        completions: list[Completion],
+        advantages,
+        version: int,
+        round_id: int,
+        first_row: int = 0,
+    ):
+        """The `MicroBatch` `[R]` of completions (row i after prompt `prompt_rep[i]`), padded, with the loss mask;
+        row i is row `first_row + i` of round `round_id`'s request. A row's `policy_version` is its oldest token's."""
         R = len(completions)
+        versions = self._token_versions(completions, version)  # [R][T_i]
+        oldest = [min(v) if v else version for v in versions]  # [R]
         completion_ids = [c.completion_ids for c in completions]
         completion_mask = pad([[1] * len(c) for c in completion_ids], 0)  # [R, T] tokens that exist
         truncated_rows = torch.tensor([c.finish_reason == "length" for c in completions])  # [R]
@@ -309,9 +373,10 @@ class RoundProducer:
             loss_mask=loss_mask,
             rollout_logps=pad([c.logprobs for c in completions], 0.0, dtype=torch.float32),  # [R, T]
             advantages=advantages,
-            policy_version=torch.full((R,), version, dtype=torch.long),  # [R]
+            policy_version=torch.tensor(oldest, dtype=torch.long),  # [R]
             round_id=torch.full((R,), round_id, dtype=torch.long),  # [R]
-            row_index=torch.arange(R),  # [R]
+            row_index=first_row + torch.arange(R),  # [R]
+            token_version=pad(versions, version, dtype=torch.long),  # [R, T]
             num_items_in_batch=float(loss_mask.sum()),
         )
 

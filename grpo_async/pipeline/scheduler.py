@@ -46,6 +46,8 @@ for the generator and the generator's busy seconds, and logs how well the step o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +57,7 @@ from torch import nn
 
 from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
+from .group_stream import GroupStream
 from .job_queue import RoundQueue
 from .overlap import StepWindow
 from .producer import RoundProducer
@@ -74,6 +77,9 @@ class SchedulerSettings:
     max_queue_size: int
     generation_timeout: float
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step (the last one of an epoch may be shorter)
+    async_mode: str = "rounds"  # "rounds": RoundQueue, a round at a time; "stream": GroupStream, group by group
+    num_generations: int = 1  # G (stream mode splits requests into prompt groups)
+    max_inflight_groups: int = 1  # stream mode: groups generating or being scored at once
 
 
 class RoundScheduler:
@@ -120,7 +126,7 @@ class RoundScheduler:
             list(range(settings.steps_per_generation)), settings.num_iterations, settings.reuse_order
         )
         self.loader = None  # the AsyncDataLoaderWrapper of the current train() (peeked for rounds ahead)
-        self.generator: RoundQueue | None = None
+        self.generator: RoundQueue | GroupStream | None = None
         self.round = 0  # index of the next round to train (global, across epochs)
         self.submitted: set[int] = set()  # round ids submitted and not yet trained (tracked on every rank)
         self._epoch_seen = None
@@ -137,6 +143,7 @@ class RoundScheduler:
         # engine on every rank (`join`): whole rounds joined before their turn (a checkpoint joins the rounds ahead)
         # or restored from a checkpoint, on every rank alike
         self._joined: dict[int, Round | BaseException] = {}
+        self._busy_mark = (0.0, 0.0)  # (perf_counter(), generator.busy_seconds()) at the previous fetch
 
     @property
     def generates(self) -> bool:
@@ -189,13 +196,28 @@ class RoundScheduler:
     def publish(self, policy: nn.Module, version: int) -> float:
         """Publish `policy`'s weights as `version` (every process; nothing when `version` is already published):
         first wait until no round runs, so a round in flight finishes on the weights it started with, unless the
-        publisher pushes while rounds run. Logs `timing/weight_sync`; returns its seconds."""
+        publisher pushes while rounds run. Stream mode: no group starts until the weights are loaded, and the groups
+        running finish first (`GroupStream.held`), unless the publisher pushes while they run (in-flight: each
+        token then records its version). Logs `timing/weight_sync`; returns its seconds."""
+        held = contextlib.nullcontext()
         if self.publisher.due(version) and not self.publisher.inflight:
-            self.wait_until_idle()
-        seconds = self.publisher.publish(policy, version)
+            if isinstance(self.generator, GroupStream):
+                held = self._held()
+            else:
+                self.wait_until_idle()
+        with held:
+            seconds = self.publisher.publish(policy, version)
         if seconds:
             self.log("timing/weight_sync", seconds)
         return seconds
+
+    @contextlib.contextmanager
+    def _held(self):
+        """`GroupStream.held`, its wait for the running groups counted as the trainer's wait."""
+        start = time.perf_counter()
+        with self.generator.held():
+            self._add_wait(time.perf_counter() - start)
+            yield
 
     def _add_wait(self, seconds: float) -> None:
         self._waited += seconds
@@ -312,12 +334,7 @@ class RoundScheduler:
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
         if self.generates and self.generator is None:
-            self.generator = RoundQueue(
-                self.producer,
-                max_queue_size=self.s.max_queue_size,
-                generation_timeout=self.s.generation_timeout,
-                interrupt=self.producer.abort,
-            ).start()
+            self.generator = self._start_generator()
         rnd = self._fetch() if self.round in self.submitted else None
         self.publish(policy, version)  # the weights of this step, for the rounds submitted next
         self._submit(generation_batch)
@@ -326,6 +343,31 @@ class RoundScheduler:
         self.submitted.discard(self.round)
         self.round += 1
         return self.consumer(rnd, version)
+
+    def _start_generator(self) -> RoundQueue | GroupStream:
+        """The job queue of this `train()`: rounds (`RoundQueue`) or prompt groups (`GroupStream`, stream mode: the
+        backend first takes concurrent calls, `RoundProducer.start_streaming`)."""
+        if self.s.async_mode == "stream":
+            self.producer.start_streaming()
+            stream = GroupStream(
+                functools.partial(self.producer, concurrent=True),
+                num_generations=self.s.num_generations,
+                max_inflight_groups=self.s.max_inflight_groups,
+                max_queue_size=self.s.max_queue_size,
+                generation_timeout=self.s.generation_timeout,
+                pad_token_id=self.producer.tokenizer.pad_token_id,
+                interrupt=self.producer.abort,
+            )
+            self._busy_mark = (time.perf_counter(), 0.0)
+            return stream.start()
+        queue = RoundQueue(
+            self.producer,
+            max_queue_size=self.s.max_queue_size,
+            generation_timeout=self.s.generation_timeout,
+            interrupt=self.producer.abort,
+        )
+        self._busy_mark = (time.perf_counter(), 0.0)
+        return queue.start()
 
     def horizon(self) -> float:
         """The epoch micro-step the trainer stops before (the epoch's end aside): with `s = steps_left()` optimizer
@@ -402,5 +444,9 @@ class RoundScheduler:
         if self.generator is not None:
             self.log("async/pending", float(self.generator.get_pending_count()))
             self.log("async/completed", float(self.generator.get_completed_count()))
+            now, busy = time.perf_counter(), self.generator.busy_seconds()
+            (then, busy_then), self._busy_mark = self._busy_mark, (now, busy)
+            if now > then:  # share of the wall time since the previous fetch the generator had work
+                self.log("async/engine_busy", min(1.0, (busy - busy_then) / (now - then)))
         self.last_samples = rnd.samples
         return rnd

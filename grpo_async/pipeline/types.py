@@ -33,7 +33,8 @@ class RoundRequest:
             process's rows only (whole groups).
         first_row (`int`, *optional*, defaults to 0): index of `rows[0]` in the whole round (`process_index × L` with
             an engine on every rank): seeds and row indices count from it, so a row samples as it would in one
-            process.
+            process; in stream mode a request holds one prompt group (`pipeline/group_stream.py`), and its
+            rows keep their round's seeds and row indices.
     """
 
     round_id: int
@@ -53,12 +54,13 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] 1 = trained on (never the attention mask: env tokens, truncation, staleness)
     rollout_logps: torch.Tensor  # [B, T] the generation engine's logprobs of the sampled tokens (temperature applied)
     advantages: torch.Tensor  # [B]
-    policy_version: torch.Tensor  # [B] optimizer step of the weights the row was sampled with
-    round_id: torch.Tensor  # [B]
-    row_index: torch.Tensor  # [B] position in the whole round
+    policy_version: torch.Tensor  # [B] optimizer step of the weights the row's OLDEST token was sampled with
+    round_id: torch.Tensor  # [B] the round the row was requested in
+    row_index: torch.Tensor  # [B] position in that round's request
     old_logps: torch.Tensor | None = None  # [B, T] π_old, when the policy moves before the row is trained
     ref_logps: torch.Tensor | None = None  # [B, T] reference model, when beta > 0
     is_weights: torch.Tensor | None = None  # [B, T] (token modes) or [B, 1] (sequence modes)
+    token_version: torch.Tensor | None = None  # [B, T] optimizer step of the weights each token was sampled with
     num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
 
     # ---- rows ----------------------------------------------------------------------------------------------
@@ -120,7 +122,15 @@ class MicroBatch:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(MicroBatch))
-_PER_TOKEN = ("completion_ids", "completion_mask", "loss_mask", "rollout_logps", "old_logps", "ref_logps")
+_PER_TOKEN = (
+    "completion_ids",
+    "completion_mask",
+    "loss_mask",
+    "rollout_logps",
+    "old_logps",
+    "ref_logps",
+    "token_version",
+)
 
 
 @dataclass
@@ -129,7 +139,8 @@ class Round:
 
     Args:
         round_id (`int`): the request's round.
-        policy_version (`int`): optimizer step of the weights the sampler held while generating it.
+        policy_version (`int`): optimizer step of the oldest weights the sampler held while generating it (stream
+            mode: the oldest token of the round's groups).
         batch (`MicroBatch`): `[R]` rows, without logps (the consumer adds them).
         metrics (`dict[str, float]`): rewards, lengths, timings of this round.
         samples (`dict`): prompts, completions and rewards for the completions table.

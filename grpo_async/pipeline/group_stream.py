@@ -1,0 +1,423 @@
+"""`GroupStream`: the job queue of stream mode (`GRPOConfig.async_mode="stream"`): prompt groups in, training rounds
+assembled from the groups that finished first out.
+
+```txt
+trainer thread                     worker threads "grpo-async-stream-<i>" (max_inflight_groups of them)
+──────────────                     ───────────────────────────────────────────────────────────────────
+submit(RoundRequest r: R rows) ──▶ [groups r/0 .. r/(R/G − 1)] ──▶ producer(group, concurrent=True):
+                                                                  generate G completions ─▶ rewards ─▶ advantages
+get(k) ◀── Round k = the first R/G groups ready (any request) ◀── [ready groups, in order of readiness]
+```
+
+Each worker takes the next group (request order) and runs it through the producer on its own: the engine holds up to
+`max_inflight_groups` groups at once and a group is ready when its G completions are scored, whatever the other
+groups still generate. Training round k is assembled (`assemble_round`) from the first `R / G` ready groups, so a
+straggler delays only the round that finally takes it, never the groups ready before it:
+
+```txt
+G = 2, R = 4 (2 groups a round), 2 rounds submitted: groups a b (round 0), c d (round 1); b is 10× longer
+ready order: a c d b      →  round 0 = [a, c]   round 1 = [d, b]
+```
+Every group submitted is trained exactly once: a request's groups stay in the stream until a round takes them (the
+scheduler only submits rounds the trainer trains, so the groups of the submitted requests fill exactly the rounds
+submitted); a checkpoint assembles the rounds submitted and saves them (`RoundScheduler.state_dict`).
+
+A publish that must not run under generating groups (no in-flight updates) holds the stream (`held`): no new group
+starts, the running ones finish, the weights load, the stream goes on. With in-flight updates the engine loads between
+two steps instead and every token records its version (`generation/engine_loop.py`).
+
+Same bounded waits, error propagation and shutdown as `RoundQueue` (`job_queue.py`): `get`, `submit` and `held` wait
+at most `generation_timeout`; a failed group fails the round that takes it (`RuntimeError("Async generation failed:
+...")` chained from the error); `stop` interrupts the running groups (`interrupt`: the producer's abort) and joins
+the threads within its timeout, the rest at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..algo.advantages import nanstd
+from .job_queue import join_at_exit, joined
+from .metrics import ROUND_TOKENS
+from .types import MicroBatch, Round, RoundRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReadyGroup:
+    """A prompt group scored and ready to train: its `Round` of G rows, and when it ran."""
+
+    group: Round  # [G] rows, round_id = the request's round
+    started: float  # perf_counter() when a worker took it
+    finished: float  # perf_counter() when it was scored
+
+
+class GroupStream:
+    """Owns the worker threads, the groups waiting for one, and the ready groups.
+
+    Args:
+        produce (`Callable[[RoundRequest], Round]`): scores one group (`RoundProducer` with `concurrent=True`).
+        num_generations (`int`): G, the rows of a group.
+        max_inflight_groups (`int`): worker threads: most groups generating or being scored at once.
+        max_queue_size (`int`, *optional*, defaults to `4`): rounds (of groups) queued, running or ready at once;
+            `submit` waits for room, up to `generation_timeout`, then raises.
+        generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
+        pad_token_id (`int`, *optional*, defaults to `0`): pads prompt and completion ids when groups join a round.
+        name (`str`, *optional*): thread-name prefix, also the prefix of log lines.
+        interrupt (`Callable[[], None]`, *optional*): called by `stop` while groups run (the producer's abort).
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[RoundRequest], Round],
+        *,
+        num_generations: int,
+        max_inflight_groups: int,
+        max_queue_size: int = 4,
+        generation_timeout: float = 600.0,
+        pad_token_id: int = 0,
+        name: str = "grpo-async-stream",
+        interrupt: Callable[[], None] | None = None,
+    ):
+        if not isinstance(max_inflight_groups, int) or max_inflight_groups < 1:
+            raise ValueError(f"GroupStream: max_inflight_groups must be an int >= 1, got {max_inflight_groups!r}")
+        if not generation_timeout or generation_timeout <= 0 or generation_timeout == float("inf"):
+            raise ValueError(
+                f"GroupStream: generation_timeout must be a finite number of seconds > 0, got {generation_timeout!r}"
+            )
+        self.produce = produce
+        self.G = num_generations
+        self.max_inflight_groups = max_inflight_groups
+        self.max_queue_size = max_queue_size
+        self.generation_timeout = float(generation_timeout)
+        self.pad_token_id = pad_token_id
+        self.name = name
+        self.interrupt = interrupt
+        self.started: list[int] = []  # request rounds whose first group started (what the backend generated)
+        self.interrupted: list[int] = []  # request rounds with a group ended by `stop`
+        self._cond = threading.Condition()
+        self._waiting: deque[RoundRequest] = deque()  # groups no worker took yet, in request order
+        self._running = 0
+        self._ready: deque[ReadyGroup | BaseException] = deque()  # in order of readiness; a failed group: its error
+        self._submitted: set[int] = set()
+        self._groups_per_round: int | None = None
+        self._held = 0  # publishes holding the stream (no group starts)
+        self._last_round: int | None = None  # the training round last assembled
+        self._last_take = time.perf_counter()  # when the last round was assembled (or the stream started)
+        self._busy = 0.0  # seconds with at least one group running
+        self._busy_since: float | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._fatal: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> GroupStream:
+        if any(t.is_alive() for t in self._threads):
+            return self
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True)
+            for i in range(self.max_inflight_groups)
+        ]
+        for t in self._threads:
+            t.start()
+        join_at_exit(self)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the workers: groups not started are dropped, running ones interrupted (`interrupt`); join within
+        `timeout` seconds in all. Returns whether every thread has exited (if not, they are joined again at exit)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+            busy = self._running > 0
+        if busy and self.interrupt is not None:
+            try:
+                self.interrupt()
+            except Exception as e:  # noqa: BLE001 - the join below still bounds the wait
+                logger.warning("[%s] interrupting the running groups failed: %r", self.name, e)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            logger.warning("[%s] %s still running after %.1fs; joined again at exit", self.name, alive, timeout)
+            return False
+        joined(self)
+        return True
+
+    def is_running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def check_health(self) -> None:
+        """Raise if a worker died outside of a group (groups' own errors fail the round that takes them)."""
+        if self._fatal is not None:
+            raise RuntimeError(f"Async generation failed: a {self.name} thread died: {self._fatal!r}") from self._fatal
+        if self._threads and not self._stop.is_set() and not all(t.is_alive() for t in self._threads):
+            raise RuntimeError(f"Async generation failed: a {self.name} thread exited unexpectedly")
+
+    # -- trainer side ----------------------------------------------------------------------------------------
+    def submit(self, request: RoundRequest, timeout: float | None = None) -> None:
+        """Queue the prompt groups of `request` (`R / G` groups of G consecutive rows). Waits for room (at most
+        `timeout`, default `generation_timeout`), then raises `TimeoutError`."""
+        if not isinstance(request, RoundRequest):
+            raise TypeError(f"GroupStream.submit expects a RoundRequest, got {type(request).__name__}")
+        if not self._threads:
+            raise RuntimeError("GroupStream.submit called before start()")
+        R, G = len(request.rows), self.G
+        if R == 0 or R % G:
+            raise ValueError(f"round {request.round_id}: {R} rows are not whole groups of num_generations={G}")
+        groups = [RoundRequest(request.round_id, request.rows[g : g + G], first_row=g) for g in range(0, R, G)]
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if request.round_id in self._submitted:
+                raise ValueError(f"round {request.round_id} was already submitted")
+            if self._groups_per_round is None:
+                self._groups_per_round = len(groups)
+            elif len(groups) != self._groups_per_round:
+                raise ValueError(
+                    f"round {request.round_id} has {len(groups)} groups, earlier rounds {self._groups_per_round}: "
+                    "stream mode assembles rounds of one size"
+                )
+            room = self.max_queue_size * len(groups)
+            self._wait(
+                lambda: self._held_groups() + len(groups) <= room,
+                deadline,
+                lambda: (
+                    f"submit(round {request.round_id}): stream full ({self._held_groups()} groups waiting, running "
+                    f"or ready; room for {room}) for {timeout:.1f}s; the request was not queued"
+                ),
+            )
+            self._submitted.add(request.round_id)
+            self._waiting.extend(groups)
+            self._cond.notify_all()
+
+    def get(self, round_id: int, timeout: float | None = None) -> Round:
+        """Training round `round_id`: the first `R / G` groups ready, waited for at most `timeout` (default
+        `generation_timeout`). Rounds are assembled in increasing `round_id` (the order the trainer trains them).
+
+        Raises:
+            `RuntimeError`: "Async generation failed: ..." when a group it takes failed (chained), or a worker died.
+            `TimeoutError`: when the groups are not ready in time.
+        """
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._last_round is not None and round_id <= self._last_round:
+                raise KeyError(f"get({round_id}): round {self._last_round} was already assembled (rounds go in order)")
+            need = self._groups_per_round
+            if need is None:
+                raise KeyError(f"get({round_id}): nothing was submitted")
+            self._wait(
+                lambda: len(self._ready) >= need,
+                deadline,
+                lambda: (
+                    f"Async generation timed out: round {round_id}: {len(self._ready)} of {need} groups ready after "
+                    f"{timeout:.1f}s ({self._running} running, {len(self._waiting)} waiting); raise "
+                    "`async_generation_timeout` if groups are slow"
+                ),
+            )
+            taken = [self._ready.popleft() for _ in range(need)]
+            self._last_round = round_id
+            now, since = time.perf_counter(), self._last_take
+            self._last_take = now
+            running = self._running
+            self._cond.notify_all()
+        for item in taken:
+            if isinstance(item, BaseException):
+                raise RuntimeError(
+                    f"Async generation failed: round {round_id}: {type(item).__name__}: {item}"
+                ) from item
+        rnd = assemble_round(round_id, [g.group for g in taken], self.pad_token_id)
+        latency = torch.tensor([g.finished - g.started for g in taken])  # [R / G] seconds, started → scored
+        rnd.metrics.update(
+            {
+                "async/inflight_groups": float(running),
+                "async/group_latency/p50": latency.quantile(0.5).item(),
+                "async/group_latency/p90": latency.quantile(0.9).item(),
+            }
+        )
+        rnd.generation_time = now - since  # the wall time the stream took to deliver this round
+        return rnd
+
+    @contextlib.contextmanager
+    def held(self, timeout: float | None = None) -> Iterator[None]:
+        """No group starts inside the block, and the block starts once no group runs (waited for at most `timeout`,
+        default `generation_timeout`): a weight load that must not run under generating groups."""
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._held += 1
+        try:
+            with self._cond:
+                self._wait(
+                    lambda: self._running == 0,
+                    deadline,
+                    lambda: f"Async generation timed out: {self._running} groups still running after {timeout:.1f}s",
+                )
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def wait_until_idle(self, timeout: float | None = None) -> None:
+        """Wait until no group is waiting or running (at most `timeout`, default `generation_timeout`)."""
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._wait(
+                lambda: not self._waiting and not self._running,
+                deadline,
+                lambda: f"Async generation timed out: groups still running after {timeout:.1f}s",
+            )
+
+    def get_pending_count(self) -> int:
+        """Groups waiting for a worker or running."""
+        with self._cond:
+            return len(self._waiting) + self._running
+
+    def get_completed_count(self) -> int:
+        """Groups ready, not yet taken by a round."""
+        with self._cond:
+            return len(self._ready)
+
+    def busy_seconds(self) -> float:
+        """Seconds with at least one group running (generating or being scored), counted up to now."""
+        with self._cond:
+            since = self._busy_since
+            return self._busy + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _held_groups(self) -> int:
+        return len(self._waiting) + self._running + len(self._ready)
+
+    def _wait(self, done, deadline: float, timeout_message) -> None:
+        """With `_cond` held: wait until `done()`, re-raising a worker's death, or raise `TimeoutError`."""
+        while not done():
+            self.check_health()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(timeout_message())
+            self._cond.wait(min(left, 0.5))
+
+    # -- the workers -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop.is_set() and (self._held or not self._waiting):
+                        self._cond.wait(0.5)
+                    if self._stop.is_set():
+                        return
+                    request = self._waiting.popleft()
+                    start = time.perf_counter()
+                    if self._running == 0:
+                        self._busy_since = start
+                    self._running += 1
+                    if request.round_id not in self.started:
+                        self.started.append(request.round_id)
+                try:
+                    item: ReadyGroup | BaseException = ReadyGroup(self.produce(request), start, time.perf_counter())
+                except Exception as e:  # raised to the trainer when a round takes it
+                    if self._stop.is_set():
+                        logger.info("[%s] round %d group interrupted at shutdown: %r", self.name, request.round_id, e)
+                        self.interrupted.append(request.round_id)
+                    else:
+                        logger.error("[%s] round %d group failed: %r", self.name, request.round_id, e)
+                    item = e
+                with self._cond:
+                    self._running -= 1
+                    if self._running == 0 and self._busy_since is not None:
+                        self._busy += time.perf_counter() - self._busy_since
+                        self._busy_since = None
+                    self._ready.append(item)
+                    self._cond.notify_all()
+        except BaseException as e:  # pragma: no cover - e.g. KeyboardInterrupt delivered to this thread
+            self._fatal = e
+            with self._cond:
+                self._cond.notify_all()
+            raise
+
+
+#: round metrics that join groups by min / max / sum; the rest are means over equal-size groups (recomputed from the
+#: rows where a mean of means is not the round's: `reward_std`, `rewards/<name>/std`)
+_MIN, _MAX = ("completions/min_length",), ("completions/max_length",)
+_SUM = ("prompts/truncated", "chunks/rollout", ROUND_TOKENS)
+
+
+def assemble_round(round_id: int, groups: list[Round], pad_token_id: int) -> Round:
+    """One training round from ready groups, in the order given: rows concatenated (padded to the widest prompt,
+    left, and completion, right), metrics joined, samples concatenated. `policy_version` is the oldest token's."""
+    batches = [g.batch for g in groups]
+    P = max(b.prompt_ids.size(1) for b in batches)
+    T = max(b.completion_ids.size(1) for b in batches)
+
+    def widen(b: MicroBatch) -> dict:
+        out = {}
+        for k, v in b.tensors().items():
+            if k in ("prompt_ids", "prompt_mask"):
+                fill = pad_token_id if k == "prompt_ids" else 0
+                out[k] = torch.cat([torch.full((v.size(0), P - v.size(1)), fill, dtype=v.dtype), v], 1)
+            elif v.dim() == 2:
+                fill = pad_token_id if k == "completion_ids" else 0
+                wide = torch.full((v.size(0), T), fill, dtype=v.dtype)
+                wide[:, : v.size(1)] = v
+                if k == "token_version":  # padding: the row's oldest version
+                    wide[:, v.size(1) :] = b.policy_version[:, None]
+                out[k] = wide
+            else:
+                out[k] = v
+        return out
+
+    parts = [widen(b) for b in batches]
+    tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    batch = MicroBatch(**tensors, num_items_in_batch=float(tensors["loss_mask"].sum()))
+    samples = _join_samples([g.samples for g in groups], round_id)
+    metrics = _join_metrics([g.metrics for g in groups], samples)
+    return Round(round_id, int(batch.policy_version.min()), batch, metrics, samples)
+
+
+def _join_samples(all_samples: list[dict], round_id: int) -> dict:
+    out: dict = {"round": round_id}
+    for s in all_samples:
+        for k, v in s.items():
+            if k == "round":
+                continue
+            if isinstance(v, dict):
+                d = out.setdefault(k, {})
+                for name, vals in v.items():
+                    d.setdefault(name, []).extend(vals if isinstance(vals, list) else [vals])
+            elif isinstance(v, list):
+                out.setdefault(k, []).extend(v)
+    return out
+
+
+def _join_metrics(all_metrics: list[dict], samples: dict) -> dict[str, float]:
+    keys = {k for m in all_metrics for k in m}
+    out = {}
+    for k in keys:
+        vals = [m[k] for m in all_metrics if k in m]
+        if k in _MIN:
+            out[k] = min(vals)
+        elif k in _MAX:
+            out[k] = max(vals)
+        elif k in _SUM or k.startswith("timing/"):
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(torch.tensor(vals, dtype=torch.float64).nanmean())
+    if samples.get("reward"):
+        out["reward_std"] = nanstd(torch.tensor(samples["reward"], dtype=torch.float32)).item()
+    for name, vals in (samples.get("rewards") or {}).items():
+        if f"rewards/{name}/std" in out:
+            out[f"rewards/{name}/std"] = nanstd(torch.tensor(vals, dtype=torch.float32)).item()
+    return out
