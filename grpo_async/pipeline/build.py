@@ -212,10 +212,10 @@ def build_pipeline(
         gather=collectives.gather_tensor,
         log=link.record,
     )
-    join = None
-    if per_rank:
+    joiner = None
+    if per_rank or config.async_mode == "stream":  # stream mode joins prompt groups into rounds the same way
         ps = producer_settings(config)
-        join = RoundJoiner(
+        joiner = RoundJoiner(
             JoinSettings(ps.num_generations, ps.scale_rewards, ps.multi_objective_aggregation, tokenizer.pad_token_id),
             reward_weights=lambda: producer.reward_weights,
             reward_names=lambda: producer.reward_names,
@@ -228,6 +228,7 @@ def build_pipeline(
         publisher=publisher,
         log=link.record,
         steps_left=link.steps_left,
-        join=join,
+        join=joiner if per_rank else None,
+        assemble=joiner if config.async_mode == "stream" else None,
     )
     return Pipeline(engine, publisher, producer, consumer, scheduler, collectives, per_rank)

@@ -11,7 +11,7 @@ get(k) ◀── Round k = the first R/G groups ready (any request) ◀── [r
 
 Each worker takes the next group (request order) and runs it through the producer on its own: the engine holds up to
 `max_inflight_groups` groups at once and a group is ready when its G completions are scored, whatever the other
-groups still generate. Training round k is assembled (`assemble_round`) from the first `R / G` ready groups, so a
+groups still generate. Training round k is assembled (`assemble`) from the first `R / G` ready groups, so a
 straggler delays only the round that finally takes it, never the groups ready before it:
 
 ```txt
@@ -20,7 +20,9 @@ ready order: a c d b      →  round 0 = [a, c]   round 1 = [d, b]
 ```
 Every group submitted is trained exactly once: a request's groups stay in the stream until a round takes them (the
 scheduler only submits rounds the trainer trains, so the groups of the submitted requests fill exactly the rounds
-submitted); a checkpoint assembles the rounds submitted and saves them (`RoundScheduler.state_dict`).
+submitted); a checkpoint assembles the rounds submitted and saves them (`RoundScheduler.state_dict`). Rounds
+are assembled by `assemble` (the `RoundJoiner` of `pipeline/join.py`): advantages over the round's joined rewards
+(per group for `scale_rewards="group"`, over the round for `"batch"`, as in rounds mode).
 
 A publish that must not run under generating groups (no in-flight updates) holds the stream (`held`): no new group
 starts, the running ones finish, the weights load, the stream goes on. With in-flight updates the engine loads between
@@ -35,6 +37,7 @@ the threads within its timeout, the rest at interpreter exit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -44,10 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algo.advantages import nanstd
 from .job_queue import join_at_exit, joined
-from .metrics import ROUND_TOKENS
-from .types import MicroBatch, Round, RoundRequest
+from .types import Round, RoundRequest
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,14 @@ class GroupStream:
 
     Args:
         produce (`Callable[[RoundRequest], Round]`): scores one group (`RoundProducer` with `concurrent=True`).
+        assemble (`Callable[[list[Round]], Round]`): joins ready groups (relabelled as the training round) into one
+            round (`pipeline/join.py: RoundJoiner`: rows concatenated and re-padded, advantages over the joined
+            rewards, metrics over the joined rows; each row keeps its request's `round_id` and `row_index`).
         num_generations (`int`): G, the rows of a group.
         max_inflight_groups (`int`): worker threads: most groups generating or being scored at once.
         max_queue_size (`int`, *optional*, defaults to `4`): rounds (of groups) queued, running or ready at once;
             `submit` waits for room, up to `generation_timeout`, then raises.
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
-        pad_token_id (`int`, *optional*, defaults to `0`): pads prompt and completion ids when groups join a round.
         name (`str`, *optional*): thread-name prefix, also the prefix of log lines.
         interrupt (`Callable[[], None]`, *optional*): called by `stop` while groups run (the producer's abort).
     """
@@ -79,12 +82,12 @@ class GroupStream:
     def __init__(
         self,
         produce: Callable[[RoundRequest], Round],
+        assemble: Callable[[list[Round]], Round],
         *,
         num_generations: int,
         max_inflight_groups: int,
         max_queue_size: int = 4,
         generation_timeout: float = 600.0,
-        pad_token_id: int = 0,
         name: str = "grpo-async-stream",
         interrupt: Callable[[], None] | None = None,
     ):
@@ -99,7 +102,7 @@ class GroupStream:
         self.max_inflight_groups = max_inflight_groups
         self.max_queue_size = max_queue_size
         self.generation_timeout = float(generation_timeout)
-        self.pad_token_id = pad_token_id
+        self.assemble = assemble
         self.name = name
         self.interrupt = interrupt
         self.started: list[int] = []  # request rounds whose first group started (what the backend generated)
@@ -176,7 +179,8 @@ class GroupStream:
         R, G = len(request.rows), self.G
         if R == 0 or R % G:
             raise ValueError(f"round {request.round_id}: {R} rows are not whole groups of num_generations={G}")
-        groups = [RoundRequest(request.round_id, request.rows[g : g + G], first_row=g) for g in range(0, R, G)]
+        first = request.first_row  # the request's rows are rows [first, first + R) of its round
+        groups = [RoundRequest(request.round_id, request.rows[g : g + G], first_row=first + g) for g in range(0, R, G)]
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -238,7 +242,7 @@ class GroupStream:
                 raise RuntimeError(
                     f"Async generation failed: round {round_id}: {type(item).__name__}: {item}"
                 ) from item
-        rnd = assemble_round(round_id, [g.group for g in taken], self.pad_token_id)
+        rnd = self.assemble([dataclasses.replace(g.group, round_id=round_id) for g in taken])
         latency = torch.tensor([g.finished - g.started for g in taken])  # [R / G] seconds, started → scored
         rnd.metrics.update(
             {
@@ -347,77 +351,3 @@ class GroupStream:
             with self._cond:
                 self._cond.notify_all()
             raise
-
-
-#: round metrics that join groups by min / max / sum; the rest are means over equal-size groups (recomputed from the
-#: rows where a mean of means is not the round's: `reward_std`, `rewards/<name>/std`)
-_MIN, _MAX = ("completions/min_length",), ("completions/max_length",)
-_SUM = ("prompts/truncated", "chunks/rollout", ROUND_TOKENS)
-
-
-def assemble_round(round_id: int, groups: list[Round], pad_token_id: int) -> Round:
-    """One training round from ready groups, in the order given: rows concatenated (padded to the widest prompt,
-    left, and completion, right), metrics joined, samples concatenated. `policy_version` is the oldest token's."""
-    batches = [g.batch for g in groups]
-    P = max(b.prompt_ids.size(1) for b in batches)
-    T = max(b.completion_ids.size(1) for b in batches)
-
-    def widen(b: MicroBatch) -> dict:
-        out = {}
-        for k, v in b.tensors().items():
-            if k in ("prompt_ids", "prompt_mask"):
-                fill = pad_token_id if k == "prompt_ids" else 0
-                out[k] = torch.cat([torch.full((v.size(0), P - v.size(1)), fill, dtype=v.dtype), v], 1)
-            elif v.dim() == 2:
-                fill = pad_token_id if k == "completion_ids" else 0
-                wide = torch.full((v.size(0), T), fill, dtype=v.dtype)
-                wide[:, : v.size(1)] = v
-                if k == "token_version":  # padding: the row's oldest version
-                    wide[:, v.size(1) :] = b.policy_version[:, None]
-                out[k] = wide
-            else:
-                out[k] = v
-        return out
-
-    parts = [widen(b) for b in batches]
-    tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    batch = MicroBatch(**tensors, num_items_in_batch=float(tensors["loss_mask"].sum()))
-    samples = _join_samples([g.samples for g in groups], round_id)
-    metrics = _join_metrics([g.metrics for g in groups], samples)
-    return Round(round_id, int(batch.policy_version.min()), batch, metrics, samples)
-
-
-def _join_samples(all_samples: list[dict], round_id: int) -> dict:
-    out: dict = {"round": round_id}
-    for s in all_samples:
-        for k, v in s.items():
-            if k == "round":
-                continue
-            if isinstance(v, dict):
-                d = out.setdefault(k, {})
-                for name, vals in v.items():
-                    d.setdefault(name, []).extend(vals if isinstance(vals, list) else [vals])
-            elif isinstance(v, list):
-                out.setdefault(k, []).extend(v)
-    return out
-
-
-def _join_metrics(all_metrics: list[dict], samples: dict) -> dict[str, float]:
-    keys = {k for m in all_metrics for k in m}
-    out = {}
-    for k in keys:
-        vals = [m[k] for m in all_metrics if k in m]
-        if k in _MIN:
-            out[k] = min(vals)
-        elif k in _MAX:
-            out[k] = max(vals)
-        elif k in _SUM or k.startswith("timing/"):
-            out[k] = float(sum(vals))
-        else:
-            out[k] = float(torch.tensor(vals, dtype=torch.float64).nanmean())
-    if samples.get("reward"):
-        out["reward_std"] = nanstd(torch.tensor(samples["reward"], dtype=torch.float32)).item()
-    for name, vals in (samples.get("rewards") or {}).items():
-        if f"rewards/{name}/std" in out:
-            out[f"rewards/{name}/std"] = nanstd(torch.tensor(vals, dtype=torch.float32)).item()
-    return out

@@ -87,11 +87,9 @@ class RoundJoiner:
         advantages = aggregate_advantages(
             rewards_per_func, self.reward_weights(), G, self.s.scale_rewards, self.s.multi_objective_aggregation
         )  # [R]
-        batch = dataclasses.replace(
-            cat_batches([p.batch for p in parts], self.s.pad_token_id),
-            advantages=advantages,
-            row_index=torch.arange(len(advantages)),  # [R]
-        )
+        # rows keep their `row_index` (rank i's part holds rows [i·L, (i+1)·L) of the round; a stream-mode group its
+        # request's rows)
+        batch = dataclasses.replace(cat_batches([p.batch for p in parts], self.s.pad_token_id), advantages=advantages)
         rewards = combine_rewards(rewards_per_func, self.reward_weights())  # [R]
         return Round(
             first.round_id,

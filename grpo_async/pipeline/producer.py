@@ -329,7 +329,12 @@ class RoundProducer:
         }
         self.rounds_produced += 1
         return Round(
-            request.round_id, int(batch.policy_version.min()), batch, metrics, samples, rewards_per_func=rewards_per_func
+            request.round_id,
+            int(batch.policy_version.min()),
+            batch,
+            metrics,
+            samples,
+            rewards_per_func=rewards_per_func,
         )
 
     def _token_versions(self, completions: list[Completion], version: int) -> list[list[int]]:

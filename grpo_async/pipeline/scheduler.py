@@ -113,6 +113,7 @@ class RoundScheduler:
         log: Callable[[str, float], None],
         steps_left: Callable[[], int] | None = None,
         join: Callable[[list[Round]], Round] | None = None,
+        assemble: Callable[[list[Round]], Round] | None = None,
     ):
         self.s = settings
         self.steps_left = steps_left
@@ -120,6 +121,7 @@ class RoundScheduler:
         self.producer, self.consumer = producer, consumer
         self.publisher, self.log = publisher, log
         self.join = join
+        self.assemble = assemble  # stream mode: joins ready prompt groups into a training round
         self.generate_every = settings.steps_per_generation * settings.num_iterations  # micro-steps per round
         # micro-batch index trained at each micro-step of a round: a b | a b ("epoch") or a a b b ("consecutive")
         self.order = reuse_order(
@@ -349,13 +351,15 @@ class RoundScheduler:
         backend first takes concurrent calls, `RoundProducer.start_streaming`)."""
         if self.s.async_mode == "stream":
             self.producer.start_streaming()
+            if self.assemble is None:
+                raise ValueError("RoundScheduler: async_mode='stream' needs `assemble` (a RoundJoiner)")
             stream = GroupStream(
                 functools.partial(self.producer, concurrent=True),
+                self.assemble,
                 num_generations=self.s.num_generations,
                 max_inflight_groups=self.s.max_inflight_groups,
                 max_queue_size=self.s.max_queue_size,
                 generation_timeout=self.s.generation_timeout,
-                pad_token_id=self.producer.tokenizer.pad_token_id,
                 interrupt=self.producer.abort,
             )
             self._busy_mark = (time.perf_counter(), 0.0)
