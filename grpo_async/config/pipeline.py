@@ -19,9 +19,11 @@ class PipelineFields:
         ROWS,
         default=None,
         metadata={
-            "help": "Completions per generate call (rows after the ×G repeat), on the main process, over the whole "
-            "round; must divide generation_batch_size. Default: per_device_train_batch_size. vLLM batches "
-            "internally: set it to generation_batch_size for one call per round.",
+            "help": "Completions per generate call (rows after the ×G repeat), over the rows a process generates: "
+            "the whole round on the main process, or with an engine on every rank (hf, in-process vllm, several "
+            "processes) each rank's generation_batch_size / processes rows (a last call may be shorter); must "
+            "divide generation_batch_size. Default: per_device_train_batch_size. vLLM batches internally: set it "
+            "to generation_batch_size for one call per round.",
         },
     )
     ref_logps_micro_batch_size: int | None = checked_field(
