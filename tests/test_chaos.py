@@ -6,8 +6,8 @@
 - `test_chaos_run_ends_on_the_uninterrupted_weights` (slow): the tiny model trains with `seeded_generation` and
   `num_batches_ahead=1` against two servers, once without interruption and once while, at moments drawn from a seed,
   the trainer is SIGKILLed (then resumed from its latest checkpoint) or a server is SIGKILLed (then started again on
-  its port, and let rejoin the rotation): 10 kills in all. The final weights equal the uninterrupted run's to float32
-  round-off and `metrics.jsonl` has every step exactly once.
+  its port, and let rejoin the rotation), in turn: 6 kills in 30 steps in `make test`, 10 in 60 in the soak. The
+  final weights equal the uninterrupted run's to float32 round-off and `metrics.jsonl` has every step exactly once.
 
 What makes that exact, and where it could not be:
 
@@ -25,7 +25,7 @@ What makes that exact, and where it could not be:
   difference; a batch-invariant engine (one request per forward pass, or vLLM's batch-invariant mode on GPU) would
   make even that impossible.
 - both servers down at once would end the run ("no vLLM server left in rotation"), by design: a server kill is only
-  done while the other server is in rotation; when the seed draws a server kill while the other is still restarting,
+  done while the other server is in rotation; when a server's turn comes while the other is still restarting,
   the trainer is killed instead (the log says so). The test sees the rotation from outside (a restarted server
   holds a pushed version), not the trainer's own view: a server that the trainer dropped for answering slowly looks
   in rotation from here. Hence `vllm_server_timeout=120`: at 30 s a weight push to the surviving server timed out
@@ -55,11 +55,14 @@ from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm
 
-SEED = 7  # draws the kill moments and targets
-KILLS = 10
-MAX_STEPS = 60
+SEED = 7  # draws the kill moments
+# `make test` runs 6 kills in 30 steps (3 of the trainer, 3 of a server, alternating); the soak of issue 22 is
+# `GRPO_CHAOS_KILLS=10 GRPO_CHAOS_STEPS=60 pytest tests/test_chaos.py -k chaos_run` (~8 min)
+KILLS = int(os.environ.get("GRPO_CHAOS_KILLS", "6"))
+MAX_STEPS = int(os.environ.get("GRPO_CHAOS_STEPS", "30"))
+TARGETS = ("trainer", "server 0", "trainer", "server 1")  # the kill targets, in turn
 ATOL = 1e-5  # float32 round-off of 60 steps (see the module docstring)
-DEADLINE_S = 420  # the whole chaos run, kills and restarts included
+DEADLINE_S = 60 + 36 * KILLS  # the whole chaos run, kills and restarts included (420 s for 10 kills)
 
 
 def _server_version(url: str) -> int | None:
@@ -221,7 +224,7 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, tmp_path):
                     kill_log
                 )
                 time.sleep(rng.uniform(0.0, 2.0))  # a moment drawn from the seed
-                target = rng.choice(["trainer", "trainer", "server 0", "server 1"])
+                target = TARGETS[len([k for k in kill_log if "SIGKILL" in k]) % len(TARGETS)]
                 if target.startswith("server"):
                     i = int(target[-1])
                     if not rejoined(1 - i) or i in restarting:
