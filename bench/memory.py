@@ -284,7 +284,7 @@ def main(argv=None) -> float:
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     a.tmp = tempfile.mkdtemp(prefix="grpo_bench_memory_")
-    pos = {"max_position_embeddings": 2 * a.long, "seed": 0}
+    pos = {"max_position_embeddings": 2 * max(a.long, a.tb_long), "seed": 0}
     model = build_tiny_model(os.path.join(a.tmp, "model"), TinyModelSpec(**SPEC, **pos))
     ref_model = build_tiny_model(os.path.join(a.tmp, "ref_model"), TinyModelSpec(**REF_SPEC, **pos))
     res = {v: run_child(a, v, model) for v in ("padded", "packed")}
