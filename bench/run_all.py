@@ -55,6 +55,7 @@ BENCHES = [
     "prefix.py",
     "memory.py",
     "overlap.py",
+    "streaming.py",
     "vs_trl.py",
     "vs_trl_2proc.py",
 ]

@@ -29,6 +29,7 @@ SMOKE = {
     "weight_sync.py": [pytest.mark.vllm],
     "lora_sync.py": [pytest.mark.vllm],
     "overlap.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # runs in fresh processes against a server
+    "streaming.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # fresh trainer processes against one server
     "vs_trl.py": [pytest.mark.vllm],
     # 2 processes × 4 trainers, two of them starting a vLLM engine per rank: ~3.5 min
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
