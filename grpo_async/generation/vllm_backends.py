@@ -294,10 +294,6 @@ class VLLMColocateBackend:
         if self._loop is None or not self._loop.is_running():
             self._loop = EngineLoop(self.llm.llm_engine, lambda: self.version).start()
 
-    def busy_seconds(self) -> float | None:
-        """Seconds the engine loop had requests to step (stream mode); None without the loop."""
-        return self._loop.busy_seconds() if self._loop is not None else None
-
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         _check_prompts(prompt_ids)
         if self._loop is not None:
