@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_async.algo.objective import SingleProcess  # noqa: E402
 from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
 from grpo_async.pipeline.consumer import RoundConsumer  # noqa: E402
 from grpo_async.pipeline.types import MicroBatch, Round  # noqa: E402
@@ -97,12 +98,9 @@ def consumer_of(trainer: GRPOTrainer, log) -> RoundConsumer:
     """The trainer's round consumer (its settings and log-prob scorers), one process, reporting to `log`."""
     return RoundConsumer(
         consumer_settings(trainer.args),
-        num_processes=1,
-        process_index=0,
+        collectives=SingleProcess(),
         old_logps=trainer.consumer.old_logps,
         ref_logps=trainer.consumer.ref_logps,
-        reduce_sum=lambda t: t,
-        gather=lambda t: t,
         log=log,
     )
 

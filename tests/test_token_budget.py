@@ -11,6 +11,7 @@ import torch
 
 from grpo_async.algo.logprobs import LogpsScorer
 from grpo_async.algo.loss import LOSS_TYPES, LossSettings
+from grpo_async.algo.objective import SingleProcess
 from grpo_async.algo.token_budget import budget_slices
 from grpo_async.pipeline.consumer import ConsumerSettings, RoundConsumer
 from grpo_async.pipeline.types import MicroBatch, Round
@@ -119,12 +120,9 @@ def test_the_logps_stages_run_in_token_budget_chunks(trainer):
         )
         consumer = RoundConsumer(
             settings,
-            num_processes=1,
-            process_index=0,
+            collectives=SingleProcess(),
             old_logps=scorer,
             ref_logps=scorer,
-            reduce_sum=lambda t: t,
-            gather=lambda t: t,
             log=lambda k, v: logged.setdefault(k, []).append(v),
         )
         raw = MicroBatch(**{**vars(batch), "old_logps": None, "ref_logps": None})

@@ -44,6 +44,8 @@ class Collectives(Protocol):
 class SingleProcess:
     """The `Collectives` of one process: every call is the identity."""
 
+    num_processes, process_index = 1, 0
+
     def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 

@@ -204,12 +204,9 @@ def build_pipeline(
     )
     consumer = RoundConsumer(
         consumer_settings(config),
-        num_processes=collectives.num_processes,
-        process_index=collectives.process_index,
+        collectives=collectives,
         old_logps=LogpsScorer(link.policy, **scoring) if old_logps else None,
         ref_logps=ref_logps,
-        reduce_sum=collectives.reduce_sum,
-        gather=collectives.gather_tensor,
         log=link.record,
     )
     joiner = None

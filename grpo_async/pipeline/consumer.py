@@ -59,12 +59,12 @@ class RoundConsumer:
 
     Args:
         settings (`ConsumerSettings`).
-        num_processes (`int`), process_index (`int`): this process's place.
+        collectives (`AcceleratorCollectives`, or `algo.objective.SingleProcess()` for one process): this process's
+            place (`num_processes`, `process_index`), the sum (`reduce_sum`) and concatenation (`gather_tensor`) over
+            the processes.
         old_logps (`LogpsFn`, *optional*): the policy's logps (no grad); `None` when the policy cannot move before the
             round is trained (then π_old = the policy itself).
         ref_logps (`LogpsFn`, *optional*): the reference model's logps; `None` when β = 0.
-        reduce_sum (`Callable[[torch.Tensor], torch.Tensor]`): sum over processes (identity with one process).
-        gather (`Callable[[torch.Tensor], torch.Tensor]`): concatenation over processes.
         log (`Callable[[str, float], None]`): records a metric.
     """
 
@@ -72,18 +72,16 @@ class RoundConsumer:
         self,
         settings: ConsumerSettings,
         *,
-        num_processes: int,
-        process_index: int,
+        collectives,
         old_logps: LogpsFn | None,
         ref_logps: LogpsFn | None,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-        gather: Callable[[torch.Tensor], torch.Tensor],
         log: Callable[[str, float], None],
     ):
         self.s = settings
-        self.num_processes, self.process_index = num_processes, process_index
+        self.collectives = collectives
+        self.num_processes, self.process_index = collectives.num_processes, collectives.process_index
         self.old_logps, self.ref_logps = old_logps, ref_logps
-        self.reduce_sum, self.gather, self.log = reduce_sum, gather, log
+        self.log = log
 
     def __call__(self, rnd: Round, step: int) -> list[MicroBatch]:
         """`step`: the policy version (optimizer step) this round starts training at."""
@@ -118,7 +116,7 @@ class RoundConsumer:
             stale = (step - local.policy_version) > limit  # [L]
         loss_mask = local.loss_mask.clone()
         loss_mask[stale] = 0
-        counts = self.reduce_sum(torch.tensor([float(stale.sum()), float(loss_mask.sum())]))
+        counts = self.collectives.reduce_sum(torch.tensor([float(stale.sum()), float(loss_mask.sum())]))
         dropped, items = counts.tolist()
         self.log("async/dropped_stale", dropped)
         if dropped:
@@ -176,8 +174,8 @@ class RoundConsumer:
         empty = w.numel() == 0  # every token of this process's rows is masked
         stats = torch.tensor([d.sum(), d.numel(), d.max() if d.numel() else 0.0])
         ratios = torch.tensor([math.inf, 0.0, 0.0, -math.inf] if empty else [w.min(), w.sum(), w.numel(), w.max()])
-        stats = self.gather(stats).view(-1, 3)  # [N, 3]
-        ratios = self.gather(ratios).view(-1, 4)  # [N, 4]
+        stats = self.collectives.gather_tensor(stats).view(-1, 3)  # [N, 3]
+        ratios = self.collectives.gather_tensor(ratios).view(-1, 4)  # [N, 4]
         self.log("sampling/logp_diff/mean", (stats[:, 0].sum() / stats[:, 1].sum().clamp(min=1)).item())
         self.log("sampling/logp_diff/max", stats[:, 2].max().item())
         self.log("sampling/importance_sampling_ratio/min", ratios[:, 0].min().item())
