@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 
 import pytest
 import torch
@@ -463,6 +464,112 @@ def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_p
     assert any(p.tokens is not None for p in passes) and len(shared) == 2
     for a, b in zip(shared, unshared, strict=True):
         assert abs(a - b) <= 1e-5, (shared, unshared)
+
+
+@pytest.mark.slow  # SmolLM2: a scripted tool call, the tool's turn, a sampled answer; two runs of 2 steps
+def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_path, tmp_path, monkeypatch):
+    """A multi-turn tool case: the tools' system prompt and question shared by G = 4 completions that each hold
+    a tool call, the tool's answer (attended, not trained) and the model's reply. Sharing on and off log the same
+    losses (≤ 1e-5) and every training forward computes the prompt once."""
+    from datasets import Dataset
+    from test_real_model import TOOL_CALL, ScriptedToolCaller  # tests/ is on sys.path
+
+    import grpo_async.algo.logprobs as logprobs
+    from grpo_async import GRPOTrainer
+    from grpo_async.algo.logprobs import completion_logps
+    from grpo_async.envs import ToolEnv
+    from grpo_async.envs import calculator as _calculator
+    from grpo_async.generation import BACKENDS, SYNC_BY_BACKEND, register_backend
+    from grpo_async.generation.base import Completion
+    from grpo_async.testing import tiny_config
+
+    passes = []
+
+    def counting(ids, mask, T, *args, **kwargs):  # the real packer; records what each training forward shared
+        packed = pack_shared(ids, mask, T, *args, **kwargs)
+        if torch.is_grad_enabled():
+            real = mask.sum(1)  # [b]
+            one_tree = int(mask[0, :-T].sum()) + int(mask[:, -T:].sum())  # one group: the prompt once
+            passes.append((None if packed is None else int(packed.real.sum()), one_tree, int(real.sum())))
+        return packed
+
+    monkeypatch.setattr(logprobs, "pack_shared", counting)
+
+    class DistinctCalls(ScriptedToolCaller):
+        """Completion k's call is `12+k` + `35-k` (= 47): the G completions differ, so their gradients do not cancel
+        (identical ones have a zero policy gradient, which Adam's first step turns into float noise of full size)."""
+
+        def generate(self, prompt_ids, sampling):
+            out = []
+            for p in prompt_ids:
+                if "<|im_start|>tool" in self.tok.decode(p):  # the tool answered: let the model finish
+                    out.extend(self.hf.generate([p], sampling))
+                    continue
+                for k in range(sampling.n):
+                    call = TOOL_CALL.replace("12+35", f"{12 + k}+{35 - k}")
+                    ids = self.tok(call, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                    full = torch.tensor([p + ids])
+                    logps = completion_logps(
+                        self.hf.model, full, torch.ones_like(full), len(ids), sampling.temperature
+                    )
+                    out.append(Completion(ids, logps[0].tolist(), "stop"))
+            return out
+
+    register_backend("scripted_tool_caller_sharing", lambda args, model, tok, path: DistinctCalls(model, tok))
+
+    def run(share: bool) -> tuple[float, list[str]]:
+        calls = []
+
+        def calculator(expression: str) -> str:
+            """Evaluate an arithmetic expression."""
+            calls.append(expression)
+            return _calculator(expression)
+
+        noise = random.Random(0)  # the same draws in both runs: the 4 completions are alike (one seed per call)
+
+        def saw_the_tool(completions, **kw):  # 1 when the tool's answer came back, plus a draw per completion so
+            # that the advantages are not all 0
+            tool = [float(any(m["role"] == "tool" and m["content"] == "47" for m in c)) for c in completions]
+            return [t + noise.random() for t in tool]
+
+        env = ToolEnv([calculator], max_turns=2, max_tokens_per_turn=16)
+        system = {"role": "system", "content": env.system_prompt()}
+        ds = Dataset.from_dict({"prompt": [[system, {"role": "user", "content": "12+35?"}]] * 4})
+        args = tiny_config(
+            tmp_path / str(share),
+            generation_backend="scripted_tool_caller_sharing",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=1,
+            num_batches_ahead=0,
+            max_completion_length=64,
+            max_steps=2,  # μ = 2: the second step's ratios use the first step's update and the old log-probs
+            num_iterations=2,
+            beta=0.04,  # the reference's log-probs: a third stage that shares
+            learning_rate=1e-4,
+            seeded_generation=True,
+            share_prompt_prefix=share,
+        )
+        trainer = GRPOTrainer(smollm2_path, saw_the_tool, args=args, train_dataset=ds, environment=env)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], calls
+
+    try:
+        shared, calls_on = run(True)
+        training_on, passes[:] = list(passes), []
+        unshared, calls_off = run(False)
+    finally:
+        BACKENDS.pop("scripted_tool_caller_sharing")
+        SYNC_BY_BACKEND.pop("scripted_tool_caller_sharing")
+    assert calls_on == calls_off == ["12+35", "13+34", "14+33", "15+32"]  # each completion called the real tool
+    assert len(shared) == 2 and shared[1] != 0.0
+    for a, b in zip(shared, unshared, strict=True):
+        assert abs(a - b) <= 1e-5, (shared, unshared)
+    assert training_on and not passes  # trees only with sharing on
+    for tokens, one_tree, rows in training_on:
+        assert tokens == one_tree < rows  # the prompt computed once (measured 308 tokens for 4 rows of 512)
 
 
 def _two_process_worker(model: str, out: str, share: bool) -> None:
