@@ -566,7 +566,10 @@ def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_pat
     assert calls_on == calls_off == ["12+35", "13+34", "14+33", "15+32"]  # each completion called the real tool
     assert len(shared) == 2 and shared[1] != 0.0
     for a, b in zip(shared, unshared, strict=True):
-        assert abs(a - b) <= 1e-5, (shared, unshared)
+        # measured 7.8e-6 at step 1 (losses ~4e-6: Adam's first step on nearly cancelling gradients): float32's
+        # summation order, whose floor on SmolLM2 is 1.0e-5 to 1.8e-5 with the padding alone changed
+        # (test_smollm2_equals_unshared); another CPU's kernels round differently, hence 2e-5 here
+        assert abs(a - b) <= 2e-5, (shared, unshared)
     assert training_on and not passes  # trees only with sharing on
     for tokens, one_tree, rows in training_on:
         assert tokens == one_tree < rows  # the prompt computed once (measured 308 tokens for 4 rows of 512)
