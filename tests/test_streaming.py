@@ -270,8 +270,10 @@ def test_stream_mode_on_a_served_backend(tiny_model_path, tmp_path):
         finally:
             trainer.close()
     rows = _trained_rows(trainer)
-    assert sorted(rows) == [(r, i) for r in range(3) for i in range(ROUND)]
-    assert not {r for b in trainer.seen[:2] for r in b["rows"]} & {(0, i) for i in range(G)}
+    assert sorted(rows) == [(r, i) for r in range(3) for i in range(ROUND)]  # every row once
+    # Which groups the first step trains is not asserted here: in the full suite (another worker loading the cores)
+    # the straggler group was once in the first step on the server, whose batching the test does not control. The
+    # order of events is proven on the in-process engine (test_a_straggler_group_does_not_hold_back_the_groups_...).
 
 
 def test_hf_backend_refuses_stream_mode_naming_both_settings(tmp_path):
