@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .job_queue import join_at_exit, joined
+from .job_queue import join_at_exit, joined, wait_for
 from .types import Round, RoundRequest
 
 logger = logging.getLogger(__name__)
@@ -306,13 +306,7 @@ class GroupStream:
         return len(self._waiting) + self._running + len(self._ready)
 
     def _wait(self, done, deadline: float, timeout_message) -> None:
-        """With `_cond` held: wait until `done()`, re-raising a worker's death, or raise `TimeoutError`."""
-        while not done():
-            self.check_health()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(timeout_message())
-            self._cond.wait(min(left, 0.5))
+        wait_for(self._cond, done, deadline, timeout_message, self.check_health)
 
     # -- the workers -----------------------------------------------------------------------------------------
     def _run(self) -> None:

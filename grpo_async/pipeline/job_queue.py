@@ -58,6 +58,17 @@ def joined(owner) -> None:
     _LIVE.discard(owner)
 
 
+def wait_for(cond: threading.Condition, done, deadline: float, timeout_message, check_health) -> None:
+    """With `cond` held: wait until `done()`, calling `check_health()` (which re-raises a worker thread's death) at
+    least every 0.5 s, or raise `TimeoutError(timeout_message())` at `deadline` (`time.monotonic()`)."""
+    while not done():
+        check_health()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(timeout_message())
+        cond.wait(min(left, 0.5))
+
+
 class RoundQueue:
     """Owns the generator thread, its bounded request queue and the completed rounds.
 
@@ -224,14 +235,7 @@ class RoundQueue:
             )
 
     def _wait(self, done, deadline: float, timeout_message) -> None:
-        """With `_cond` held: wait until `done()`, re-raising the thread's death, or raise `TimeoutError` at
-        `deadline` with `timeout_message()`."""
-        while not done():
-            self.check_health()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(timeout_message())
-            self._cond.wait(min(left, 0.5))
+        wait_for(self._cond, done, deadline, timeout_message, self.check_health)
 
     def get_pending_count(self) -> int:
         with self._cond:
