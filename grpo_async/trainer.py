@@ -223,7 +223,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
         a, T = self.args, inputs.completion_ids.size(1)
         ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, P+T]
         mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)  # [B, P+T]
-        scoring = {"share_prefix": a.share_prompt_prefix, **self.objective.scoring}
+        scoring = {"share_prefix": a.share_prompt_prefix, "max_positions": a.token_budget, **self.objective.scoring}
         scores = score_tokens(model, ids, mask, T, a.temperature, None, a.padding_free, **scoring)
         self.throughput.add(int(mask.sum()), len(inputs))
         ctx = LossContext(

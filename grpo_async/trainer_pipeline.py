@@ -47,6 +47,7 @@ class TrainerPipeline:
         if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
             self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
         scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
+        scoring["max_positions"] = a.token_budget  # a packed pass's positions, filler included (algo/packing.py)
         ref_logps = reference_scorer(self.ref_client, self.ref_model, link, scoring) if a.beta else None
         pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
             a,

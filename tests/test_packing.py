@@ -9,7 +9,9 @@ from grpo_async.algo.logprobs import completion_logps
 from grpo_async.algo.packing import (
     check_isolation,
     first_fit_decreasing,
+    fit_bins,
     pack_rows,
+    packed_positions,
     packed_token_scores,
     unpack_completion,
 )
@@ -40,6 +42,36 @@ def test_first_fit_decreasing_hand_worked():
     assert first_fit_decreasing([2, 2, 2], 6) == ([0, 0, 0], [0, 2, 4], [6])
     with pytest.raises(ValueError, match="does not fit"):
         first_fit_decreasing([7], 6)
+
+
+def test_fit_bins_widen_the_bins_only_past_max_positions():
+    # bins of the longest (10): [10] [6] [6] [6] = 40 positions
+    assert packed_positions([10, 6, 6, 6]) == 40 and packed_positions([]) == 0
+    assert fit_bins([10, 6, 6, 6]) == fit_bins([10, 6, 6, 6], 40) == first_fit_decreasing([10, 6, 6, 6], 10)
+    # 28: k = 2 bins of 14 need 3 ([10] [6 6] [6]); k = 1, one bin of 28, fits
+    assert fit_bins([10, 6, 6, 6], 28) == ([0, 0, 0, 0], [0, 10, 16, 22], [28])
+    # 36: k = 3 bins of 12 hold [10] [6 6] [6] → 3 × 12 = 36
+    assert fit_bins([10, 6, 6, 6], 36) == ([0, 1, 1, 2], [0, 0, 6, 0], [10, 12, 6])
+    with pytest.raises(ValueError, match="28 tokens do not fit in a forward pass of at most 27 positions"):
+        fit_bins([10, 6, 6, 6], 27)
+
+
+def test_pack_rows_within_max_positions():
+    T = 9
+    lengths = [10, 6, 6, 6]  # prompt 1 + completion
+    ids = torch.zeros(4, 1 + T, dtype=torch.long)
+    mask = torch.zeros(4, 1 + T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+        ids[i, :n] = torch.arange(10 * (i + 1), 10 * (i + 1) + n)
+    assert pack_rows(ids, mask, T).input_ids.shape == (4, 10)  # 40 positions
+    p = pack_rows(ids, mask, T, max_positions=36)  # [10] [6 6] [6 + filler 6]
+    assert p.input_ids.shape == (3, 12)
+    assert p.position_ids.tolist()[1] == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+    assert p.position_ids.tolist()[2] == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]  # filler restarts at 0
+    assert p.real.sum().item() == 28
+    with pytest.raises(ValueError, match="capacity or max_positions"):
+        pack_rows(ids, mask, T, capacity=12, max_positions=36)
 
 
 def test_bins_hold_short_rows_beside_a_long_one_with_filler_segments():

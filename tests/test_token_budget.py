@@ -12,6 +12,7 @@ import torch
 from grpo_async.algo.logprobs import LogpsScorer
 from grpo_async.algo.loss import LOSS_TYPES, LossSettings
 from grpo_async.algo.objective import SingleProcess
+from grpo_async.algo.packing import packed_positions
 from grpo_async.algo.token_budget import budget_slices
 from grpo_async.pipeline.consumer import ConsumerSettings, RoundConsumer
 from grpo_async.pipeline.types import MicroBatch, Round
@@ -22,6 +23,16 @@ def test_budget_slices_hand_worked():
     assert budget_slices([120, 90, 200, 60, 60, 30], 256) == [slice(0, 2), slice(2, 3), slice(3, 6)]
     assert budget_slices([5, 5, 5], 10) == [slice(0, 2), slice(2, 3)]
     assert budget_slices([], 10) == []
+
+
+def test_budget_slices_count_the_filler_of_the_packed_bins():
+    # [10, 6, 6, 6] holds 28 real tokens but packs into bins of 10: [10] [6] [6] [6], 40 positions > 28
+    assert packed_positions([10, 6, 6, 6]) == 40
+    assert budget_slices([10, 6, 6, 6], 28) == [slice(0, 2), slice(2, 4)]  # [10] [6]: 20; [6] [6]: 12
+    # [6, 6, 9] packs as [9] [6] [6] = 27 ≤ 28; with a 4 it needs a fourth bin of 9 (36); the last four 4 × 4 = 16
+    lengths = [10, 6, 6, 6, 9, 4, 4, 4, 4]
+    assert budget_slices(lengths, 28) == [slice(0, 2), slice(2, 5), slice(5, 9)]
+    assert all(packed_positions(lengths[s]) <= 28 for s in budget_slices(lengths, 28))
 
 
 def test_a_row_longer_than_the_budget_names_token_budget():
@@ -94,6 +105,73 @@ def test_budget_slices_give_the_row_based_loss_and_gradients(trainer, loss_type)
     sliced, grads_sliced = _loss_and_grads(trainer, batch, budget)
     assert abs(whole - sliced) <= 1e-6
     assert grads_whole.keys() == grads_sliced.keys() and grads_whole
+    for name, grad in grads_whole.items():
+        assert (grad - grads_sliced[name]).abs().max().item() <= 1e-6, name
+
+
+def _rows_of_lengths(vocab: int, lengths: list[int], prompt: int = 3, seed: int = 0) -> MicroBatch:
+    """Rows of `lengths` real tokens each (`prompt` of them the prompt; distinct prompts: nothing to share)."""
+    base = _micro_batch(vocab, B=len(lengths), P=prompt, T=max(lengths) - prompt, seed=seed)
+    completion_mask = (torch.arange(max(lengths) - prompt) < torch.tensor(lengths)[:, None] - prompt).long()
+    prompt_mask = torch.ones(len(lengths), prompt, dtype=torch.long)
+    return dataclasses.replace(
+        base,
+        prompt_ids=torch.arange(len(lengths))[:, None] * prompt + torch.arange(3, 3 + prompt),  # [B, P] distinct
+        prompt_mask=prompt_mask,
+        completion_ids=base.completion_ids.clamp(min=3) * completion_mask,
+        completion_mask=completion_mask,
+        loss_mask=completion_mask.clone(),
+        num_items_in_batch=float(completion_mask.sum()),
+    )
+
+
+def _consumer(settings_budget, scorer, logged):
+    settings = ConsumerSettings(
+        steps_per_generation=1,
+        old_logps_micro_batch_size=9,
+        ref_logps_micro_batch_size=9,
+        staleness_limit=None,
+        importance_sampling_correction=False,
+        importance_sampling_mode="token_truncate",
+        importance_sampling_clip_min=None,
+        importance_sampling_clip_max=None,
+        seed=0,
+        token_budget=settings_budget,
+    )
+    log = lambda k, v: logged.setdefault(k, []).append(v)  # noqa: E731
+    return RoundConsumer(settings, collectives=SingleProcess(), old_logps=scorer, ref_logps=scorer, log=log)
+
+
+def test_every_forward_pass_holds_at_most_the_budget_positions(trainer):
+    """The trainer's training slices and the consumer's logps passes, measured at the model's input: every packed
+    `[K, W]` holds at most `token_budget` positions, filler included. Rows of 10, 6, 6, 6 real tokens (28, the
+    budget) used to run as one pass of 4 bins of 10 = 40 positions."""
+    lengths, budget = [10, 6, 6, 6, 9, 4, 4, 4, 4], 28
+    batch = _rows_of_lengths(trainer.model.config.vocab_size, lengths)
+    assert (batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)).tolist() == lengths
+    _loss_and_grads(trainer, batch, None)  # first calls probe the model once (packed isolation, prefix sharing)
+    passes = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        whole, grads_whole = _loss_and_grads(trainer, batch, None)
+        assert passes == [packed_positions(lengths)] == [60]  # one pass: [10] [9] [6 4] [6 4] [6 4] [4]
+        passes.clear()
+        sliced, grads_sliced = _loss_and_grads(trainer, batch, budget)
+        assert passes == [20, 27, 16]  # [10] [6]; [9] [6] [6]; [4] [4] [4] [4]
+        passes.clear()
+        scorer = LogpsScorer(
+            lambda: trainer.model, temperature=1.0, padding_free=True, device="cpu", max_positions=budget
+        )
+        logged = {}
+        raw = dataclasses.replace(batch, old_logps=None, ref_logps=None)  # what the consumer scores
+        _consumer(budget, scorer, logged)(Round(round_id=0, policy_version=0, batch=raw), step=0)
+        assert logged["chunks/old_logps"] == [3.0] == logged["chunks/ref_logps"]
+        assert passes == [20, 27, 16] * 2  # old logps, then ref logps
+    finally:
+        hook.remove()
+    assert abs(whole - sliced) <= 1e-6
     for name, grad in grads_whole.items():
         assert (grad - grads_sliced[name]).abs().max().item() <= 1e-6, name
 

@@ -42,6 +42,7 @@ def score_tokens(
     entropy_grad: bool = False,
     router: tuple[int, int] | None = None,
     share_prefix: bool | SharingCost = False,
+    max_positions: int | None = None,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
     optionally each position's entropy and the MoE load-balancing loss.
@@ -60,6 +61,9 @@ def score_tokens(
             (`algo.prefix_sharing`) where the cost model says it is cheaper; same values as unshared. Falls back to
             unshared rows, with one warning, where the model cannot do it exactly. A `SharingCost` instead of
             `True` replaces the model's cost model (benchmarks: force one tree per group).
+        max_positions (`int`, *optional*): with `padding_free`, the most token positions (filler included) a
+            chunk's packed `[K, W]` may hold (`GRPOConfig.token_budget`; `algo.packing.fit_bins`). The chunk's real
+            tokens must fit in it; the padded path ignores it.
     """
     batch_size = batch_size or input_ids.size(0)
     cost = None
@@ -69,9 +73,11 @@ def score_tokens(
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start : start + batch_size]  # [b, P+T]
         am = attention_mask[start : start + batch_size]  # [b, P+T]
-        packed = pack_shared(ids, am, logits_to_keep, cost, padding_free) if cost is not None else None
+        packed = None
+        if cost is not None:
+            packed = pack_shared(ids, am, logits_to_keep, cost, padding_free, max_positions)
         if packed is None and padding_free:
-            packed = pack_rows(ids, am, logits_to_keep)
+            packed = pack_rows(ids, am, logits_to_keep, max_positions=max_positions)
         if packed is not None:
             lp, ent, aux_loss = packed_token_scores(model, packed, temperature, entropy, entropy_grad, router)
             logps.append(unpack_completion(lp, packed))  # [b, T]
@@ -108,11 +114,12 @@ def completion_logps(
     batch_size: int | None = None,
     padding_free: bool = False,
     share_prefix: bool = False,
+    max_positions: int | None = None,
 ) -> torch.Tensor:
     """`score_tokens(...).logps`: `[B, T]` log-probabilities of the completion tokens (values at padded positions are
     meaningless; mask them)."""
     args = (model, input_ids, attention_mask, logits_to_keep, temperature, batch_size, padding_free)
-    return score_tokens(*args, share_prefix=share_prefix).logps
+    return score_tokens(*args, share_prefix=share_prefix, max_positions=max_positions).logps
 
 
 class LogpsScorer:
@@ -131,10 +138,21 @@ class LogpsScorer:
         torch.Size([2, 4])
     """
 
-    def __init__(self, model, *, temperature: float, padding_free: bool, device, context=None, share_prefix=False):
+    def __init__(
+        self,
+        model,
+        *,
+        temperature: float,
+        padding_free: bool,
+        device,
+        context=None,
+        share_prefix=False,
+        max_positions: int | None = None,
+    ):
         self.model, self.context = model, context
         self.temperature, self.padding_free, self.device = temperature, padding_free, device
         self.share_prefix = share_prefix
+        self.max_positions = max_positions  # GRPOConfig.token_budget: positions of a packed pass, filler included
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
@@ -149,5 +167,6 @@ class LogpsScorer:
                 self.temperature,
                 padding_free=self.padding_free,
                 share_prefix=self.share_prefix,
+                max_positions=self.max_positions,
             )
         return logps.cpu()  # [b, T]

@@ -13,6 +13,10 @@ padded  [B, P+T]:  . . p p c c c .        packed [K, W]:  p p c c c | p p p c c 
 Why bins of at most the longest row: attention costs `Σ_bins W²`. One `[1, ΣL]` sequence costs `(ΣL)²`, which for
 64 equal rows is 64× the padded path's `B·L²` (measured 4.8× slower per step); bins of capacity `max L` cost at most
 `ΣL · max L ≤ B · max L²`, never more than padding, and far less when lengths are skewed (one long row, many short).
+Their filler counts against a token budget (`GRPOConfig.token_budget`): rows of 1,949 real tokens in bins of 605 run
+4 × 605 = 2,420 positions, 18% over a budget of 2,048, and the step's peak memory rises with them. The budget's slicer
+counts `packed_positions`; where a pass is packed otherwise (prompt-sharing trees) `max_positions` widens its bins
+until `K · W` fits (`fit_bins`).
 
 Sequences stay isolated because transformers (5.x, `masking_utils.create_causal_mask`) reads position ids that
 restart at 0 as sequence starts and builds a block-diagonal causal mask, for the sdpa, eager and flash
@@ -84,6 +88,48 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], 
     return bin_of, offset, fill
 
 
+def packed_positions(lengths: list[int]) -> int:
+    """Token positions `K · W` of `lengths` packed as `pack_rows` packs them by default (first-fit-decreasing into
+    bins of the longest item), filler included: what a packed forward pass runs. Example: [10, 6, 6, 6] → bins [10]
+    [6] [6] [6] → 4 × 10 = 40; [6, 6, 4] → [6] [6] [4] → 18 (6 + 4 > 6)."""
+    if not lengths:
+        return 0
+    fill = first_fit_decreasing(lengths, max(lengths))[2]
+    return len(fill) * max(fill)
+
+
+def fit_bins(lengths: list[int], max_positions: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """`first_fit_decreasing` into bins as long as the longest item, unless those `K` bins of width `W` (filler
+    included) would hold more than `max_positions` positions (`GRPOConfig.token_budget` bounds the `[K, W]` a forward
+    pass runs); then wider bins: the most bins `k` whose capacity `max_positions // k` packs every item into at most
+    `k` bins, so `K · W ≤ max_positions` (`k = 1`, one bin of `Σ lengths`, always does when `Σ lengths ≤
+    max_positions`). Fewer, wider bins hold less filler but cost more attention (`Σ W²`), hence the most bins that
+    fit. The budget's slicer (`algo.token_budget.budget_slices`) already cuts rows so that their default bins fit;
+    the widening is for what it does not count: prompt-sharing trees (`algo.prefix_sharing.pack_shared`), whose bins
+    are as wide as the widest tree.
+
+    Example: lengths [10, 6, 6, 6], `max_positions` 28: bins of 10 are [10] [6] [6] [6], 4 × 10 = 40 > 28 positions;
+    k = 2 (capacity 14) needs 3 bins [10] [6 6] [6]; k = 1 (capacity 28): one bin [10 6 6 6] of 28 →
+    bin_of [0, 0, 0, 0], offset [0, 10, 16, 22], fill [28].
+    """
+    longest = max(lengths)
+    bin_of, offset, fill = first_fit_decreasing(lengths, longest)
+    if max_positions is None or len(fill) * max(fill) <= max_positions:
+        return bin_of, offset, fill
+    if sum(lengths) > max_positions:
+        raise ValueError(f"{sum(lengths)} tokens do not fit in a forward pass of at most {max_positions} positions")
+    # the largest k that fits, by bisection: k = 1 fits, and fewer, wider bins fit at least as easily (up to
+    # first-fit's quirks, which can only make it settle on a smaller k that it checked)
+    lo, hi = 1, max_positions // longest
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(first_fit_decreasing(lengths, max_positions // mid)[2]) <= mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return first_fit_decreasing(lengths, max_positions // lo)
+
+
 def check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
     """`(B, width)` of rows of prompt + completion (`[B, L]` ids and mask, the last `logits_to_keep` positions the
     completion); a `ValueError` naming what is wrong otherwise."""
@@ -98,10 +144,15 @@ def check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_
 
 
 def pack_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, capacity: int | None = None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    capacity: int | None = None,
+    max_positions: int | None = None,
 ) -> PackedRows:
     """Drop the padding of `[B, P+T]` rows (prompt then completion; `attention_mask` marks real tokens) and pack
-    them into bins of at most `capacity` tokens (default: the longest row) with position ids reset per row.
+    them into bins of at most `capacity` tokens (default: the longest row, or with `max_positions` bins whose
+    `[K, W]` holds at most that many positions, filler included: `fit_bins`) with position ids reset per row.
 
     Positions equal the padded path's `cumsum(mask) - 1`, so each token sees the same prefix at the same positions
     as when the row is run alone. A completion token must follow at least one real token of its row. The space left
@@ -121,8 +172,12 @@ def pack_rows(
     rows, cols = completion.nonzero(as_tuple=True)  # [N], [N] (row-major)
     if (position[:, -T:][rows, cols] < 1).any():
         raise ValueError("a completion token has no real token before it (a row with an empty prompt)")
-    longest = int(lengths.max())
-    bin_of, offset, fill = first_fit_decreasing(lengths.tolist(), longest if capacity is None else capacity)
+    if capacity is not None and max_positions is not None:
+        raise ValueError("pack_rows takes a capacity or max_positions, not both")
+    if capacity is None:
+        bin_of, offset, fill = fit_bins(lengths.tolist(), max_positions)
+    else:
+        bin_of, offset, fill = first_fit_decreasing(lengths.tolist(), capacity)
     K, W = len(fill), max(fill)
     device = input_ids.device
     bin_of_t, offset_t = torch.tensor(bin_of, device=device), torch.tensor(offset, device=device)  # [B], [B]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import PackedRows, check_rows, first_fit_decreasing
+from .packing import PackedRows, check_rows, fit_bins
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,14 @@ def pack_shared(
     logits_to_keep: int,
     cost: SharingCost,
     padding_free: bool = True,
+    max_positions: int | None = None,
 ) -> PackedRows | None:
     """Pack `[B, P+T]` rows (prompt left-padded, completion right-padded; `attention_mask` marks real tokens) as
     prompt-sharing trees, or `None` when no group is cheaper shared (`plan_group`), the caller then scoring the rows
-    as usual. With `padding_free` trees are packed first-fit into bins of the widest tree's width, else each tree is
-    a bin of its own (padded to the widest). `PackedRows.attention [K, W, W]` holds each position's allowed keys:
-    same tree, not after it, and in the prompt or its own branch; a filler position attends only to itself.
+    as usual. With `padding_free` trees are packed first-fit into bins of the widest tree's width (wider where
+    those bins would hold more than `max_positions` positions, filler included: `algo.packing.fit_bins`), else each
+    tree is a bin of its own (padded to the widest). `PackedRows.attention [K, W, W]` holds each position's allowed
+    keys: same tree, not after it, and in the prompt or its own branch; a filler position attends only to itself.
 
     Example: ids [[0, 5, 6, 7, 8], [0, 5, 6, 9, 0]], mask [[0, 1, 1, 1, 1], [0, 1, 1, 1, 0]], T = 2, a cost that
     shares → input_ids [[5, 6, 7, 8, 9]], position_ids [[0, 1, 2, 3, 2]], target_ids [7, 8, 9] scored by the logits
@@ -170,7 +172,7 @@ def pack_shared(
         return None  # nothing shared: the usual path is the same computation, without the custom mask
     widths = [prompts[r].numel() + sum(comp_cols[i].numel() for i in branches) for r, branches in trees]
     if padding_free:
-        bin_of, offset, fill = first_fit_decreasing(widths, max(widths))
+        bin_of, offset, fill = fit_bins(widths, max_positions)
     else:
         bin_of, offset, fill = list(range(len(trees))), [0] * len(trees), widths
     K, W = len(fill), max(fill)

@@ -1,13 +1,18 @@
 """Token-budget micro-batches (`GRPOConfig.token_budget`, TRL's async name; per device): each forward pass of a stage
-holds as many consecutive rows as fit in the budget of real (packed) tokens, instead of a fixed row count.
+holds as many consecutive rows as fit in the budget of token positions, instead of a fixed row count. A pass's
+positions are those of its packed `[K, W]` (`algo.packing.packed_positions`: bins as long as its longest row,
+first-fit-decreasing), filler included, so the budget bounds what the forward runs, not only its real tokens.
 
 ```txt
 rows (real tokens):   120  90  200  60  60  30      budget 256
 slices:             [120  90] [200] [60  60  30]     (consecutive rows; a row never splits)
+packed:             [120][90]  [200] [60][60][30]    2 × 120 = 240, 200, 3 × 60 = 180 positions ≤ 256
 ```
-The training micro-batch (one gradient-accumulation step) is cut the same way, each slice forward and backward in
-turn, so its loss keeps the normaliser of the loss type over the whole micro-batch (`LossContext.micro_batch_rows`,
-`micro_batch_tokens`): the gradients equal those of the micro-batch in one pass.
+Counting real tokens alone let filler through: `bench/memory.py`'s long-tailed rows cut at 2,048 real tokens ran
+passes of 4 × 605 = 2,420 and 5 × 479 = 2,395 positions, and the step's peak rose with them (1.06× to 1.17× the
+budget's bound). The training micro-batch (one gradient-accumulation step) is cut the same way, each slice forward
+and backward in turn, so its loss keeps the normaliser of the loss type over the whole micro-batch
+(`LossContext.micro_batch_rows`, `micro_batch_tokens`): the gradients equal those of the micro-batch in one pass.
 """
 
 from __future__ import annotations
@@ -17,16 +22,20 @@ from collections.abc import Callable
 
 import torch
 
+from .packing import packed_positions
+
 
 def budget_slices(tokens_per_row: list[int], budget: int) -> list[slice]:
-    """Consecutive runs of rows whose real tokens sum to at most `budget` each (greedy, in order).
+    """Consecutive runs of rows, each as long as its packed positions (`algo.packing.packed_positions`, filler
+    included) stay within `budget` (greedy, in order).
 
-    Example: tokens [120, 90, 200, 60, 60, 30], budget 256 → [slice(0, 2), slice(2, 3), slice(3, 6)].
+    Example: tokens [120, 90, 200, 60, 60, 30], budget 256 → [slice(0, 2), slice(2, 3), slice(3, 6)]. Tokens
+    [10, 6, 6, 6], budget 28: all four hold 28 real tokens but pack into 4 × 10 = 40 positions, so
+    [slice(0, 2), slice(2, 4)] (2 × 10 = 20 and 2 × 6 = 12).
     A row longer than the budget is an error naming `token_budget`.
     """
     if budget < 1:
         raise ValueError(f"GRPOConfig.token_budget={budget}: must be a number of tokens >= 1")
-    slices, start, used = [], 0, 0
     for i, n in enumerate(tokens_per_row):
         if n > budget:
             raise ValueError(
@@ -34,12 +43,22 @@ def budget_slices(tokens_per_row: list[int], budget: int) -> list[slice]:
                 f"micro-batch; raise token_budget to at least {n} or shorten max_prompt_length / "
                 "max_completion_length"
             )
-        if used + n > budget:
-            slices.append(slice(start, i))
-            start, used = i, 0
-        used += n
-    if start < len(tokens_per_row):
-        slices.append(slice(start, len(tokens_per_row)))
+    slices, start = [], 0
+    while start < len(tokens_per_row):
+        end, used = start, 0  # the most rows whose real tokens fit: positions are never fewer
+        while end < len(tokens_per_row) and used + tokens_per_row[end] <= budget:
+            used, end = used + tokens_per_row[end], end + 1
+        if packed_positions(tokens_per_row[start:end]) > budget:  # filler: the longest prefix that packs within it,
+            lo, hi = start + 1, end - 1  # by bisection (one row always fits)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if packed_positions(tokens_per_row[start:mid]) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            end = lo
+        slices.append(slice(start, end))
+        start = end
     return slices
 
 

@@ -46,12 +46,14 @@ class PipelineFields:
         Number(ge=1, integer=True, optional=True, what="an int >= 1 (tokens per forward pass, per device) or None"),
         default=None,
         metadata={
-            "help": "TRL async's name: real (packed) tokens per forward pass, per device. Each old-logps and "
-            "ref-logps forward pass holds as many consecutive rows as fit (instead of its micro-batch size in "
-            "rows), and each training micro-batch runs as consecutive slices that fit, forward and backward in "
-            "turn, with the loss type's normaliser over the whole micro-batch (same gradients). A row longer than "
-            "the budget is an error. Not with top_entropy_quantile < 1 or the MoE load-balancing loss. None "
-            "(default): rows, as the micro-batch sizes say.",
+            "help": "TRL async's name: token positions per forward pass, per device: the packed rows' tokens and "
+            "the filler of their bins (padding_free packs rows into bins as long as the longest row; the budget "
+            "bounds the [bins, width] the model runs). Each old-logps and ref-logps forward pass holds as many "
+            "consecutive rows as fit (instead of its micro-batch size in rows), and each training micro-batch runs "
+            "as consecutive slices that fit, forward and backward in turn, with the loss type's normaliser over the "
+            "whole micro-batch (same gradients). A row longer than the budget is an error. Not with "
+            "top_entropy_quantile < 1 or the MoE load-balancing loss. None (default): rows, as the micro-batch "
+            "sizes say.",
         },
     )
     reuse_order: Literal["epoch", "consecutive"] = field(
