@@ -13,7 +13,8 @@ CPU tensors (plain malloc) together with everything else.
    attention temporaries it needs.
 2. token budget (`GRPOConfig.token_budget`): `--tb_rows` rows of long-tailed lengths (Pareto, most rows short, one
    of `--tb_long` tokens), one training step (`compute_loss` + backward, padding-free) split by a budget of
-   `--tb_budget` tokens per forward pass, against the row-based split that fits the same peak: micro-batches of
+   `--tb_budget` token positions per forward pass (the packed `[K, W]`, filler included; the positions of each pass
+   are printed, read at the model's input), against the row-based split that fits the same peak: micro-batches of
    `k = tb_budget // tb_long` rows (gradient accumulation over them), the most rows whose worst case (k rows of the
    longest length) stays within the budget; 2k and 4k rows are measured too (their worst case does not fit). The
    budget's bound is the step peak of 4 passes of k rows of the longest length each (`tb_bound`).
@@ -164,6 +165,8 @@ def token_budget_child(a) -> dict:
     rows = rows_of_lengths(lengths, t.model.config.vocab_size)
     t.current_gradient_accumulation_steps = accumulation  # what the training loop sets before its micro-steps
     t.model.train()
+    positions = []  # token positions of each forward pass, at the model's input
+    t.model.register_forward_pre_hook(lambda m, args, kw: positions.append(kw["input_ids"].numel()), with_kwargs=True)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -174,6 +177,7 @@ def token_budget_child(a) -> dict:
         return time.perf_counter() - t0
 
     step()  # warm-up, untimed: first-call costs (allocator, kernels, the padding-free check)
+    positions.clear()
     before = reset_peak()
     times = [step() for _ in range(a.tb_repeats)]
     return {
@@ -183,6 +187,7 @@ def token_budget_child(a) -> dict:
         "tokens": sum(lengths),
         "rows_per_pass": per_pass,
         "passes": accumulation if budget is None else None,
+        "pass_positions": positions[: len(positions) // a.tb_repeats],  # one step's passes
     }
 
 
@@ -348,7 +353,7 @@ def main(argv=None) -> float:
         what = what or f"{r['rows_per_pass']} rows per pass ({r['passes']} passes)"
         print(
             f"{v:>11}: step peak +{r['step_peak_mb']:8.1f} MB, step {r['seconds']:.2f} s, "
-            f"{r['tokens_per_second']:.0f} tokens/s  [{what}]"
+            f"{r['tokens_per_second']:.0f} tokens/s  [{what}; positions per pass {r['pass_positions']}]"
         )
     tb_peak = res["tb_budget"]["step_peak_mb"] / res["tb_bound"]["step_peak_mb"]
     tb_speed = res["tb_budget"]["tokens_per_second"] / res[f"tb_rows_{k}"]["tokens_per_second"]
