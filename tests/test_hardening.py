@@ -22,7 +22,7 @@ import requests
 import torch
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
 from grpo_async.testing import push_state_dict
 
 KEY = "hardening-test-key"
@@ -38,7 +38,7 @@ def server(tiny_model_path, tmp_path_factory):
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path), "--port", str(port)]
     args += ["--api-key-file", str(key_file), "--header-timeout", str(HEADER_TIMEOUT_S), *SERVER_ARGS]
-    env = {**CPU_ENV, **os.environ, **SERVER_ENV}
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     env.pop("VLLM_API_KEY", None)
     fd, log_path = tempfile.mkstemp(prefix="grpo_hardening_", suffix=".log")

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
 
 GiB, MiB = 2**30, 2**20
 
@@ -64,7 +64,7 @@ def _start(model: str, log_dir: str) -> ServerProcess:
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--port", str(port)]
     args += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
-    env = {**CPU_ENV, **os.environ, **SERVER_ENV}
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE", "VLLM_API_KEY"):  # the server's own default
         env.pop(k, None)
     fd, log_path = tempfile.mkstemp(prefix="grpo_kv_", suffix=".log", dir=log_dir)

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, SERVER_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
 
 KEY = "security-test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
@@ -30,7 +30,7 @@ def server(tiny_model_path):
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path)]
     args += ["--port", str(port), *SERVER_ARGS]  # no --host: the default is under test
-    env = {**CPU_ENV, **os.environ, **SERVER_ENV, "VLLM_API_KEY": KEY}  # the key only in the variable
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV, "VLLM_API_KEY": KEY}  # the key only in the variable
     env.pop("VLLM_SERVER_DEV_MODE", None)
     fd, log_path = tempfile.mkstemp(prefix="grpo_security_", suffix=".log")
     before = frozenset(_shm_names())
@@ -125,7 +125,7 @@ def test_the_key_comes_from_the_flag_then_the_file_then_the_variable(tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0"])
 def test_a_non_loopback_host_without_a_key_is_refused_before_the_engine_starts(tiny_model_path, host):
-    env = {**CPU_ENV, **os.environ, **SERVER_ENV}
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_API_KEY", None)
     cmd = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path), "--host", host]
     cmd += ["--port", str(free_port()), *SERVER_ARGS]

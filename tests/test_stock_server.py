@@ -21,7 +21,7 @@ from vllm_utils import hf_logprobs
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
 from grpo_async.generation.http_client import ServerClient, free_port
-from grpo_async.generation.server_process import CPU_ENV, ServerProcess, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
 from grpo_async.generation.stock_server import StockVLLMServerBackend, detect_server_kind
 from grpo_async.testing import tiny_config
 
@@ -41,7 +41,7 @@ def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=(), log_
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     args += ["--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs", *STOCK_ARGS]
     args += list(extra_args)
-    env = {**CPU_ENV, **os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"

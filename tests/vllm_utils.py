@@ -1,7 +1,9 @@
 """Shared helpers for the vLLM test family: servers that always die in teardown, HF references, perturbed weights.
 
-Servers start with `--enforce-eager` (no torch.compile: ~30 s instead of ~60 s on 2 cores) and float32 so vLLM's
-logprobs match HF's to ~1e-6.
+Servers start with `--enforce-eager` (no torch.compile: ~30 s instead of ~60 s on 2 cores), float32 so vLLM's
+logprobs match HF's to ~1e-6, and `TWO_PROCESS_ENV` (the worker inside the engine-core process: ~25 s instead of
+~37 s to healthy on 2 quiet cores; `grpo-async serve`'s own default, three processes, is what test_cli and
+test_readme_commands start).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 
 import torch
 
-from grpo_async.generation.server_process import ServerProcess, launch_server, wait_ready
+from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, launch_server, wait_ready
 
 API_KEY = "test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]
@@ -25,7 +27,9 @@ def running_servers(model: str, count: int = 1, api_key: str | None = API_KEY, e
     try:
         for _ in range(count):
             servers.append(
-                launch_server(model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), wait=False)
+                launch_server(
+                    model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), env=TWO_PROCESS_ENV, wait=False
+                )
             )
         for s in servers:
             wait_ready(s, timeout=300)
