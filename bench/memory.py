@@ -286,7 +286,7 @@ def main(argv=None) -> float:
         print(json.dumps(child(a)), flush=True)
         return 0.0
 
-    from grpo_async.generation.server_process import launch_server
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     a.tmp = tempfile.mkdtemp(prefix="grpo_bench_memory_")
@@ -305,6 +305,7 @@ def main(argv=None) -> float:
         ref_model,
         api_key="bench",
         extra_args=["--dtype", "float32", "--max-model-len", str(2 * a.long), "--enforce-eager"],
+        env=TWO_PROCESS_ENV if a.smoke else None,  # smoke: the worker inside the engine-core process, ~12 s sooner
         ready_timeout=300,
     )
     try:

@@ -401,6 +401,7 @@ def main(argv=None) -> dict:
         setup = saved["setup"]
         return finish(saved["device"], setup, saved["runs"], a.out, a.plot)
 
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     heads = max(1, a.hidden // 64)
@@ -420,6 +421,8 @@ def main(argv=None) -> dict:
         base = {"mode": "server", "pin": True}
     common = {"trainer": "ours", "model": model, "prompts": a.prompts, "G": a.G, "T": a.T}
     common.update(base, device=a.device, padding_free=a.padding_free)
+    if a.smoke:  # the worker inside the engine-core process: the server is up ~12 s sooner (not a measurement)
+        common["server_env"] = TWO_PROCESS_ENV
     interleaved = {
         **common,
         "phase": "interleaved",

@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
         a.out = os.path.join(HERE, "out", "smoke", "streaming.json")
         a.plot = os.path.join(HERE, "out", "smoke", "streaming.png")
 
-    from grpo_async.generation.server_process import launch_server
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     heads = max(1, a.hidden // 64)
@@ -242,6 +242,8 @@ def main(argv=None) -> dict:
     two_cores = len(os.sched_getaffinity(0)) >= 2
     server_core, trainer_core = (0, 1) if two_cores else (0, 0)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(server_core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
+    if a.smoke:  # the worker inside the engine-core process: the server is up ~12 s sooner (not a measurement)
+        env.update(TWO_PROCESS_ENV)
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {server_core})  # the server (and its engine children) inherit its core
     server_args = SERVER_ARGS + ["--max-model-len", "512"]
