@@ -9,9 +9,12 @@ does not list took less, or are new).
   `gpu` ones, which leaves the unit tests (the inner loop, ~1 s each at most).
 - **Scheduling** (`pytest -n 2 --dist loadgroup --no-loadscope-reorder`): a file's tests run on one worker (they
   share module fixtures: engines, servers, models), except that every test listed at ≥ `SPLIT_SECONDS` (a chaos run,
-  a bench smoke, a 2-process run) is a unit of its own that either worker may take; the units run longest first, so
-  the last minutes do not find one worker idle while the other runs a long file. A test not listed is weighed by its
-  marks (`UNLISTED_SECONDS`).
+  a bench smoke, a 2-process run) is a unit of its own that either worker may take, unless it uses a module- or
+  class-scoped fixture of its file listed at ≥ `HEAVY_SECONDS` (a server): a unit of its own would set that fixture
+  up a second time (on the other worker, or again on the same one once the file's unit starts: 40-80 s per server
+  fixture in the run of 03:05, where 15 tests that only paid their file's server start were split off). The units
+  run longest first, so the last minutes do not find one worker idle while the other runs a long file. A test not
+  listed is weighed by its marks (`UNLISTED_SECONDS`).
 """
 
 from __future__ import annotations
@@ -50,13 +53,17 @@ def fixture_key(path: str, name: str) -> str:
     return f"{path}::fixture:{name}"
 
 
-def is_heavy(item, durations: dict[str, float]) -> bool:
-    """A test is heavy when it took ≥ `HEAVY_SECONDS`, or when it uses a module- or class-scoped fixture of its file
-    that did (a model trained once for the file's tests): which test pays that setup depends on the selection."""
-    if weight(item, durations) >= HEAVY_SECONDS:
-        return True
+def uses_heavy_fixture(item, durations: dict[str, float]) -> bool:
+    """Whether the test uses a module- or class-scoped fixture of its file listed at ≥ `HEAVY_SECONDS` (a model
+    trained once for the file's tests, a server)."""
     path = item.nodeid.split("::")[0]
     return any(durations.get(fixture_key(path, name), 0.0) >= HEAVY_SECONDS for name in item.fixturenames)
+
+
+def is_heavy(item, durations: dict[str, float]) -> bool:
+    """A test is heavy when it took ≥ `HEAVY_SECONDS`, or when it uses a module- or class-scoped fixture of its file
+    that did: which test pays that setup depends on the selection."""
+    return weight(item, durations) >= HEAVY_SECONDS or uses_heavy_fixture(item, durations)
 
 
 def plan(items: list, durations: dict[str, float], order: bool) -> None:
@@ -69,7 +76,8 @@ def plan(items: list, durations: dict[str, float], order: bool) -> None:
         if is_heavy(item, durations):
             item.add_marker(heavy)
         path = item.nodeid.split("::")[0]
-        units[item.nodeid] = item.nodeid if seconds >= SPLIT_SECONDS else path
+        alone = seconds >= SPLIT_SECONDS and not uses_heavy_fixture(item, durations)
+        units[item.nodeid] = item.nodeid if alone else path
         item.add_marker(pytest.mark.xdist_group(units[item.nodeid]))
     if order:
         unit_seconds = Counter()

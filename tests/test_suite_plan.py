@@ -1,6 +1,7 @@
 """`tests/suite_plan.py` (how `make test` spreads the suite, what `make test-fast` leaves out), on a suite of its own
 run by a real pytest: a recorded run's durations mark tests `heavy` (their own seconds, or a module fixture's), long
-tests become units of their own, and `GRPO_RECORD_DURATIONS` records both kinds of seconds."""
+tests become units of their own unless they use a costly fixture of their file, and `GRPO_RECORD_DURATIONS` records
+both kinds of seconds."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def test_uses_the_fixture(trained):
     pass
 
 def test_long_one():
+    pass
+
+def test_long_with_the_fixture(trained):
     pass
 """
 
@@ -86,7 +90,8 @@ def test_a_recorded_run_marks_heavy_tests_and_splits_long_ones(tmp_path):
     assert seconds["test_suite.py::fixture:trained"] >= 0.6  # the fixture's setup, apart from the test that paid it
     assert seconds["test_suite.py::test_unit"] < 0.5
 
-    seconds["test_suite.py::test_long_one"] = 45.0  # as a chaos run would have recorded
+    seconds["test_suite.py::test_long_one"] = 60.0  # as a chaos run would have recorded
+    seconds["test_suite.py::test_long_with_the_fixture"] = 45.0  # long, but split off it would set `trained` up again
     record.write_text(json.dumps(seconds))
     out = _pytest(tmp_path, "test_suite.py", "-m", "not heavy", "--collect-only")
     collected = {ln.split("::")[1].split()[0] for ln in out.splitlines() if ln.startswith("test_suite.py::")}
@@ -94,3 +99,4 @@ def test_a_recorded_run_marks_heavy_tests_and_splits_long_ones(tmp_path):
     plan = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("PLAN ")]
     assert plan[0] == ["test_suite.py::test_long_one", "['test_suite.py::test_long_one']"]  # longest unit first
     assert {group for _, group in plan[1:]} == {"['test_suite.py']"}  # the rest stays together
+    assert "test_suite.py::test_long_with_the_fixture" in [nodeid for nodeid, _ in plan[1:]]
