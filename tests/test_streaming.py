@@ -253,22 +253,21 @@ def test_two_processes_in_stream_mode_train_no_row_twice(tiny_model_path, tmp_pa
 
 
 @pytest.mark.slow
-def test_stream_mode_on_a_served_backend(tiny_model_path, tmp_path):
-    from vllm_utils import API_KEY, running_servers
+def test_stream_mode_on_a_served_backend(tiny_model_path, tiny_server, tmp_path):
+    from vllm_utils import API_KEY
 
-    with running_servers(tiny_model_path, 1) as (server,):
-        args = _args(
-            tmp_path,
-            generation_backend="vllm_server",
-            vllm_server_urls=[server.url],
-            vllm_api_key=API_KEY,
-            max_steps=3,
-        )
-        trainer = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=_dataset())
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+    args = _args(
+        tmp_path,
+        generation_backend="vllm_server",
+        vllm_server_urls=[tiny_server.url],
+        vllm_api_key=API_KEY,
+        max_steps=3,
+    )
+    trainer = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=_dataset())
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     rows = _trained_rows(trainer)
     assert sorted(rows) == [(r, i) for r in range(3) for i in range(ROUND)]  # every row once
     # Which groups the first step trains is not asserted here: in the full suite (another worker loading the cores)

@@ -19,14 +19,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path):
-    with running_servers(tiny_model_path, 1) as (s,):
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = ServerClient(server.url, api_key=API_KEY, timeout=120)
+def client(tiny_server):  # the session's server: every test here pushes the weights it checks
+    c = ServerClient(tiny_server.url, api_key=API_KEY, timeout=120)
     yield c
     c.close()
 
