@@ -108,15 +108,26 @@ def test_real_math_takes_grpo_config_flags():
 
 
 # ---- grpo-async grpo ------------------------------------------------------------------------------------------------
-def test_grpo_help_lists_every_grpo_config_and_model_config_field():
-    proc = _cli("grpo", "--help", timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: grpo-async grpo ")
+def _cli_in_process(capsys, *args) -> tuple[int, str, str]:
+    """`grpo-async ARGS` through `grpo_async.cli.main(argv)` in this process (what `python -m grpo_async.cli` runs,
+    without a second interpreter's imports): exit code, stdout, stderr."""
+    from grpo_async.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_grpo_help_lists_every_grpo_config_and_model_config_field(capsys):
+    code, stdout, stderr = _cli_in_process(capsys, "grpo", "--help")
+    assert code == 0, stderr
+    assert stdout.startswith("usage: grpo-async grpo ")
     names = [f.name for t in (GRPOConfig, ModelConfig) for f in dataclasses.fields(t) if f.init]
-    missing = [n for n in names if f"--{n} " not in proc.stdout and f"--{n}\n" not in proc.stdout]
+    missing = [n for n in names if f"--{n} " not in stdout and f"--{n}\n" not in stdout]
     assert not missing, missing
     for flag in ("--dataset_name", "--dataset_config", "--dataset_train_split", "--reward_funcs", "--config"):
-        assert flag in proc.stdout
+        assert flag in stdout
 
 
 def test_top_level_help_lists_grpo():
@@ -150,9 +161,9 @@ def test_grpo_trains_two_steps_on_a_local_dataset(tiny_model_path, tmp_path):
     assert "Model saved to" in proc.stdout
 
 
-def test_grpo_unknown_flag_exits_2_naming_it(tmp_path):
-    proc = _cli("grpo", "--dataset_nme", "x", timeout=120)
-    assert proc.returncode == 2 and "unrecognized arguments: --dataset_nme x" in proc.stderr
+def test_grpo_unknown_flag_exits_2_naming_it(capsys):
+    code, _, stderr = _cli_in_process(capsys, "grpo", "--dataset_nme", "x")
+    assert code == 2 and "unrecognized arguments: --dataset_nme x" in stderr
 
 
 # ---- grpo-async grpo's pieces ---------------------------------------------------------------------------------------
