@@ -6,8 +6,6 @@ import glob
 import io
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -201,26 +199,27 @@ def test_plot_draws_the_overlap_panels_when_logged(tmp_path):
     assert without == (660, 374) and with_overlap == (1320, 748)
 
 
-def test_grpo_async_plot_command(run, tmp_path):
+def test_grpo_async_plot_command(run, tmp_path, capsys):
+    """`grpo-async plot` through `grpo_async.cli.main(argv)` in this process (tests/test_cli.py runs
+    `python -m grpo_async.cli plot` as a command)."""
+    from grpo_async.cli import main
+
     _, out, _ = run
     png = str(tmp_path / "curves.png")
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpo_async.cli", "plot", out, "--out", png], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == png and _png(png)
+    assert main(["plot", out, "--out", png]) == 0
+    assert capsys.readouterr().out.strip() == png and _png(png)
     # without --out: OUTPUT_DIR/metrics.png
     os.remove(os.path.join(out, PLOT_FILE))
-    proc = subprocess.run([sys.executable, "-m", "grpo_async.cli", "plot", out], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert main(["plot", out]) == 0
     assert _png(os.path.join(out, PLOT_FILE))
 
 
-def test_plot_command_errors_name_the_problem(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpo_async.cli", "plot", str(tmp_path)], capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
+def test_plot_command_errors_name_the_problem(tmp_path, capsys):
+    from grpo_async.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(tmp_path)])
+    assert e.value.code == 2 and "metrics.jsonl does not exist" in capsys.readouterr().err
     with open(tmp_path / METRICS_FILE, "w") as f:
         f.write(json.dumps({"step": 1, "loss": 0.1}) + "\n")
     with pytest.raises(ValueError, match="has none of the metrics"):
