@@ -19,11 +19,18 @@ ACCELERATE_2CPU = [
 
 
 def launch(script_args, out_dir, timeout=420, env=None):
+    """`mp_train.py script_args` on 2 processes; each rank's record (`rank{r}.json` in `out_dir`)."""
+    return launch_with_output(script_args, out_dir, timeout, env)[0]
+
+
+def launch_with_output(script_args, out_dir, timeout=420, env=None) -> tuple[list[dict], str]:
+    """`launch`, and what the run printed (stdout + stderr of both ranks)."""
     cmd = [*ACCELERATE_2CPU, os.path.join(HERE, "mp_train.py"), *script_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
+    ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
+    return ranks, proc.stdout + proc.stderr
 
 
 def check_disjoint_slices(ranks, mu: int, steps: int = 4, R: int = 16, G: int = 4) -> None:
