@@ -88,32 +88,40 @@ def _restart(server, model: str):
     return launch_server(model, port=port, api_key=API_KEY, extra_args=SERVER_ARGS, env=TWO_PROCESS_ENV, wait=False)
 
 
-def test_a_restarted_server_rejoins_the_rotation(tiny_model_path):
+@pytest.fixture(scope="module")
+def servers(tiny_model_path):
+    """Two servers for this file's tests, in a list that a test updates in place when it starts a killed server
+    again (the list's servers are stopped at the end). Whatever weights a test leaves, the next one does not start
+    from them: the rejoin test pushes its own, and a training run publishes its version 0 before its first round."""
+    with running_servers(tiny_model_path, 2) as started:
+        yield started
+
+
+def test_a_restarted_server_rejoins_the_rotation(tiny_model_path, servers):
     model_2, sd_2 = perturbed_state_dict(tiny_model_path, seed=2)
     _, sd_1 = perturbed_state_dict(tiny_model_path, seed=1)
-    with running_servers(tiny_model_path, 2) as servers:
-        a, b = servers
-        backend = VLLMServerBackend(
-            [a.url, b.url], api_key=API_KEY, timeout=30, transport="shm", max_concurrency=4, rejoin_interval=0
-        )
-        try:
-            push_state_dict(backend, sd_1, version=1)
-            a.kill()
-            sampling = SamplingConfig(max_tokens=4, temperature=1.0, seed=0)
-            backend.generate(PROMPTS * 2, sampling)  # a's requests fail over to b, a leaves the rotation
-            assert backend.live_urls == [b.url]
-            servers[0] = a = wait_ready(_restart(a, tiny_model_path), timeout=300)  # same url, base weights
-            assert _server_version(a.url) is None
-            push_state_dict(backend, sd_2, version=2)  # a answers /health again: it gets this push, then rejoins
-            assert backend.live_urls == [a.url, b.url]
-            assert _server_version(a.url) == 2 and _server_version(b.url) == 2
-            before = dict(backend.router.served)
-            completions = backend.generate(PROMPTS * 4, SamplingConfig(max_tokens=4, temperature=1.0, seed=3))
-            assert backend.router.served[a.url] > before[a.url], "the rejoined server was not sent any request"
-            for prompt, c in zip(PROMPTS * 4, completions, strict=True):  # every answer on the pushed weights
-                assert_matches_hf(model_2, prompt, c.completion_ids, c.logprobs)
-        finally:
-            backend.close()
+    a, b = servers
+    backend = VLLMServerBackend(
+        [a.url, b.url], api_key=API_KEY, timeout=30, transport="shm", max_concurrency=4, rejoin_interval=0
+    )
+    try:
+        push_state_dict(backend, sd_1, version=1)
+        a.kill()
+        sampling = SamplingConfig(max_tokens=4, temperature=1.0, seed=0)
+        backend.generate(PROMPTS * 2, sampling)  # a's requests fail over to b, a leaves the rotation
+        assert backend.live_urls == [b.url]
+        servers[0] = a = wait_ready(_restart(a, tiny_model_path), timeout=300)  # same url, base weights
+        assert _server_version(a.url) is None
+        push_state_dict(backend, sd_2, version=2)  # a answers /health again: it gets this push, then rejoins
+        assert backend.live_urls == [a.url, b.url]
+        assert _server_version(a.url) == 2 and _server_version(b.url) == 2
+        before = dict(backend.router.served)
+        completions = backend.generate(PROMPTS * 4, SamplingConfig(max_tokens=4, temperature=1.0, seed=3))
+        assert backend.router.served[a.url] > before[a.url], "the rejoined server was not sent any request"
+        for prompt, c in zip(PROMPTS * 4, completions, strict=True):  # every answer on the pushed weights
+            assert_matches_hf(model_2, prompt, c.completion_ids, c.logprobs)
+    finally:
+        backend.close()
 
 
 TRAIN_SCRIPT = textwrap.dedent(
@@ -188,72 +196,73 @@ def _final_weights(out: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, tmp_path):
+def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, tmp_path):
     script = str(tmp_path / "train.py")
     with open(script, "w") as f:
         f.write(TRAIN_SCRIPT)
     log = open(tmp_path / "trainers.log", "wb")
     kill_log: list[str] = []
-    with running_servers(tiny_model_path, 2) as servers:
-        urls = [s.url for s in servers]
-        straight = _Trainer(script, tiny_model_path, str(tmp_path / "straight"), urls, log)
-        assert straight.proc.wait(timeout=240) == 0, (tmp_path / "trainers.log").read_text()[-3000:]
+    for i, s in enumerate(servers):  # the rejoin test may have left one starting again: both must be up
+        if not s.alive:
+            servers[i] = _restart(s, tiny_model_path)
+        wait_ready(servers[i], timeout=300)
+    urls = [s.url for s in servers]
+    straight = _Trainer(script, tiny_model_path, str(tmp_path / "straight"), urls, log)
+    assert straight.proc.wait(timeout=240) == 0, (tmp_path / "trainers.log").read_text()[-3000:]
 
-        out = str(tmp_path / "chaos")
-        rng = random.Random(SEED)
-        start = time.monotonic()
-        deadline = start + DEADLINE_S
-        trainer = _Trainer(script, tiny_model_path, out, urls, log)
-        restarting: dict[int, object] = {}  # server index -> the new process, until it has rejoined
+    out = str(tmp_path / "chaos")
+    rng = random.Random(SEED)
+    start = time.monotonic()
+    deadline = start + DEADLINE_S
+    trainer = _Trainer(script, tiny_model_path, out, urls, log)
+    restarting: dict[int, object] = {}  # server index -> the new process, until it has rejoined
 
-        def note(what: str) -> None:
-            steps = _logged_steps(out)
-            kill_log.append(f"{time.monotonic() - start:6.1f} s  step {steps[-1] if steps else 0:2d}  {what}")
+    def note(what: str) -> None:
+        steps = _logged_steps(out)
+        kill_log.append(f"{time.monotonic() - start:6.1f} s  step {steps[-1] if steps else 0:2d}  {what}")
 
-        def rejoined(i: int) -> bool:
-            if i not in restarting:
-                return True
-            if _server_version(servers[i].url) is not None:  # it received a push: back in rotation
-                del restarting[i]
-                note(f"server {i} rejoined the rotation")
-                return True
-            return False
+    def rejoined(i: int) -> bool:
+        if i not in restarting:
+            return True
+        if _server_version(servers[i].url) is not None:  # it received a push: back in rotation
+            del restarting[i]
+            note(f"server {i} rejoined the rotation")
+            return True
+        return False
 
-        try:
-            while len([k for k in kill_log if "SIGKILL" in k]) < KILLS:
-                assert time.monotonic() < deadline, "chaos run over its time budget:\n" + "\n".join(kill_log)
-                before = len(_logged_steps(out))
-                while len(_logged_steps(out)) <= before and trainer.proc.poll() is None:  # it trains (again)
-                    assert time.monotonic() < deadline, "the trainer made no progress:\n" + "\n".join(kill_log)
-                    for i in list(restarting):
-                        rejoined(i)
-                    time.sleep(0.2)
-                assert trainer.proc.poll() is None, f"the run ended after {len(kill_log)} events:\n" + "\n".join(
-                    kill_log
-                )
-                time.sleep(rng.uniform(0.0, 2.0))  # a moment drawn from the seed
-                target = TARGETS[len([k for k in kill_log if "SIGKILL" in k]) % len(TARGETS)]
-                if target.startswith("server"):
-                    i = int(target[-1])
-                    if not rejoined(1 - i) or i in restarting:
-                        note(f"(drawn: {target}; server {1 - i if i not in restarting else i} not in rotation yet)")
-                        target = "trainer"
-                if target == "trainer":
-                    trainer.kill()
-                    note("SIGKILL trainer; resumed from its latest checkpoint")
-                    trainer = _Trainer(script, tiny_model_path, out, urls, log)
-                else:
-                    servers[i].kill()
-                    note(f"SIGKILL server {i} ({servers[i].url}); started again on its port")
-                    servers[i] = restarting[i] = _restart(servers[i], tiny_model_path)
-            code = trainer.proc.wait(timeout=max(10.0, deadline - time.monotonic()))
-            assert code == 0, (tmp_path / "trainers.log").read_text()[-3000:]
-            for i in list(restarting):  # started, whether or not it rejoined before the end
-                wait_ready(servers[i], timeout=max(10.0, deadline - time.monotonic()))
-        finally:
-            if trainer.proc.poll() is None:
+    try:
+        while len([k for k in kill_log if "SIGKILL" in k]) < KILLS:
+            assert time.monotonic() < deadline, "chaos run over its time budget:\n" + "\n".join(kill_log)
+            before = len(_logged_steps(out))
+            while len(_logged_steps(out)) <= before and trainer.proc.poll() is None:  # it trains (again)
+                assert time.monotonic() < deadline, "the trainer made no progress:\n" + "\n".join(kill_log)
+                for i in list(restarting):
+                    rejoined(i)
+                time.sleep(0.2)
+            assert trainer.proc.poll() is None, f"the run ended after {len(kill_log)} events:\n" + "\n".join(kill_log)
+            time.sleep(rng.uniform(0.0, 2.0))  # a moment drawn from the seed
+            target = TARGETS[len([k for k in kill_log if "SIGKILL" in k]) % len(TARGETS)]
+            if target.startswith("server"):
+                i = int(target[-1])
+                if not rejoined(1 - i) or i in restarting:
+                    note(f"(drawn: {target}; server {1 - i if i not in restarting else i} not in rotation yet)")
+                    target = "trainer"
+            if target == "trainer":
                 trainer.kill()
-            print(f"kill log (seed {SEED}):\n" + "\n".join(kill_log))
+                note("SIGKILL trainer; resumed from its latest checkpoint")
+                trainer = _Trainer(script, tiny_model_path, out, urls, log)
+            else:
+                servers[i].kill()
+                note(f"SIGKILL server {i} ({servers[i].url}); started again on its port")
+                servers[i] = restarting[i] = _restart(servers[i], tiny_model_path)
+        code = trainer.proc.wait(timeout=max(10.0, deadline - time.monotonic()))
+        assert code == 0, (tmp_path / "trainers.log").read_text()[-3000:]
+        for i in list(restarting):  # started, whether or not it rejoined before the end
+            wait_ready(servers[i], timeout=max(10.0, deadline - time.monotonic()))
+    finally:
+        if trainer.proc.poll() is None:
+            trainer.kill()
+        print(f"kill log (seed {SEED}):\n" + "\n".join(kill_log))
 
     steps = _logged_steps(out)
     assert sorted(steps) == list(range(1, MAX_STEPS + 1)), f"steps logged: {steps}"  # every step exactly once
