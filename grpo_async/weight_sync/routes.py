@@ -262,19 +262,25 @@ PROBE_STORE = """
 import sys
 from datetime import timedelta
 from torch.distributed import TCPStore
+print("probing", flush=True)
 host, port, timeout = sys.argv[1], int(sys.argv[2]), timedelta(seconds=float(sys.argv[3]))
 TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False).num_keys()
 """
-#: seconds the probe process may take beyond `timeout_s` (starting Python and importing torch on a busy machine)
+#: seconds the probe process may take to start (Python and torch's import on a busy machine): its `timeout_s` counts
+#: from the line it prints once started
 PROBE_START_S = 60.0
+#: seconds the started probe gets beyond `timeout_s` to give up by itself (its own error names the cause)
+PROBE_GRACE_S = 5.0
 
 
 async def probe_store(host: str, port: int, timeout_s: float) -> None:
     """Connect to the trainer's `TCPStore` as a client and make one round trip; raise if none answers in time.
 
-    In a child process, killed at `timeout_s` (+ its start-up): torch's store client, given a peer that accepts and
-    never answers (or resets), keeps waiting and retrying past its timeout, and in the server's own process that
-    held the request open (the client saw the connection dropped) while it held a thread."""
+    In a child process, killed `timeout_s + PROBE_GRACE_S` after it started (it prints a line once Python and torch
+    are up, which may take up to `PROBE_START_S`): torch's store client, given a peer that accepts and never answers
+    (or resets), keeps waiting and retrying past its timeout, and in the server's own process that held the request
+    open (the client saw the connection dropped) while it held a thread. A silent peer is refused after `timeout_s`
+    plus the grace and the probe's start (~3 s on 2 quiet cores), not after `timeout_s + PROBE_START_S`."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -283,11 +289,12 @@ async def probe_store(host: str, port: int, timeout_s: float) -> None:
         str(port),
         str(timeout_s),
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), timeout_s + PROBE_START_S)
+        started = await asyncio.wait_for(proc.stdout.readline(), PROBE_START_S)  # b"": it exited before (stderr: why)
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s + PROBE_GRACE_S if started else PROBE_START_S)
     except (asyncio.TimeoutError, asyncio.CancelledError):
         proc.kill()
         await proc.wait()
