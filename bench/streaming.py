@@ -97,7 +97,7 @@ def child(spec: dict) -> dict:
             learning_rate=1e-6,
             lr_scheduler_type="constant",
             beta=0.0,
-            num_batches_ahead=1,
+            num_batches_ahead=spec["ahead"],
             async_mode=spec["mode"],
             generation_backend="vllm_server",
             vllm_server_urls=[spec["url"]],
@@ -204,6 +204,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cap", type=int, default=256)
     ap.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ahead", type=int, default=1, help="num_batches_ahead, both modes")
+    ap.add_argument("--dists", nargs="+", default=["longtail", "uniform"], choices=["longtail", "uniform"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds/stream pairs per length distribution")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "streaming.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "streaming.png"))
@@ -235,10 +237,11 @@ def main(argv=None) -> dict:
         os.path.join(tempfile.gettempdir(), f"grpo_async_bench_stream_{a.layers}x{a.hidden}"), spec_m
     )
     P, G = a.prompts, a.G
-    n = P * (a.steps + 2)  # the rounds a run trains, and the one ahead
+    n = P * (a.steps + a.ahead + 2)  # the rounds a run trains, and those ahead
     longtail = draw_lengths(n, a.median, a.p99, a.cap)
     mean_len = round(statistics.fmean(longtail[: P * a.steps]))
     dists = {"longtail": longtail, "uniform": [mean_len] * n}
+    dists = {d: dists[d] for d in a.dists}
     two_cores = len(os.sched_getaffinity(0)) >= 2
     server_core, trainer_core = (0, 1) if two_cores else (0, 0)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(server_core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
@@ -268,6 +271,7 @@ def main(argv=None) -> dict:
                             "steps": a.steps,
                             "lengths": lengths,
                             "trainer_core": trainer_core,
+                            "ahead": a.ahead,
                         }
                         run = launch(spec, log)
                         runs[dist][mode].append(run)

@@ -185,7 +185,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
-        ahead = self.args.num_batches_ahead * self.rounds.generate_every
+        ahead = self.args.rounds_ahead * self.rounds.generate_every
         loader = AsyncDataLoaderWrapper(
             dataloader,
             buffer_size=max(5, ahead + self.args.gradient_accumulation_steps + 1),

@@ -508,7 +508,7 @@ def scheduler_settings(a: GRPOConfig):
     return SchedulerSettings(
         steps_per_generation=a.steps_per_generation,
         num_iterations=a.num_iterations,
-        num_batches_ahead=a.num_batches_ahead,
+        rounds_ahead=a.rounds_ahead,
         reuse_order=a.reuse_order,
         max_queue_size=a.async_max_queue_size,
         generation_timeout=a.async_generation_timeout,

@@ -24,6 +24,13 @@ VIOLATIONS = {
     "truncation_has_a_bound": {"importance_sampling_mode": "token_truncate", "importance_sampling_clip_max": None},
     "queue_holds_the_rounds_ahead": {"num_batches_ahead": 3, "async_max_queue_size": 2},
     "stream_needs_a_streaming_backend": {"async_mode": "stream"},  # hf generates round by round
+    "stream_queue_holds_the_inflight_groups": {  # 2 groups a round: 8 in flight = 4 rounds ahead, 5 held
+        "async_mode": "stream",
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "max_inflight_groups": 8,
+        "async_max_queue_size": 2,
+    },
     "entropy_coef_bounds_ordered": {"entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
     "vespo_takes_token_ratios": {"loss_type": "vespo", "use_vllm": True},
     "inflight_needs_a_server": {"weight_sync_inflight": True},  # hf cannot pause a generate call
@@ -129,7 +136,11 @@ def test_stream_mode_derives_its_bound_and_takes_inflight_updates_on_the_in_proc
     kw = {**BASE, "num_generations": 2, "async_mode": "stream", "use_vllm": True, "vllm_mode": "colocate"}
     c = GRPOConfig(**kw, num_batches_ahead=2)  # a round: 4 rows = 2 groups; 3 rounds held
     assert c.max_inflight_groups == 6
-    assert GRPOConfig(**kw, max_inflight_groups=1).max_inflight_groups == 1
+    assert (c.rounds_ahead, c.async_max_queue_size) == (3, 5)  # the stream keeps 6 groups: 3 rounds ahead
+    assert (GRPOConfig(**{**kw, "async_mode": "rounds"}, num_batches_ahead=2).rounds_ahead) == 2
+    one = GRPOConfig(**kw, max_inflight_groups=1)
+    assert (one.max_inflight_groups, one.rounds_ahead) == (1, 1)  # never fewer than num_batches_ahead
+    assert GRPOConfig(**kw, max_inflight_groups=5).rounds_ahead == 3  # ceil(5 / 2)
     assert GRPOConfig(**kw, weight_sync_inflight=True).weight_sync_inflight  # the engine loop loads between steps
     with pytest.raises(ValueError, match=r"GRPOConfig\.weight_sync_inflight: .*async_mode='rounds'"):
         GRPOConfig(**{**kw, "async_mode": "rounds"}, weight_sync_inflight=True)

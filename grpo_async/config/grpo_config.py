@@ -141,9 +141,6 @@ class GRPOConfig(*reversed(FIELD_GROUPS), TrainingArguments, metaclass=TRLKeywor
             else:
                 backend = "hf"
             self.generation_backend = derived(backend)
-        self.async_max_queue_size = given(self.async_max_queue_size)
-        if self.async_max_queue_size is None:
-            self.async_max_queue_size = derived(self.num_batches_ahead + 2)
         micro = self.global_micro_batch_size
         gbs, spg = given(self.generation_batch_size), given(self.steps_per_generation)
         if gbs is None:
@@ -156,6 +153,9 @@ class GRPOConfig(*reversed(FIELD_GROUPS), TrainingArguments, metaclass=TRLKeywor
         if self.max_inflight_groups is None:  # every group of the rounds the pipeline holds (stream mode)
             groups = max(1, self.generation_batch_size // max(1, self.num_generations))
             self.max_inflight_groups = derived((self.num_batches_ahead + 1) * groups)
+        self.async_max_queue_size = given(self.async_max_queue_size)
+        if self.async_max_queue_size is None:
+            self.async_max_queue_size = derived(self.rounds_ahead + 2)
         for name in STAGES:
             if given(getattr(self, name)) is None:
                 setattr(self, name, derived(self.per_device_train_batch_size))
@@ -222,6 +222,27 @@ class GRPOConfig(*reversed(FIELD_GROUPS), TrainingArguments, metaclass=TRLKeywor
         """Optimizer steps per generation round: `steps_per_generation × num_iterations / gradient_accumulation_steps`
         (may be fractional: a round can end inside an accumulation window)."""
         return self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+
+    @property
+    def rounds_ahead(self) -> int:
+        """Rounds submitted to the generator ahead of the one being trained.
+
+        `async_mode="rounds"`: `num_batches_ahead`. `"stream"`: enough rounds that the stream holds
+        `max_inflight_groups` prompt groups while a round trains, `max(num_batches_ahead, ceil(max_inflight_groups /
+        groups per round))`; with the default `max_inflight_groups`, `num_batches_ahead + 1`. A training round is
+        assembled from the groups that finished first among them, so the engine keeps generating the next groups
+        while a straggler finishes (with only the next round's groups in flight a round would wait for its slowest
+        group, as in rounds mode).
+
+        ```txt
+        num_batches_ahead = 1, 8 groups a round, max_inflight_groups = 16 (default) → 2 rounds ahead:
+        training round k ─ the stream holds the groups of rounds k+1 and k+2 (16) ─ round k+1 = the first 8 ready
+        ```
+        """
+        if self.async_mode != "stream":
+            return self.num_batches_ahead
+        groups = max(1, self.generation_batch_size // max(1, self.num_generations))
+        return max(self.num_batches_ahead, -(-self.max_inflight_groups // groups))
 
     @property
     def staleness_limit(self) -> int | None:

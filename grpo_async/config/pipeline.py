@@ -109,8 +109,10 @@ class PipelineFields:
         default=None,
         metadata={
             "help": "async_mode='stream': most prompt groups (each G completions) generating or being scored at "
-            "once. Default: every group of the rounds the pipeline holds, (num_batches_ahead + 1) × "
-            "generation_batch_size / num_generations. Read in stream mode only.",
+            "once; the trainer keeps the stream that full, submitting max(num_batches_ahead, ceil(max_inflight_groups "
+            "/ groups per round)) rounds ahead of the one it trains (GRPOConfig.rounds_ahead), and each round takes "
+            "the groups that finished first. Default: (num_batches_ahead + 1) × generation_batch_size / "
+            "num_generations, so num_batches_ahead + 1 rounds ahead. Read in stream mode only.",
         },
     )
     async_max_queue_size: int | None = checked_field(

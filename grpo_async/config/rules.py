@@ -179,6 +179,17 @@ def _queue_holds_the_rounds_ahead(c) -> str | None:
     return f"{c.async_max_queue_size} cannot hold num_batches_ahead + 1 = {c.num_batches_ahead + 1} rounds"
 
 
+def _stream_queue_holds_the_inflight_groups(c) -> str | None:
+    if c.async_mode != "stream" or c.async_max_queue_size >= c.rounds_ahead + 1:
+        return None
+    return (
+        f"{c.async_max_queue_size} cannot hold the {c.rounds_ahead + 1} rounds of groups async_mode='stream' keeps: "
+        f"the one training and max(num_batches_ahead, ceil(max_inflight_groups / groups per round)) = "
+        f"{c.rounds_ahead} ahead (max_inflight_groups={c.max_inflight_groups}); raise async_max_queue_size or lower "
+        "max_inflight_groups"
+    )
+
+
 def _staleness_needs_a_weight_sync(c) -> str | None:
     if c.max_staleness is None or c.syncs_weights:
         return None
@@ -345,6 +356,11 @@ RULES: tuple[Rule, ...] = (
         _truncation_has_a_bound,
     ),
     Rule("queue_holds_the_rounds_ahead", ("async_max_queue_size", "num_batches_ahead"), _queue_holds_the_rounds_ahead),
+    Rule(
+        "stream_queue_holds_the_inflight_groups",
+        ("async_max_queue_size", "max_inflight_groups", "async_mode"),
+        _stream_queue_holds_the_inflight_groups,
+    ),
     Rule("stream_needs_a_streaming_backend", ("async_mode", "generation_backend"), _stream_needs_a_streaming_backend),
     Rule("entropy_coef_bounds_ordered", ("entropy_coef_min", "entropy_coef_max"), _entropy_coef_bounds_ordered),
     Rule(

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 class SchedulerSettings:
     steps_per_generation: int  # micro-batches per round (per process)
     num_iterations: int  # μ: passes over a round
-    num_batches_ahead: int  # rounds generated ahead of the one being trained
+    rounds_ahead: int  # rounds submitted ahead of the one being trained (`GRPOConfig.rounds_ahead`)
     reuse_order: str  # "epoch" (a b | a b) or "consecutive" (a a b b)
     max_queue_size: int
     generation_timeout: float
@@ -382,12 +382,12 @@ class RoundScheduler:
         return (self.steps_left() + self._epoch_call // ga) * ga
 
     def _submit(self, generation_batch: list[dict]) -> None:
-        """Submit the current round if needed and up to `num_batches_ahead` rounds after it that the trainer will
+        """Submit the current round if needed and up to `rounds_ahead` rounds after it that the trainer will
         train (`horizon`; every rank)."""
         todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
         horizon = self.horizon()
         first = self._epoch_call - self._epoch_call % self.generate_every  # this round's first epoch micro-step
-        for j in range(1, self.s.num_batches_ahead + 1):
+        for j in range(1, self.s.rounds_ahead + 1):
             if self.round + j in self.submitted:
                 continue
             start = first + j * self.generate_every  # the epoch micro-step round + j starts at
