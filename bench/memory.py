@@ -17,7 +17,13 @@ CPU tensors (plain malloc) together with everything else.
    are printed, read at the model's input), against the row-based split that fits the same peak: micro-batches of
    `k = tb_budget // tb_long` rows (gradient accumulation over them), the most rows whose worst case (k rows of the
    longest length) stays within the budget; 2k and 4k rows are measured too (their worst case does not fit). The
-   budget's bound is the step peak of 4 passes of k rows of the longest length each (`tb_bound`).
+   budget's bound (`tb_bound`) is the step peak of 4 passes at the budget's worst case: k bins of `--tb_long`
+   positions (its most positions in its widest bins: a padding-free bin is as long as the pass's longest row), one
+   holding a row of `--tb_long`, the others two rows of half that each. Several rows in a bin make transformers build
+   the packed-sequence mask `[K, 1, W, W]`, which attention keeps per layer for the backward pass (measured with
+   torch's memory profiler, this tiny model, passes of 2 bins of 1,024: 201 MB of activations with one row per bin,
+   233 MB with several, 32 MB = 4 layers × 2 × 1,024² float32); bins of one row each, the bound before, need no mask
+   (plain causal attention) and are not the worst case.
 3. reference (`GRPOConfig.ref_server_url`): the peak of the whole trainer process (construction with beta > 0 and
    one ref-logps pass over the same rows), with the reference copy in-process vs asked from a server.
 
@@ -137,9 +143,12 @@ def token_budget_child(a) -> dict:
 
     torch.manual_seed(0)
     k_safe = a.tb_budget // a.tb_long
-    if a.variant == "tb_bound":  # passes at the budget's worst case: k rows of the longest length, 4 of them (several
-        # passes, as the others: what the allocator keeps between passes counts in a step's peak too)
-        lengths, per_pass, budget = [a.tb_long] * (4 * k_safe), k_safe, None
+    if a.variant == "tb_bound":  # passes at the budget's worst case, 4 of them (several passes, as the others: what
+        # the allocator keeps between passes counts in a step's peak too): k bins of tb_long, the first one row, the
+        # others two rows each (several rows in a bin: the packed-sequence mask, as in the budget's passes)
+        half = a.tb_long // 2
+        one_pass = [a.tb_long] + [half, a.tb_long - half] * (k_safe - 1)
+        lengths, per_pass, budget = one_pass * 4, len(one_pass), None
     else:
         lengths = tailed_lengths(a.tb_rows, a.tb_long)
         budget = a.tb_budget if a.variant == "tb_budget" else None
@@ -350,7 +359,8 @@ def main(argv=None) -> float:
     for v in tb_variants:
         r = res[v]
         r["tokens_per_second"] = r["tokens"] / r["seconds"]
-        what = {"tb_bound": f"bound: 4 passes of {k} rows of {a.tb_long}", "tb_budget": "token budget"}.get(v, "")
+        bound = f"bound: 4 passes of {k} bins of {a.tb_long}, several rows in a bin"
+        what = {"tb_bound": bound, "tb_budget": "token budget"}.get(v, "")
         what = what or f"{r['rows_per_pass']} rows per pass ({r['passes']} passes)"
         print(
             f"{v:>11}: step peak +{r['step_peak_mb']:8.1f} MB, step {r['seconds']:.2f} s, "

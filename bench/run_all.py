@@ -179,7 +179,7 @@ def _rows_memory(data: dict) -> list[dict]:
                 "metric": "token budget: step peak on long-tailed rows vs the budget's bound (MB; ratio <= 1: within)",
                 "ours": r["tb_budget"]["step_peak_mb"],
                 "peer": r["tb_bound"]["step_peak_mb"],
-                "peer_name": f"passes of {k} longest rows",
+                "peer_name": f"passes of {k} bins of the longest row",
                 "ratio": data["token_budget_peak_ratio"],
             },
             {
