@@ -78,7 +78,9 @@ class TrainerPipeline:
 
     @property
     def backend(self):
-        """The generation backend (main process; `None` until first used)."""
+        """This process's generation backend: the main process's (servers, openai, `rollout_func`, one process), or
+        each rank's own engine (`hf` and in-process vLLM with several processes: an engine on every rank); `None`
+        until first used and on a process that does not generate."""
         return self.engine.built if self.engine is not None else None
 
     def close(self, timeout: float = 10.0) -> None:

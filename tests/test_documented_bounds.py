@@ -111,11 +111,13 @@ def test_stopping_while_a_reward_hangs_does_not_wait_it_out(tiny_model_path, tmp
 
 
 @pytest.mark.vllm
-def test_a_sigstopped_server_fails_the_run_within_vllm_server_timeout(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("async_mode", ["rounds", "stream"])
+def test_a_sigstopped_server_fails_the_run_within_vllm_server_timeout(tiny_model_path, tmp_path, async_mode):
     """The server is SIGSTOPped (API process and engine: the kernel still accepts connections, nothing answers)
     after step 1; the push of the step's weights is the next request, and the run must fail within
     `vllm_server_timeout` + slack naming the server (it took 2 × `vllm_server_timeout`: the push timed out, then the
-    abort that closes the reload session waited as long again)."""
+    abort that closes the reload session waited as long again). Stream mode: the groups of the next round are
+    generating on the server when it stops (one request per group), and the publish waits for them first."""
     from vllm_utils import API_KEY, running_servers
 
     timeout = 4.0
@@ -136,6 +138,7 @@ def test_a_sigstopped_server_fails_the_run_within_vllm_server_timeout(tiny_model
             vllm_api_key=API_KEY,
             vllm_server_timeout=timeout,
             num_batches_ahead=0,
+            async_mode=async_mode,
         )
         trainer = GRPOTrainer(
             model=tiny_model_path,

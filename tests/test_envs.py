@@ -362,11 +362,17 @@ def test_tool_env_training_runs(tiny_model_path, tmp_path):
 # ------------------------------------------------------------------------------------------------------ vLLM
 @pytest.mark.vllm
 @pytest.mark.slow  # ~35 s: the in-process engine starts
-def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path):
-    t = _train_multi_turn(tiny_model_path, _args(tmp_path, generation_backend="vllm", num_batches_ahead=1))
+@pytest.mark.parametrize("async_mode", ["rounds", "stream"])
+def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path, async_mode):
+    """Stream mode: each prompt group's G rollouts run (model and environment turns) on the engine loop while other
+    groups generate; the same checks of turns, masks and the env's state hold."""
+    args = _args(tmp_path, generation_backend="vllm", num_batches_ahead=1, async_mode=async_mode)
+    t = _train_multi_turn(tiny_model_path, args)
     try:
         assert type(t.backend).__name__ == "VLLMColocateBackend"
         assert t.state.log_history[0]["sampling/logp_diff/max"] < 1e-3
+        # the rounds came through the group stream (its metrics), or the round queue (none of them)
+        assert ("async/group_latency/p50" in t.state.log_history[0]) == (async_mode == "stream")
     finally:
         t.close()
 

@@ -254,6 +254,7 @@ def test_two_processes_in_stream_mode_train_no_row_twice(tiny_model_path, tmp_pa
 
 @pytest.mark.slow
 def test_stream_mode_on_a_served_backend(tiny_model_path, tiny_server, tmp_path):
+    """`grpo-async serve` (vllm_server), then the openai backend on the same server, in stream mode."""
     from vllm_utils import API_KEY
 
     args = _args(
@@ -273,6 +274,78 @@ def test_stream_mode_on_a_served_backend(tiny_model_path, tiny_server, tmp_path)
     # Which groups the first step trains is not asserted here: in the full suite (another worker loading the cores)
     # the straggler group was once in the first step on the server, whose batching the test does not control. The
     # order of events is proven on the in-process engine (test_a_straggler_group_does_not_hold_back_the_groups_...).
+    # The OpenAI-compatible backend on the same server (generation only): one /v1/completions request per group
+    events: list = []
+    args = _args(
+        tmp_path / "openai",
+        generation_backend="openai",
+        openai_base_url=tiny_server.url + "/v1",
+        vllm_api_key=API_KEY,
+        max_steps=2,
+    )
+    trainer = Recorder(
+        model=tiny_model_path, reward_funcs=_scoring_reward(events), args=args, train_dataset=_dataset()
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(_trained_rows(trainer)) == [(r, i) for r in range(2) for i in range(ROUND)]
+    assert sorted(n for _, n in events) == sorted([LONG] + [SHORT] * (2 * ROUND // G - 1))  # each group scored once
+    assert "async/group_latency/p50" in trainer.state.log_history[0]
+
+
+def test_rollout_func_in_stream_mode_gets_one_group_per_call(tiny_model_path, tmp_path):
+    """TRL's `rollout_func` in stream mode: called once per prompt group (G copies of one prompt), from several
+    worker threads at once, sampling with the trainer's streaming backend; every row of every round trained once
+    with the rollout's tokens and its sampler log-probs."""
+    from grpo_async.generation.base import SamplingConfig
+
+    calls, lock = [], threading.Lock()
+    active, most = [0], [0]
+
+    def rollout_func(prompts, trainer):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            tok = trainer.processing_class
+            ids = [tok.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
+            length = 40 if prompts[0][-1]["content"] == _first_prompt() else 4  # the first prompt's groups: 10×
+            out = trainer.backend.generate(ids, SamplingConfig(n=1, max_tokens=length, extra={"min_tokens": length}))
+            with lock:
+                calls.append(list(prompts))
+            return {
+                "prompt_ids": ids,
+                "completion_ids": [c.completion_ids for c in out],
+                "logprobs": [c.logprobs for c in out],
+            }
+        finally:
+            with lock:
+                active[0] -= 1
+
+    trainer = Recorder(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=make_dataset(64),
+        rollout_func=rollout_func,
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert all(len(p) == G and all(q == p[0] for q in p) for p in calls), "one group (G copies of a prompt) a call"
+    assert most[0] > 1, "the groups' rollouts never ran concurrently"
+    assert sorted(_trained_rows(trainer)) == [(r, i) for r in range(2) for i in range(ROUND)]
+    for b in trainer.seen:
+        mask = b["completion_mask"].bool()
+        assert (b["rollout_logps"][mask] < 0).all()  # the rollout's sampler log-probs, kept
+        assert {int(n) for n in mask.sum(1)} <= {4, 40}
+
+
+def _first_prompt() -> str:
+    return make_dataset(64)[0]["prompt"][-1]["content"]
 
 
 def test_hf_backend_refuses_stream_mode_naming_both_settings(tmp_path):
