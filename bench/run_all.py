@@ -56,6 +56,7 @@ BENCHES = [
     "memory.py",
     "overlap.py",
     "streaming.py",
+    "stream_real.py",
     "vs_trl.py",
     "vs_trl_2proc.py",
 ]

@@ -150,9 +150,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[RealMathArguments, GRPOCo
     )
 
 
-def main(argv: list[str] | None = None) -> GRPOTrainer:
-    """Evaluate, train, evaluate; returns the (closed) trainer. `argv` as for `parse_args`."""
-    script, args, model_args = parse_args(argv)
+def make_trainer(
+    script: RealMathArguments, args: GRPOConfig, model_args: ModelConfig, callbacks: list | None = None
+) -> tuple[GRPOTrainer, list[tuple[int, int]]]:
+    """The recipe's trainer (SmolLM2 unless `--model_name_or_path`) on `script.train_problems` seeded problems, and
+    the `script.eval_problems` held-out pairs (never trained on) that `greedy_accuracy` scores. `callbacks`: extra
+    `TrainerCallback`s (`bench/stream_real.py` times each step with one)."""
     if model_args.model_name_or_path is not None:
         model_path = model_args.model_name_or_path
         args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
@@ -168,7 +171,15 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
         args=args,
         train_dataset=Dataset.from_dict(as_rows(train)),
         peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
     )
+    return trainer, held_out
+
+
+def main(argv: list[str] | None = None) -> GRPOTrainer:
+    """Evaluate, train, evaluate; returns the (closed) trainer. `argv` as for `parse_args`."""
+    script, args, model_args = parse_args(argv)
+    trainer, held_out = make_trainer(script, args, model_args)
     use_concise_console(trainer)
     start = time.time()
     before, _ = greedy_accuracy(trainer, held_out, args.max_completion_length)

@@ -30,6 +30,8 @@ SMOKE = {
     "lora_sync.py": [pytest.mark.vllm],
     "overlap.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # runs in fresh processes against a server
     "streaming.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # fresh trainer processes against one server
+    # real_math.py's training on the tiny model, rounds then stream, each a fresh process with an in-process engine
+    "stream_real.py": [pytest.mark.vllm, pytest.mark.slow],
     "vs_trl.py": [pytest.mark.vllm],
     # 2 processes × 4 trainers, two of them starting a vLLM engine per rank: ~3.5 min
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
