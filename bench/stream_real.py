@@ -122,7 +122,7 @@ def child(spec: dict) -> dict:
 
 
 def launch(mode: str, argv: list[str], eval_every: int, log, timeout: float) -> dict:
-    spec = {"argv": argv + MODE_FLAGS[mode], "eval_every": eval_every}
+    spec = {"argv": argv + MODE_FLAGS[mode], "eval_every": eval_every}  # argv names the run's own output_dir
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
         stdout=subprocess.PIPE,
@@ -186,8 +186,13 @@ def plot(runs: dict[str, dict], cmp: dict, title: str, path: str) -> None:
     for key, mode in (("rounds_time_to_target", "rounds"), ("stream_time_to_target", "stream")):
         if cmp[key] is not None:
             ax.axvline(cmp[key], color=colors[mode], ls=":", lw=0.8)
-    reached = f"{cmp['time_ratio']:.2f}× sooner" if cmp["reached"] else "never reached by stream"
-    ax.set_title(f"{title}\nrounds' final accuracy {cmp['target_accuracy']:.3f}: stream {reached}", fontsize=9)
+    if not cmp["reached"]:
+        reached = "never reached by stream"
+    elif cmp["time_ratio"] >= 1:
+        reached = f"stream {cmp['time_ratio']:.2f}× sooner"
+    else:
+        reached = f"stream took {1 / cmp['time_ratio']:.2f}× as long"
+    ax.set_title(f"{title}\nrounds' final accuracy {cmp['target_accuracy']:.3f}: {reached}", fontsize=9)
     ax.set_xlabel("wall-clock seconds of training (scoring excluded)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.legend(fontsize=8)
@@ -212,7 +217,7 @@ def main(argv=None) -> dict:
         print("RUN " + json.dumps(child(json.loads(a.child))), flush=True)
         os._exit(0)  # no finalizers: engine threads can hang at interpreter exit
     workdir = tempfile.TemporaryDirectory(prefix="bench_stream_real_")  # the recipe's output_dir (metrics)
-    recipe = ["--output_dir", workdir.name]
+    recipe = []
     title = "SmolLM2-135M-Instruct, 2-digit addition (recipes/real_math.py)"
     timeout = 1500.0
     if a.smoke:
@@ -234,12 +239,13 @@ def main(argv=None) -> dict:
     runs = {}
     with workdir, open(a.out.replace(".json", ".runs.log"), "w") as log:
         for mode in MODES:
-            print(f"== {mode}: python recipes/real_math.py {' '.join(recipe[2:] + MODE_FLAGS[mode])}", flush=True)
-            runs[mode] = launch(mode, recipe, a.eval_every, log, timeout)
+            print(f"== {mode}: python recipes/real_math.py {' '.join(recipe + MODE_FLAGS[mode])}", flush=True)
+            output_dir = ["--output_dir", os.path.join(workdir.name, mode)]  # each run's own metrics.jsonl
+            runs[mode] = launch(mode, output_dir + recipe, a.eval_every, log, timeout)
     cmp = compare(runs)
     result = {
         "device": f"CPU x{os.cpu_count()}",
-        "setup": {"recipe_flags": recipe[2:], "mode_flags": MODE_FLAGS, "eval_every": a.eval_every},
+        "setup": {"recipe_flags": recipe, "mode_flags": MODE_FLAGS, "eval_every": a.eval_every},
         "wall_s": time.time() - started,
         "runs": runs,
         **cmp,
