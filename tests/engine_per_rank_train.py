@@ -1,7 +1,7 @@
 """Launched by tests/test_engine_per_rank.py on 2 processes (gloo on CPU): trains with an engine on every rank and
 writes, per rank, what it trained on, what its own engine counted, and its engine's logprobs against its model's.
 
-argv: MODEL OUT_DIR BACKEND ("hf" | "vllm")
+argv: MODEL OUT_DIR BACKEND ("hf" | "vllm" | "hf_env": hf with a multi-turn environment on every rank)
 """
 
 import gc
@@ -15,7 +15,30 @@ import torch.distributed as dist
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.algo.logprobs import selective_log_softmax
 from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.envs import Environment
 from grpo_async.generation.base import SamplingConfig
+
+
+class Echo(Environment):
+    """Answers every assistant turn with `ok <n>` (turns cut at 3 tokens: the random model's rollouts are multi-turn);
+    its state counts the replies, checked against the conversation by `replies_match`."""
+
+    max_turns = 2
+    max_tokens_per_turn = 3
+
+    def initial_state(self, row):
+        return {"replies": 0}
+
+    def env_response(self, messages, state):
+        n = state["replies"] + 1
+        return [{"role": "user", "content": f"ok {n}"}], {"replies": n}
+
+
+def replies_match(prompts, completions, env_state, **kwargs):
+    """0: each rollout's final state is its own (replies = the environment's turns in its conversation)."""
+    for state, conversation in zip(env_state, completions, strict=True):
+        assert state["replies"] == sum(m["role"] == "user" for m in conversation), (state, conversation)
+    return [0.0] * len(completions)
 
 
 class Recorder(GRPOTrainer):
@@ -60,6 +83,8 @@ def main():
     rank = int(os.environ["LOCAL_RANK"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % os.cpu_count()))  # each engine its own core
     extra = {"generation_backend": "vllm", "vllm_max_model_length": 64} if backend == "vllm" else {}
+    env = {"environment": Echo()} if backend == "hf_env" else {}
+    rewards = [letter_reward, replies_match] if env else letter_reward
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -67,7 +92,7 @@ def main():
         per_device_train_batch_size=4,
         num_generations=4,
         gradient_accumulation_steps=2,
-        max_completion_length=6,
+        max_completion_length=16 if env else 6,
         max_steps=3,
         learning_rate=1e-2,
         logging_steps=1,
@@ -79,7 +104,7 @@ def main():
         seed=0,
         **extra,
     )
-    trainer = Recorder(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    trainer = Recorder(model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), **env)
     trainer.train()
     counted = engine_counter(trainer.backend)
     logp_gap = engine_vs_model(trainer)
@@ -99,6 +124,7 @@ def main():
                 "logp_gap": logp_gap,
                 "param_checksum": float(params.double().sum()),
                 "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+                "env_turns": [h["env/turns/mean"] for h in trainer.state.log_history if "env/turns/mean" in h],
             },
             f,
         )

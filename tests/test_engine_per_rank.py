@@ -59,6 +59,22 @@ def test_hf_engine_on_every_rank(tiny_model_path, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_hf_engine_on_every_rank_runs_a_multi_turn_environment(tiny_model_path, tmp_path):
+    """An environment on every rank: each rank's engine runs the model and environment turns of its own rows only
+    (rows trained once, on their rank), the environment's replies are in the trained completions, each rollout's
+    final state reached the reward function with its own conversation (`replies_match`, in the child)."""
+    ranks = _launch(tiny_model_path, str(tmp_path), "hf_env")
+    check_disjoint_slices(ranks, mu=1, steps=STEPS, R=R, G=G)
+    for r in ranks:
+        assert r["rounds_produced"] == STEPS, r
+        assert r["engine_counter"] >= STEPS * L  # at least one turn per row, on this rank's engine only
+        assert r["engine_version"] == r["global_step"] == STEPS and r["logp_gap"] < 1e-3
+        assert r["env_turns"] and all(t > 1 for t in r["env_turns"])  # multi-turn: the environment answered
+        texts = [c for b in r["seen"] for c in b["completion"]]
+        assert any("ok 1" in t for t in texts), texts[:4]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.vllm
 @pytest.mark.slow  # ~90 s: two vLLM engines start, each in a child process of its rank
 def test_vllm_colocate_engine_on_every_rank(tiny_model_path, tmp_path):
