@@ -125,11 +125,12 @@ def _rows_of_lengths(vocab: int, lengths: list[int], prompt: int = 3, seed: int 
     )
 
 
-def _consumer(settings_budget, scorer, logged):
+def _consumer(settings_budget, scorer, logged, steps_per_generation=1, old_size=9, ref_size=9):
+    """A `RoundConsumer` scoring both logps stages with `scorer`, logging into `logged` (metric → values)."""
     settings = ConsumerSettings(
-        steps_per_generation=1,
-        old_logps_micro_batch_size=9,
-        ref_logps_micro_batch_size=9,
+        steps_per_generation=steps_per_generation,
+        old_logps_micro_batch_size=old_size,
+        ref_logps_micro_batch_size=ref_size,
         staleness_limit=None,
         importance_sampling_correction=False,
         importance_sampling_mode="token_truncate",
@@ -184,25 +185,7 @@ def test_the_logps_stages_run_in_token_budget_chunks(trainer):
 
     def consume(token_budget):
         logged = {}
-        settings = ConsumerSettings(
-            steps_per_generation=2,
-            old_logps_micro_batch_size=8,
-            ref_logps_micro_batch_size=1,
-            staleness_limit=None,
-            importance_sampling_correction=False,
-            importance_sampling_mode="token_truncate",
-            importance_sampling_clip_min=None,
-            importance_sampling_clip_max=None,
-            seed=0,
-            token_budget=token_budget,
-        )
-        consumer = RoundConsumer(
-            settings,
-            collectives=SingleProcess(),
-            old_logps=scorer,
-            ref_logps=scorer,
-            log=lambda k, v: logged.setdefault(k, []).append(v),
-        )
+        consumer = _consumer(token_budget, scorer, logged, steps_per_generation=2, old_size=8, ref_size=1)
         raw = MicroBatch(**{**vars(batch), "old_logps": None, "ref_logps": None})
         parts = consumer(Round(round_id=0, policy_version=0, batch=raw), step=0)
         order = torch.cat([p.row_index for p in parts]).argsort()
