@@ -2,12 +2,22 @@
 (SmolLM2-135M-Instruct on 2-digit addition, its completion lengths vary naturally) trained in `async_mode="rounds"`
 and in `async_mode="stream"`.
 
-Both runs are `recipes/real_math.py`'s training at its defaults (`real_math_defaults()`: in-process vLLM, 16 rows =
-4 prompts × G=4 per step, `num_batches_ahead=1`, 20 steps, seed 0, the same problems), built by its own
-`make_trainer` and scored by its own `greedy_accuracy` (nothing copied). The only differences: `async_mode`, and
-`weight_sync_inflight=True` in stream mode (allowed for the in-process vllm backend only in stream mode,
-`config/rules.py` `inflight_needs_a_server`: its engine loop loads new weights between two engine steps, so a long
-completion continues on the new weights; rounds mode with the vllm backend refuses it, so rounds runs without).
+Both runs are `recipes/real_math.py`'s training at its defaults (`real_math_defaults()`: 16 rows = 4 prompts × G=4
+per step, `num_batches_ahead=1`, 20 steps, seed 0, the same problems), built by its own `make_trainer` and scored by
+its own `greedy_accuracy` (nothing copied), with two changes for both modes:
+
+- `--engine server` (default): generation on one `grpo-async serve` of the model pinned to core 0, each training run
+  pinned to core 1 (one torch thread): the 2-core split of `bench/streaming.py`, where generation and training do
+  not take each other's core, and in-flight weight pushes in both modes. `--engine in_process`: the recipe's
+  in-process engine sharing both cores with the trainer, in-flight pushes in stream mode only (the in-process vllm
+  backend allows them only there, `config/rules.py` `inflight_needs_a_server`): the run of 2026-11-26, which was
+  training-bound (stream gained nothing);
+- `--max_completion_length 128` (the recipe's default is 64): the untrained model explains at length and the
+  64-token cap cut those explanations off, so most early completions had the same length; RL soon teaches short
+  answers (mean length 55 → 13 in `make demo-real`), and with 128 the completions that still ramble form the long
+  tail a round waits for.
+
+The only difference between the two runs: `async_mode` (and, in process, the in-flight pushes).
 
 Timing without evaluation in the clock: each run is a fresh process; the engine is built and the initial model
 scored before the clock starts (as `real_math.py` does); the clock starts at `trainer.train()` and records the wall
@@ -48,17 +58,29 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 MODES = ("rounds", "stream")
-#: flags of recipes/real_math.py that differ between the modes (everything else: the recipe's defaults)
-MODE_FLAGS = {
-    "rounds": ["--async_mode", "rounds"],
-    "stream": ["--async_mode", "stream", "--weight_sync_inflight", "true"],
+#: flags of recipes/real_math.py that differ between the modes (everything else: the recipe's defaults), per engine:
+#: the in-process engine allows in-flight weight pushes only in stream mode; a server allows them in both
+ENGINE_MODE_FLAGS = {
+    "in_process": {
+        "rounds": ["--async_mode", "rounds"],
+        "stream": ["--async_mode", "stream", "--weight_sync_inflight", "true"],
+    },
+    "server": {
+        "rounds": ["--async_mode", "rounds", "--weight_sync_inflight", "true"],
+        "stream": ["--async_mode", "stream", "--weight_sync_inflight", "true"],
+    },
 }
 
 
 # ---------------------------------------------------------------------------------------------- one run (child)
 def child(spec: dict) -> dict:
     """One `real_math.py` training run: per-step wall times, weight copies every `eval_every` steps, then scored."""
+    if spec.get("trainer_core") is not None:  # the 2-core split: this trainer on its core, the server on the other
+        os.sched_setaffinity(0, {spec["trainer_core"]})
     import torch
+
+    if spec.get("trainer_core") is not None:
+        torch.set_num_threads(1)
     from transformers import TrainerCallback
 
     from recipes import real_math
@@ -121,14 +143,16 @@ def child(spec: dict) -> dict:
     }
 
 
-def launch(mode: str, argv: list[str], eval_every: int, log, timeout: float) -> dict:
-    spec = {"argv": argv + MODE_FLAGS[mode], "eval_every": eval_every}  # argv names the run's own output_dir
-    proc = subprocess.run(
+def launch(mode_argv: list[str], argv: list[str], eval_every: int, log, timeout: float, trainer_core) -> dict:
+    spec = {"argv": argv + mode_argv, "eval_every": eval_every, "trainer_core": trainer_core}
+    env = None if trainer_core is None else {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(  # argv names the run's own output_dir
         [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
+        env=env,
     )
     log.write(proc.stdout)
     log.flush()
@@ -138,7 +162,42 @@ def launch(mode: str, argv: list[str], eval_every: int, log, timeout: float) -> 
     for line in proc.stdout.splitlines():
         if line.startswith("RUN "):
             return json.loads(line[4:])
-    raise RuntimeError(f"run {mode} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    raise RuntimeError(f"run {' '.join(mode_argv)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+
+
+# ---------------------------------------------------------------------------------------------- the server
+PROMPT_TOKENS = 128  # real_math_defaults()'s max_prompt_length
+SERVER_CORE = 0  # vLLM's CPU engine binds its threads to core 0 by default; the trainer runs get core 1
+
+
+def model_path(recipe: list[str]) -> str:
+    """The model the runs train: `--model_name_or_path` of the recipe flags, else SmolLM2 (the recipe's default)."""
+    if "--model_name_or_path" in recipe:
+        return recipe[recipe.index("--model_name_or_path") + 1]
+    from grpo_async.testing import build_smollm2
+
+    return build_smollm2()
+
+
+def start_server(model: str, max_len: int, smoke: bool):
+    """One `grpo-async serve` of `model` on `SERVER_CORE` for both runs (each run publishes its initial weights, its
+    version 0, before its first round); returns it and the trainers' core."""
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+
+    two_cores = len(os.sched_getaffinity(0)) >= 2
+    trainer_core = 1 if two_cores else SERVER_CORE
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(SERVER_CORE), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
+    args = ["--dtype", "float32", "--max-model-len", str(max_len)]
+    if smoke:  # eager, and the worker inside the engine-core process: up sooner (not a measurement)
+        args.append("--enforce-eager")
+        env.update(TWO_PROCESS_ENV)
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {SERVER_CORE})  # the server (and its engine children) inherit its core
+    try:
+        server = launch_server(model, extra_args=args, env=env, ready_timeout=600)
+    finally:
+        os.sched_setaffinity(0, mask)
+    return server, trainer_core
 
 
 # ---------------------------------------------------------------------------------------------- the numbers
@@ -206,10 +265,25 @@ def plot(runs: dict[str, dict], cmp: dict, title: str, path: str) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max_steps", type=int, default=None, help="optimizer steps per run (default: the recipe's)")
-    ap.add_argument("--eval_every", type=int, default=2, help="copy the weights for scoring every N steps")
+    ap.add_argument("--eval_every", type=int, default=4, help="copy the weights for scoring every N steps")
     ap.add_argument("--eval_problems", type=int, default=None, help="held-out problems (default: the recipe's)")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "stream_real.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "stream_real.png"))
+    ap.add_argument(
+        "--engine",
+        choices=("server", "in_process"),
+        default="server",
+        help="server (default): one `grpo-async serve` of the model on core 0, each trainer run pinned to core 1 (the "
+        "2-core split of bench/streaming.py); in_process: the recipe's in-process engine, sharing both cores with the "
+        "trainer (the run of 2026-11-26)",
+    )
+    ap.add_argument(
+        "--max_completion_length",
+        type=int,
+        default=128,
+        help="completion cap of both runs (the recipe's default is 64, which cuts the untrained model's explanations "
+        "off: 128 leaves a natural long tail)",
+    )
     ap.add_argument("--smoke", action="store_true", help="the tiny random model, 2 steps, a few problems")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -219,14 +293,14 @@ def main(argv=None) -> dict:
     workdir = tempfile.TemporaryDirectory(prefix="bench_stream_real_")  # the recipe's output_dir (metrics)
     recipe = []
     title = "SmolLM2-135M-Instruct, 2-digit addition (recipes/real_math.py)"
-    timeout = 1500.0
+    timeout = 2400.0
     if a.smoke:
         from grpo_async.testing import build_tiny_model
 
         model = build_tiny_model(os.path.join(tempfile.gettempdir(), "grpo_async_bench_stream_real_tiny"))
-        recipe += ["--model_name_or_path", model, "--train_problems", "64", "--max_completion_length", "8"]
+        recipe += ["--model_name_or_path", model, "--train_problems", "64"]
         recipe += ["--per_device_train_batch_size", "8", "--vllm_enforce_eager", "true"]
-        a.max_steps, a.eval_every, a.eval_problems = 2, 1, 8
+        a.max_steps, a.eval_every, a.eval_problems, a.max_completion_length = 2, 1, 8, 8
         a.out = os.path.join(HERE, "out", "smoke", "stream_real.json")
         a.plot = os.path.join(HERE, "out", "smoke", "stream_real.png")
         title, timeout = "tiny random model (smoke)", 300.0
@@ -234,18 +308,36 @@ def main(argv=None) -> dict:
         recipe += ["--max_steps", str(a.max_steps)]
     if a.eval_problems is not None:
         recipe += ["--eval_problems", str(a.eval_problems)]
+    max_len = PROMPT_TOKENS + a.max_completion_length  # the recipe's max_prompt_length + the completion cap
+    recipe += ["--max_completion_length", str(a.max_completion_length), "--vllm_max_model_length", str(max_len)]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     started = time.time()
     runs = {}
-    with workdir, open(a.out.replace(".json", ".runs.log"), "w") as log:
-        for mode in MODES:
-            print(f"== {mode}: python recipes/real_math.py {' '.join(recipe + MODE_FLAGS[mode])}", flush=True)
-            output_dir = ["--output_dir", os.path.join(workdir.name, mode)]  # each run's own metrics.jsonl
-            runs[mode] = launch(mode, output_dir + recipe, a.eval_every, log, timeout)
+    server, trainer_core, device = None, None, f"CPU x{os.cpu_count()}, in-process engine"
+    if a.engine == "server":
+        server, trainer_core = start_server(model_path(recipe), max_len, a.smoke)
+        device = f"CPU x{os.cpu_count()}, server core {SERVER_CORE}, trainer core {trainer_core}"
+        recipe += ["--generation_backend", "vllm_server", "--vllm_server_urls", server.url]
+    mode_flags = ENGINE_MODE_FLAGS[a.engine]
+    try:
+        with workdir, open(a.out.replace(".json", ".runs.log"), "w") as log:
+            for mode in MODES:
+                print(f"== {mode}: python recipes/real_math.py {' '.join(recipe + mode_flags[mode])}", flush=True)
+                output_dir = ["--output_dir", os.path.join(workdir.name, mode)]  # each run's own metrics.jsonl
+                runs[mode] = launch(mode_flags[mode], output_dir + recipe, a.eval_every, log, timeout, trainer_core)
+    finally:
+        if server is not None:
+            server.stop()
     cmp = compare(runs)
     result = {
-        "device": f"CPU x{os.cpu_count()}",
-        "setup": {"recipe_flags": recipe, "mode_flags": MODE_FLAGS, "eval_every": a.eval_every},
+        "device": device,
+        "setup": {
+            "engine": a.engine,
+            "recipe_flags": recipe,
+            "mode_flags": mode_flags,
+            "eval_every": a.eval_every,
+            "max_completion_length": a.max_completion_length,
+        },
         "wall_s": time.time() - started,
         "runs": runs,
         **cmp,
@@ -294,7 +386,8 @@ def main(argv=None) -> dict:
         )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(runs, cmp, title, a.plot)
+    where = "server core 0, trainer core 1" if a.engine == "server" else "in-process engine"
+    plot(runs, cmp, f"{title}; {where}; completions ≤ {a.max_completion_length} tokens", a.plot)
     print(f"wrote {a.out} and {a.plot}")
     print(f"RESULT stream_real_time_ratio={cmp['time_ratio']:.3f}")
     print(f"RESULT stream_real_reached={int(cmp['reached'])}")
