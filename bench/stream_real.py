@@ -38,9 +38,9 @@ Printed: per mode the accuracy curve (step, seconds, accuracy), s/step. `RESULT`
   `stream_real_s_per_step_stream` (wall seconds from `train()` to the end of the last step ÷ steps),
   `stream_real_speedup` (rounds ÷ stream of those seconds, the same number of steps).
 
-Run: `python bench/stream_real.py` (two ~10 min runs on 2 CPU cores plus the scoring); `--smoke`: the tiny random
-model, 2 steps each, a handful of problems (seconds to a minute). Writes `bench/out/stream_real.json` and
-`bench/plots/stream_real.png` (accuracy vs wall-clock seconds, both modes).
+Run: `python bench/stream_real.py` (~17 min on 2 CPU cores: two ~5 min runs, their scoring, the server's start);
+`--smoke`: the tiny random model, 2 steps each, a handful of problems (a minute). Writes `bench/out/stream_real.json`
+and `bench/plots/stream_real.png` (accuracy vs wall-clock seconds, both modes).
 """
 
 from __future__ import annotations
@@ -105,7 +105,10 @@ def child(spec: dict) -> dict:
     max_tokens = args.max_completion_length
     model = trainer.accelerator.unwrap_model(trainer.model)
     copies[0] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # scored like the others: a check
-    before, _ = real_math.greedy_accuracy(trainer, held_out, max_tokens)  # builds the engine, outside the clock
+    # a server still holds what the previous run pushed last (a run publishes its version 0 only inside train()):
+    # push the initial weights first (an in-process engine already has them; this builds it, outside the clock)
+    trainer.sync_weights()
+    before, _ = real_math.greedy_accuracy(trainer, held_out, max_tokens)
     print(f"[{args.async_mode}] greedy accuracy before training: {before:.3f}", flush=True)
     clock["t0"] = time.perf_counter()
     trainer.train()
@@ -387,7 +390,7 @@ def main(argv=None) -> dict:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     where = "server core 0, trainer core 1" if a.engine == "server" else "in-process engine"
-    plot(runs, cmp, f"{title}; {where}; completions ≤ {a.max_completion_length} tokens", a.plot)
+    plot(runs, cmp, f"{title}\n{where}; completions ≤ {a.max_completion_length} tokens", a.plot)
     print(f"wrote {a.out} and {a.plot}")
     print(f"RESULT stream_real_time_ratio={cmp['time_ratio']:.3f}")
     print(f"RESULT stream_real_reached={int(cmp['reached'])}")
