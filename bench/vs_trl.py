@@ -350,10 +350,10 @@ def main(argv=None) -> dict:
     common = {"model": model, "steps": a.steps, "prompts": a.prompts, "G": a.G, "T": a.T, "device": "cpu"}
     common["padding_free"] = a.padding_free
     common.update(preset["spec"])
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)  # bench/out/ is not in a fresh clone
     if a.processes > 1:
         return main_processes(a, common, preset)
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
     load_before, t_start = load_average(), time.time()
     if a.from_runs:  # summarize the RUN records of an earlier run instead of running
         with open(a.from_runs) as f:
