@@ -393,6 +393,25 @@ def launch(spec: dict, timeout: float = 1200.0, log=None) -> dict:
     raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
 
 
+def launch_pinned_server(model: str, extra_args: list[str], quick_start: bool, ready_timeout: float = 240.0):
+    """The 2-core split of the streaming benches: one `grpo-async serve` of `model` whose engine threads are bound to
+    core 0 (it and its children inherit that core); returns the server and the core the trainer runs should pin to
+    (1, or 0 on a single core). `quick_start` (smoke runs): the worker inside the engine-core process, up sooner."""
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+
+    server_core, trainer_core = (0, 1) if len(os.sched_getaffinity(0)) >= 2 else (0, 0)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(server_core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
+    if quick_start:
+        env.update(TWO_PROCESS_ENV)
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {server_core})
+    try:
+        server = launch_server(model, extra_args=extra_args, env=env, ready_timeout=ready_timeout)
+    finally:
+        os.sched_setaffinity(0, mask)
+    return server, trainer_core
+
+
 def median(xs):
     import statistics
 

@@ -170,7 +170,6 @@ def launch(mode_argv: list[str], argv: list[str], eval_every: int, log, timeout:
 
 # ---------------------------------------------------------------------------------------------- the server
 PROMPT_TOKENS = 128  # real_math_defaults()'s max_prompt_length
-SERVER_CORE = 0  # vLLM's CPU engine binds its threads to core 0 by default; the trainer runs get core 1
 
 
 def model_path(recipe: list[str]) -> str:
@@ -183,24 +182,12 @@ def model_path(recipe: list[str]) -> str:
 
 
 def start_server(model: str, max_len: int, smoke: bool):
-    """One `grpo-async serve` of `model` on `SERVER_CORE` for both runs (each run publishes its initial weights, its
-    version 0, before its first round); returns it and the trainers' core."""
-    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+    """One `grpo-async serve` of `model` on core 0 for both runs (each run publishes its initial weights, its version
+    0, before its first round); returns it and the trainers' core."""
+    from _runs import launch_pinned_server
 
-    two_cores = len(os.sched_getaffinity(0)) >= 2
-    trainer_core = 1 if two_cores else SERVER_CORE
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(SERVER_CORE), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
-    args = ["--dtype", "float32", "--max-model-len", str(max_len)]
-    if smoke:  # eager, and the worker inside the engine-core process: up sooner (not a measurement)
-        args.append("--enforce-eager")
-        env.update(TWO_PROCESS_ENV)
-    mask = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {SERVER_CORE})  # the server (and its engine children) inherit its core
-    try:
-        server = launch_server(model, extra_args=args, env=env, ready_timeout=600)
-    finally:
-        os.sched_setaffinity(0, mask)
-    return server, trainer_core
+    args = ["--dtype", "float32", "--max-model-len", str(max_len)] + (["--enforce-eager"] if smoke else [])
+    return launch_pinned_server(model, args, quick_start=smoke, ready_timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------- the numbers
@@ -319,7 +306,7 @@ def main(argv=None) -> dict:
     server, trainer_core, device = None, None, f"CPU x{os.cpu_count()}, in-process engine"
     if a.engine == "server":
         server, trainer_core = start_server(model_path(recipe), max_len, a.smoke)
-        device = f"CPU x{os.cpu_count()}, server core {SERVER_CORE}, trainer core {trainer_core}"
+        device = f"CPU x{os.cpu_count()}, server core 0, trainer core {trainer_core}"
         recipe += ["--generation_backend", "vllm_server", "--vllm_server_urls", server.url]
     mode_flags = ENGINE_MODE_FLAGS[a.engine]
     try:

@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import SERVER_ARGS, median  # noqa: E402
+from _runs import SERVER_ARGS, launch_pinned_server, median  # noqa: E402
 
 MODES = ("rounds", "stream")
 KEYS = (
@@ -221,7 +221,6 @@ def main(argv=None) -> dict:
         a.out = os.path.join(HERE, "out", "smoke", "streaming.json")
         a.plot = os.path.join(HERE, "out", "smoke", "streaming.png")
 
-    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     heads = max(1, a.hidden // 64)
@@ -242,16 +241,7 @@ def main(argv=None) -> dict:
     mean_len = round(statistics.fmean(longtail[: P * a.steps]))
     dists = {"longtail": longtail, "uniform": [mean_len] * n}
     dists = {d: dists[d] for d in a.dists}
-    two_cores = len(os.sched_getaffinity(0)) >= 2
-    server_core, trainer_core = (0, 1) if two_cores else (0, 0)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(server_core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
-    if a.smoke:  # the worker inside the engine-core process: the server is up ~12 s sooner (not a measurement)
-        env.update(TWO_PROCESS_ENV)
-    mask = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {server_core})  # the server (and its engine children) inherit its core
-    server_args = SERVER_ARGS + ["--max-model-len", "512"]
-    server = launch_server(model, extra_args=server_args, env=env)
-    os.sched_setaffinity(0, mask)
+    server, trainer_core = launch_pinned_server(model, SERVER_ARGS + ["--max-model-len", "512"], quick_start=a.smoke)
     runs: dict[str, dict[str, list]] = {d: {m: [] for m in MODES} for d in dists}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     started = time.time()
@@ -285,7 +275,7 @@ def main(argv=None) -> dict:
     finally:
         server.stop()
     result: dict = {
-        "device": f"CPU x{os.cpu_count()}, server core {server_core}, trainer core {trainer_core}",
+        "device": f"CPU x{os.cpu_count()}, server core 0, trainer core {trainer_core}",
         "setup": {
             "layers": a.layers,
             "hidden": a.hidden,
