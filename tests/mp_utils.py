@@ -1,12 +1,12 @@
-"""Launch `mp_train.py` on 2 real training processes (accelerate launch, gloo on CPU) and check what each rank
-trained on: shared by the HF-backend and vLLM-server multi-process tests."""
+"""Launch `mp_train.py` on 2 real training processes (gloo on CPU, forked from a warm interpreter: `warm_launch.py`)
+and check what each rank trained on: shared by the HF-backend and vLLM-server multi-process tests."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 
@@ -19,15 +19,14 @@ ACCELERATE_2CPU = [
 
 
 def launch(script_args, out_dir, timeout=420, env=None):
-    """`mp_train.py script_args` on 2 processes; each rank's record (`rank{r}.json` in `out_dir`)."""
+    """`mp_train.py script_args` on 2 processes (forked from a warm interpreter: `warm_launch.run_2cpu`); each rank's
+    record (`rank{r}.json` in `out_dir`)."""
     return launch_with_output(script_args, out_dir, timeout, env)[0]
 
 
 def launch_with_output(script_args, out_dir, timeout=420, env=None) -> tuple[list[dict], str]:
     """`launch`, and what the run printed (stdout + stderr of both ranks)."""
-    cmd = [*ACCELERATE_2CPU, os.path.join(HERE, "mp_train.py"), *script_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_2cpu(os.path.join(HERE, "mp_train.py"), script_args, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
     return ranks, proc.stdout + proc.stderr

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from transformers import TrainerCallback
+from warm_launch import run_2cpu  # noqa: E402
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
@@ -146,10 +145,7 @@ def test_serve_turns_chunked_prefill_off_on_cpu():
 
 # ---- 2 processes ----------------------------------------------------------------------------------------------------
 def _launch(model: str, out: str, jitter: bool) -> list[dict]:
-    cmd = list(ACCELERATE_2CPU)
-    cmd += [__file__, model, out, str(int(jitter))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_2cpu(__file__, [model, out, int(jitter)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 

@@ -4,11 +4,11 @@ generates only its own rows, advantages are those of the whole round, each engin
 import json
 import os
 import re
-import subprocess
 
 import pytest
 import torch
-from mp_utils import ACCELERATE_2CPU, HERE, check_disjoint_slices
+from mp_utils import HERE, check_disjoint_slices
+from warm_launch import run_2cpu
 
 from grpo_async import GRPOTrainer
 from grpo_async.algo.advantages import aggregate_advantages
@@ -22,9 +22,7 @@ L = R // 2
 
 
 def _launch(model, out, backend):
-    cmd = [*ACCELERATE_2CPU, os.path.join(HERE, "engine_per_rank_train.py"), model, out, backend]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+    proc = run_2cpu(os.path.join(HERE, "engine_per_rank_train.py"), [model, out, backend], timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 

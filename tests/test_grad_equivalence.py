@@ -6,10 +6,9 @@ with skewed lengths it is NOT the whole-batch token mean: checked to differ, whi
 
 import json
 import os
-import subprocess
 
 import pytest
-from mp_utils import ACCELERATE_2CPU  # noqa: E402
+from warm_launch import run_2cpu  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 
@@ -17,12 +16,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_accumulated_gradient_equals_whole_batch_gradient(tiny_model_path, tmp_path):
-    cmd = [
-        *ACCELERATE_2CPU,
-        os.path.join(HERE, "grad_equiv_worker.py"), str(tiny_model_path), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_2cpu(os.path.join(HERE, "grad_equiv_worker.py"), [tiny_model_path, tmp_path], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.load(open(tmp_path / "result.json"))
     for key in ("grpo/packed", "dr_grpo/packed", "dapo/packed", "dapo/padded"):

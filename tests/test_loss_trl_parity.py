@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer
+from warm_launch import run_2cpu  # noqa: E402
 
 from grpo_async.algo.logprobs import TokenScores, score_tokens
 from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings
@@ -381,13 +381,10 @@ torch.distributed.destroy_process_group()  # exiting with gloo's threads alive c
 @pytest.mark.multiprocess
 def test_entropy_quantile_on_two_real_processes(tmp_path):
     """accelerate launch, 2 processes (gloo): each process's mask uses the quantile of both processes' tokens."""
-    import subprocess
 
     script = tmp_path / "worker.py"
     script.write_text(_QUANTILE_WORKER)
-    cmd = [*ACCELERATE_2CPU, str(script), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_2cpu(str(script), [tmp_path], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert all(r["ok"] for r in ranks), ranks

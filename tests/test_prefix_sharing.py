@@ -627,15 +627,12 @@ def test_two_processes_with_sharing_on(tiny_model_path, tmp_path):
     """2 training processes (DDP, gloo): with sharing on, the same per-step losses and weights as with it off."""
     import json
     import os
-    import subprocess
 
-    from mp_utils import ACCELERATE_2CPU  # tests/ is on sys.path (rootdir-relative conftest)
+    from warm_launch import run_2cpu  # tests/ is on sys.path (rootdir-relative conftest)
 
     def launch(share: bool):
         out = str(tmp_path / ("on" if share else "off"))
-        cmd = [*ACCELERATE_2CPU, __file__, str(tiny_model_path), out, str(int(share))]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+        proc = run_2cpu(__file__, [tiny_model_path, out, int(share)], timeout=420)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 

@@ -13,8 +13,8 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 trl = pytest.importorskip("trl")
-from mp_utils import ACCELERATE_2CPU  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
+from warm_launch import run_2cpu  # noqa: E402
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
@@ -458,18 +458,12 @@ def test_eval_loss_on_two_processes(tiny_model_path, tmp_path):
     """Two real processes (accelerate launch, DDP over gloo): evaluate() before and after a training step returns
     the same eval_loss on both ranks (every process computes every share: the wrapped model stays in step)."""
     import json
-    import os
-    import subprocess
 
     script = tmp_path / "eval_mp.py"
     script.write_text(EVAL_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    cmd = list(ACCELERATE_2CPU)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(
-        [*cmd, str(script), tiny_model_path, str(out)], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = run_2cpu(str(script), [tiny_model_path, out], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]

@@ -12,8 +12,9 @@ import contextlib
 import hashlib
 
 import torch
+from warm_launch import start_server
 
-from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, launch_server, wait_ready
+from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, wait_ready
 
 API_KEY = "test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]
@@ -22,14 +23,13 @@ PROMPTS = [[7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33]]
 
 @contextlib.contextmanager
 def running_servers(model: str, count: int = 1, api_key: str | None = API_KEY, extra_args=()):
-    """Start `count` servers concurrently; yield them; stop every one (process group) on exit."""
+    """Start `count` servers concurrently (their API processes forked from a warm interpreter:
+    `warm_launch.start_server`); yield them; stop every one (process group) on exit."""
     servers: list[ServerProcess] = []
     try:
         for _ in range(count):
             servers.append(
-                launch_server(
-                    model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), env=TWO_PROCESS_ENV, wait=False
-                )
+                start_server(model, api_key=api_key, extra_args=SERVER_ARGS + list(extra_args), env=TWO_PROCESS_ENV)
             )
         for s in servers:
             wait_ready(s, timeout=300)

@@ -185,19 +185,9 @@ def launch_server(
         wait (`bool`, *optional*, defaults to `True`): block until ready (call `wait_ready` yourself otherwise).
         ready_timeout (`float`, *optional*, defaults to 240): seconds to wait; the process is killed on timeout.
     """
-    import tempfile
-
     port = port or free_port(host)
-    args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--host", host, "--port", str(port)]
-    args += list(extra_args)
-    full_env = {**CPU_ENV, **os.environ, **SERVER_ENV, **(env or {})}
-    full_env.pop("VLLM_SERVER_DEV_MODE", None)
-    full_env.pop("VLLM_API_KEY", None)
-    if api_key:  # through the environment: not in the command line, which `ps` shows to every user
-        full_env["VLLM_API_KEY"] = api_key
-    if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")
-        os.close(fd)
+    args, full_env = server_command(model, port=port, host=host, api_key=api_key, extra_args=extra_args, env=env)
+    log_path = log_path or server_log_path(port)
     shm_before = frozenset(_shm_names())
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
@@ -206,6 +196,35 @@ def launch_server(
     if wait:
         wait_ready(server, ready_timeout)
     return server
+
+
+def server_command(
+    model: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and the environment `launch_server` starts a server with (arguments as there)."""
+    args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--host", host, "--port", str(port)]
+    args += list(extra_args)
+    full_env = {**CPU_ENV, **os.environ, **SERVER_ENV, **(env or {})}
+    full_env.pop("VLLM_SERVER_DEV_MODE", None)
+    full_env.pop("VLLM_API_KEY", None)
+    if api_key:  # through the environment: not in the command line, which `ps` shows to every user
+        full_env["VLLM_API_KEY"] = api_key
+    return args, full_env
+
+
+def server_log_path(port: int) -> str:
+    """A fresh temporary file for the log of the server on `port`."""
+    import tempfile
+
+    fd, log_path = tempfile.mkstemp(prefix=f"grpo_serve_{port}_", suffix=".log")
+    os.close(fd)
+    return log_path
 
 
 def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
@@ -243,10 +262,11 @@ def exit_with_parent(interval: float = 0.5, grace: float = 10.0) -> bool:
     import multiprocessing
 
     global _parent_watch
-    parent = multiprocessing.parent_process()
-    if parent is None or _parent_watch is not None:
+    if multiprocessing.parent_process() is None or _parent_watch is not None:
         return False
-    ppid = parent.pid
+    # the process that forked this one: `parent_process()` names the one that asked for it, which under the
+    # forkserver start method is not the parent (the fork server is)
+    ppid = os.getppid()
 
     def watch() -> None:
         while os.getppid() == ppid:

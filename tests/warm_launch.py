@@ -1,0 +1,240 @@
+"""2 training processes forked from a warm interpreter: `accelerate launch --multi_gpu` without its start-up cost, for
+the tests whose subject is what the ranks train, not the launcher.
+
+`accelerate launch` on 2 CPU processes costs ~13 CPU-seconds before a rank runs a line of its script (the launcher
+imports accelerate and torch, then each rank imports torch, transformers and the trainer: ~9 s on 2 quiet cores). The
+suite launched ~20 such runs. Here each pytest worker starts one `multiprocessing` fork server that imports that
+stack once (`PRELOAD`); every rank is a fresh `fork()` of it — its own process, its own address space, gloo between
+them as under `accelerate launch` — that gets the environment `accelerate launch` would give it (the `ACCELERATE_*`
+variables from accelerate's own `prepare_multi_gpu_env`, torchelastic's `RANK` / `WORLD_SIZE` / `MASTER_*`) and runs
+the script as `__main__` with `sys.argv` set.
+
+The test servers of `vllm_utils.running_servers` start the same way (`start_server`): `grpo-async serve`'s API
+process is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it (its engine-core
+process is vLLM's own `spawn`, as always); ~7 of the ~17 s a server takes to be ready on 2 quiet cores are that
+process's imports.
+
+What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`), the launch configs
+(`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), and whatever is about how a process ends
+(`tests/test_clean_exit.py`, `tests/test_faults_mp.py`): a forked rank ends with `os._exit` after its `atexit`
+handlers, so an abort at interpreter shutdown would not show here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import runpy
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+#: imported once by the fork server, before any rank forks: the stack every training script imports
+PRELOAD = [
+    "torch",
+    "transformers",
+    "accelerate",
+    "grpo_async.trainer",
+    "vllm",
+    # what `grpo-async serve` imports before it starts its engine
+    "uvloop",
+    "grpo_async.generation.serve",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.entrypoints.launchers.api_server.entry",
+    "vllm.entrypoints.launchers.app",
+    "vllm.entrypoints.launchers.launcher",
+]
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(PRELOAD)
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _accelerate_env() -> dict[str, str]:
+    """The variables `accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
+    --dynamo_backend no` adds for its ranks, from accelerate's own code."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    parser = launch_command_parser()
+    args = parser.parse_args(
+        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+        + ["--dynamo_backend", "no", "--main_process_port", "0", "script.py"]
+    )
+    before = dict(os.environ)
+    env = prepare_multi_gpu_env(args)
+    # the thread count is the caller's (`run_2cpu`: 1 per rank unless `env` says otherwise), as the tests' launches
+    # always set it; without `--num_cpu_threads_per_process` this function would write "None"
+    return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
+
+
+def _rank_main(script: str, argv: list[str], env: dict[str, str], log_path: str, module: bool = False) -> None:
+    """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
+    `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
+    exit status. A module runs in a session of its own (`start_new_session`, as `launch_server` starts servers)."""
+    if module:
+        os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # the fork server's OpenMP read its own environment at start
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *argv]
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        threading._shutdown()  # what the interpreter does at exit, in this order
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
+    """Run `script args` on `nprocs` ranks (gloo on CPU) as `accelerate launch --multi_gpu ... --num_processes 2`
+    would; a `subprocess.CompletedProcess` whose `stdout` holds every rank's output (rank 0 first) and whose
+    `returncode` is the first non-zero rank status (0 when all ended well). A rank that fails ends the others (as
+    torchelastic's agent does); past `timeout` seconds every rank is killed and `subprocess.TimeoutExpired` raised."""
+    import tempfile
+
+    ctx = _context()
+    base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
+    base.setdefault("ACCELERATE_USE_CPU", "true")
+    base.update(_accelerate_env())
+    port = str(_free_port())
+    logs, procs = [], []
+    for rank in range(nprocs):
+        fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
+        os.close(fd)
+        rank_env = {
+            **base,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "ROLE_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "TORCHELASTIC_RUN_ID": "none",
+        }
+        p = ctx.Process(target=_rank_main, args=(script, [str(a) for a in args], rank_env, log), daemon=False)
+        p.start()
+        logs.append(log)
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # one rank failed: the others would wait on it
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+    output = ""
+    for log in logs:
+        with open(log, errors="replace") as f:
+            output += f.read()
+        os.unlink(log)
+    cmd = ["warm_launch", script, *map(str, args)]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=output)
+    codes = [p.exitcode for p in procs]
+    failed = next((c for c in codes if c not in (0, None)), 0)
+    return subprocess.CompletedProcess(cmd, failed, stdout=output, stderr="")
+
+
+class ForkedProcess:
+    """A forked `multiprocessing` process seen through the part of `subprocess.Popen` that `ServerProcess` uses."""
+
+    def __init__(self, process, args: list[str]):
+        self._process = process
+        self.pid = process.pid
+        self.args = args
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+
+def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | None = None):
+    """`launch_server(model, api_key=..., extra_args=..., env=..., wait=False)`, its API process forked from the warm
+    interpreter: the same command line (run as `python -m grpo_async.generation.serve`), environment, session and
+    log; a `ServerProcess` (call `wait_ready`)."""
+    from grpo_async.generation.http_client import free_port
+    from grpo_async.generation.server_process import ServerProcess, _shm_names, server_command, server_log_path
+
+    port = free_port("127.0.0.1")
+    args, full_env = server_command(model, port=port, api_key=api_key, extra_args=extra_args, env=env)
+    assert args[1:3] == ["-m", "grpo_async.generation.serve"], args
+    log_path = server_log_path(port)
+    shm_before = frozenset(_shm_names())
+    p = _context().Process(target=_rank_main, args=(args[2], args[3:], full_env, log_path, True), daemon=False)
+    p.start()
+    server = ServerProcess(
+        url=f"http://127.0.0.1:{port}", proc=ForkedProcess(p, args), log_path=log_path, api_key=api_key, args=args
+    )
+    server.shm_before = shm_before
+    return server
+
+
+if __name__ == "__main__":  # `python tests/warm_launch.py SCRIPT ARGS...`: try it by hand
+    ap = argparse.ArgumentParser()
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    proc = run_2cpu(a.script, a.args)
+    print(proc.stdout)
+    sys.exit(proc.returncode)
