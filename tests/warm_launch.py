@@ -86,7 +86,9 @@ def _accelerate_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
 
 
-def _rank_main(script: str, argv: list[str], env: dict[str, str], log_path: str, module: bool = False) -> None:
+def _rank_main(
+    script: str, argv: list[str], env: dict[str, str], log_path: str, module: bool = False, cwd: str | None = None
+) -> None:
     """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
     `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
     exit status. A module runs in a session of its own (`start_new_session`, as `launch_server` starts servers)."""
@@ -98,6 +100,8 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str], log_path: str,
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    if cwd:  # the caller's, as `subprocess` would give it (the fork server's is wherever the first caller was)
+        os.chdir(cwd)
     if env.get("OMP_NUM_THREADS"):  # the fork server's OpenMP read its own environment at start
         import torch
 
@@ -126,22 +130,23 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str], log_path: str,
     os._exit(code)
 
 
+def run_script(script: str, args: list[str], *, env: dict | None = None, timeout: float = 600.0):
+    """`python script args` in one process forked from the warm interpreter (its environment: `env`, default this
+    process's); a `subprocess.CompletedProcess` with the script's exit status and its output in `stdout`."""
+    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout)
+
+
 def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
     """Run `script args` on `nprocs` ranks (gloo on CPU) as `accelerate launch --multi_gpu ... --num_processes 2`
     would; a `subprocess.CompletedProcess` whose `stdout` holds every rank's output (rank 0 first) and whose
     `returncode` is the first non-zero rank status (0 when all ended well). A rank that fails ends the others (as
     torchelastic's agent does); past `timeout` seconds every rank is killed and `subprocess.TimeoutExpired` raised."""
-    import tempfile
-
-    ctx = _context()
     base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
     base.setdefault("ACCELERATE_USE_CPU", "true")
     base.update(_accelerate_env())
     port = str(_free_port())
-    logs, procs = [], []
+    envs = []
     for rank in range(nprocs):
-        fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
-        os.close(fd)
         rank_env = {
             **base,
             "RANK": str(rank),
@@ -155,7 +160,21 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
             "MASTER_PORT": port,
             "TORCHELASTIC_RUN_ID": "none",
         }
-        p = ctx.Process(target=_rank_main, args=(script, [str(a) for a in args], rank_env, log), daemon=False)
+        envs.append(rank_env)
+    return _run_forked(script, args, envs, timeout)
+
+
+def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: float):
+    """One forked process per environment of `envs`, each running `script args`; see `run_2cpu`."""
+    import tempfile
+
+    ctx = _context()
+    cwd = os.getcwd()
+    logs, procs = [], []
+    for rank, env in enumerate(envs):
+        fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
+        os.close(fd)
+        p = ctx.Process(target=_rank_main, args=(script, [str(a) for a in args], env, log, False, cwd), daemon=False)
         p.start()
         logs.append(log)
         procs.append(p)
@@ -221,7 +240,9 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     assert args[1:3] == ["-m", "grpo_async.generation.serve"], args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
-    p = _context().Process(target=_rank_main, args=(args[2], args[3:], full_env, log_path, True), daemon=False)
+    p = _context().Process(
+        target=_rank_main, args=(args[2], args[3:], full_env, log_path, True, os.getcwd()), daemon=False
+    )
     p.start()
     server = ServerProcess(
         url=f"http://127.0.0.1:{port}", proc=ForkedProcess(p, args), log_path=log_path, api_key=api_key, args=args
