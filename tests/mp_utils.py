@@ -27,7 +27,7 @@ def launch(script_args, out_dir, timeout=420, env=None):
 def launch_with_output(script_args, out_dir, timeout=420, env=None) -> tuple[list[dict], str]:
     """`launch`, and what the run printed (stdout + stderr of both ranks)."""
     proc = run_2cpu(os.path.join(HERE, "mp_train.py"), script_args, env=env, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-8000:]
     ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
     return ranks, proc.stdout + proc.stderr
 

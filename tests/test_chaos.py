@@ -48,12 +48,12 @@ import pytest
 import requests
 import torch
 from vllm_utils import API_KEY, PROMPTS, SERVER_ARGS, assert_matches_hf, perturbed_state_dict, running_servers
+from warm_launch import start_server
 
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.server_process import (
     TWO_PROCESS_ENV,
     group_shm,
-    launch_server,
     remove_orphan_shm,
     wait_ready,
 )
@@ -85,7 +85,7 @@ def _server_version(url: str) -> int | None:
 def _restart(server, model: str):
     """Start a server again on the port of `server` (killed); returns the new `ServerProcess` (not waited for)."""
     port = urlparse(server.url).port
-    return launch_server(model, port=port, api_key=API_KEY, extra_args=SERVER_ARGS, env=TWO_PROCESS_ENV, wait=False)
+    return start_server(model, port=port, api_key=API_KEY, extra_args=SERVER_ARGS, env=TWO_PROCESS_ENV)
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 
 
 @pytest.mark.multiprocess
 def test_fsdp2_parameters_are_collected_whole_and_bit_identical(tiny_model_path, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [os.path.join(HERE, "fsdp_collect.py"), tiny_model_path, str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # 2 ranks with torchelastic's environment, forked from the warm interpreter (`warm_launch.run_2cpu`)
+    proc = run_2cpu(os.path.join(HERE, "fsdp_collect.py"), [tiny_model_path, tmp_path], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-8000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
     assert r0["sharded"] > 0 and r0["sharded"] == r1["sharded"]  # the parameters really were DTensors
     assert r0["local_numel"] < r0["full_numel"]  # each rank held a shard only

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 def test_accumulated_gradient_equals_whole_batch_gradient(tiny_model_path, tmp_path):
     proc = run_2cpu(os.path.join(HERE, "grad_equiv_worker.py"), [tiny_model_path, tmp_path], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-8000:]
     result = json.load(open(tmp_path / "result.json"))
     for key in ("grpo/packed", "dr_grpo/packed", "dapo/packed", "dapo/padded"):
         assert result[key + "/scale"] > 1e-3, result  # a real gradient, not zeros

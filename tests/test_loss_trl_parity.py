@@ -385,7 +385,7 @@ def test_entropy_quantile_on_two_real_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_QUANTILE_WORKER)
     proc = run_2cpu(str(script), [tmp_path], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-8000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert all(r["ok"] for r in ranks), ranks
     assert sum(r["kept"] for r in ranks) == 11  # the top 60% of the 13 + 5 = 18 tokens of both processes

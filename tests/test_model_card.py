@@ -3,13 +3,12 @@ and the TRL-style model/LoRA options (grpo_async/model_config.py) through `recip
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import transformers.trainer
 import yaml
 from transformers import HfArgumentParser
+from warm_launch import run_script
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
@@ -154,12 +153,22 @@ def test_model_config_rejects_bad_values(kw, match):
 
 def test_demo_use_peft_saves_the_adapter_and_its_card(tmp_path):
     out = str(tmp_path / "demo")
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "demo.py"), "--backend", "hf", "--output_dir", out]
-    cmd += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
-    cmd += ["--max_completion_length", "8", "--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    argv = ["--backend", "hf", "--output_dir", out]
+    argv += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
+    argv += [
+        "--max_completion_length",
+        "8",
+        "--use_peft",
+        "--lora_r",
+        "8",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+    ]
+    # `python recipes/demo.py ...` in a fork of the warm interpreter (`warm_launch.py`)
+    demo = os.path.join(ROOT, "recipes", "demo.py")
+    proc = run_script(demo, argv, env={"OMP_NUM_THREADS": "1"}, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     files = set(os.listdir(out))
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= files
     assert "model.safetensors" not in files  # the adapter only, not the full model

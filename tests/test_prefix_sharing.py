@@ -633,7 +633,7 @@ def test_two_processes_with_sharing_on(tiny_model_path, tmp_path):
     def launch(share: bool):
         out = str(tmp_path / ("on" if share else "off"))
         proc = run_2cpu(__file__, [tiny_model_path, out, int(share)], timeout=420)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert proc.returncode == 0, proc.stdout[-8000:]
         return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 
     on, off = launch(True), launch(False)

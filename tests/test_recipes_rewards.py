@@ -3,11 +3,10 @@ YAML/flag parser they share."""
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
+from warm_launch import run_script
 
 from grpo_async import GRPOConfig
 from grpo_async.logging_utils import METRICS_FILE, read_metrics
@@ -24,16 +23,10 @@ TINY_RUN = [
 
 
 def _run(script, *args, timeout=300):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "recipes", script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the recipe as `python recipes/<script>` would run it, in a fork of the warm interpreter (`warm_launch.py`)
+    proc = run_script(os.path.join(ROOT, "recipes", script), list(args), env=env, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-8000:]
     return proc
 
 

@@ -14,9 +14,10 @@ import time
 import pytest
 import requests
 import torch
+from warm_launch import start_server
 
 from grpo_async.generation.http_client import ServerClient, ServerError
-from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.weight_sync.transports import make_transport
 
@@ -30,7 +31,7 @@ SEQS = {"sequences": [{"prompt_ids": [5, 9, 13, 21], "completion_ids": [30, 11, 
 def server(tiny_model_path):
     args = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
     args += ["--reload-idle-timeout", str(IDLE_TIMEOUT_S)]
-    s = launch_server(tiny_model_path, api_key=KEY, extra_args=args, env=TWO_PROCESS_ENV, ready_timeout=300)
+    s = wait_ready(start_server(tiny_model_path, api_key=KEY, extra_args=args, env=TWO_PROCESS_ENV), timeout=300)
     try:
         yield s
     finally:

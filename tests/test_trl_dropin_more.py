@@ -464,7 +464,7 @@ def test_eval_loss_on_two_processes(tiny_model_path, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = run_2cpu(str(script), [tiny_model_path, out], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, proc.stdout[-8000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     assert all(math.isfinite(v) for v in ranks[0])

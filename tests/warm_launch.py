@@ -130,10 +130,11 @@ def _rank_main(
     os._exit(code)
 
 
-def run_script(script: str, args: list[str], *, env: dict | None = None, timeout: float = 600.0):
-    """`python script args` in one process forked from the warm interpreter (its environment: `env`, default this
-    process's); a `subprocess.CompletedProcess` with the script's exit status and its output in `stdout`."""
-    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout)
+def run_script(script: str, args: list, *, env: dict | None = None, timeout: float = 600.0, cwd: str | None = None):
+    """`python script args` in one process forked from the warm interpreter (its environment: this process's updated
+    with `env`; in `cwd`, default this process's); a `subprocess.CompletedProcess` with the script's exit status and
+    its output in `stdout`."""
+    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout, cwd)
 
 
 def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
@@ -164,12 +165,12 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
     return _run_forked(script, args, envs, timeout)
 
 
-def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: float):
-    """One forked process per environment of `envs`, each running `script args`; see `run_2cpu`."""
+def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: float, cwd: str | None = None):
+    """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu`."""
     import tempfile
 
     ctx = _context()
-    cwd = os.getcwd()
+    cwd = cwd or os.getcwd()
     logs, procs = [], []
     for rank, env in enumerate(envs):
         fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
@@ -189,20 +190,28 @@ def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: fl
                 break
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
     finally:
+        killed = [p.is_alive() for p in procs]
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=30)
-    output = ""
-    for log in logs:
+    codes = [p.exitcode for p in procs]
+    # the processes that failed by themselves (not killed here because another one did), by rank
+    failed = [rank for rank, code in enumerate(codes) if code not in (0, None) and not killed[rank]]
+    parts = []
+    for rank, log in enumerate(logs):
         with open(log, errors="replace") as f:
-            output += f.read()
+            text = f.read()
         os.unlink(log)
+        ended = f"exit {codes[rank]}" + (", killed: another process failed" if killed[rank] and failed else "")
+        header = f"==== process {rank} of {len(procs)} ({ended}) ====\n" if len(procs) > 1 else ""
+        parts.append((rank in failed, header + text))
+    # a failed process's output last, where a caller's `stdout[-N:]` looks
+    output = "".join(text for _, text in sorted(parts, key=lambda p: p[0]))
     cmd = ["warm_launch", script, *map(str, args)]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=output)
-    codes = [p.exitcode for p in procs]
-    failed = next((c for c in codes if c not in (0, None)), 0)
+    failed = codes[failed[0]] if failed else next((c for c in codes if c not in (0, None)), 0)
     return subprocess.CompletedProcess(cmd, failed, stdout=output, stderr="")
 
 
@@ -228,14 +237,14 @@ class ForkedProcess:
         return self._process.exitcode
 
 
-def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | None = None):
+def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | None = None, port: int | None = None):
     """`launch_server(model, api_key=..., extra_args=..., env=..., wait=False)`, its API process forked from the warm
     interpreter: the same command line (run as `python -m grpo_async.generation.serve`), environment, session and
     log; a `ServerProcess` (call `wait_ready`)."""
     from grpo_async.generation.http_client import free_port
     from grpo_async.generation.server_process import ServerProcess, _shm_names, server_command, server_log_path
 
-    port = free_port("127.0.0.1")
+    port = port or free_port("127.0.0.1")
     args, full_env = server_command(model, port=port, api_key=api_key, extra_args=extra_args, env=env)
     assert args[1:3] == ["-m", "grpo_async.generation.serve"], args
     log_path = server_log_path(port)

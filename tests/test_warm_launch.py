@@ -1,0 +1,111 @@
+"""`tests/warm_launch.py`, the launcher most multi-process tests and the test servers use: its ranks get the
+environment `accelerate launch` gives, talk over gloo, and a failing or hung rank ends the run."""
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+from mp_utils import ACCELERATE_2CPU
+from warm_launch import run_2cpu, run_script
+
+pytestmark = pytest.mark.multiprocess
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import torch
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)  # what TrainingArguments(use_cpu=True) starts
+    t = torch.tensor([float(state.process_index + 1)])
+    dist.all_reduce(t)
+    keys = sorted(k for k in os.environ if k.startswith(("ACCELERATE_", "RANK", "LOCAL_", "WORLD_", "MASTER_")))
+    record = {
+        "index": state.process_index,
+        "num": state.num_processes,
+        "backend": state.backend,
+        "sum": t.item(),
+        "env": {k: os.environ[k] for k in keys},
+        "threads": torch.get_num_threads(),
+        "argv": sys.argv[1:],
+    }
+    with open(os.path.join(sys.argv[1], f"rank{state.process_index}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _records(out):
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+
+def test_ranks_get_accelerate_launch_environment_and_talk_over_gloo(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "real").mkdir()
+    proc = run_2cpu(str(script), [tmp_path / "warm", "x y"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    warm = _records(tmp_path / "warm")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    real_proc = subprocess.run(
+        [*ACCELERATE_2CPU, str(script), str(tmp_path / "real"), "x y"], capture_output=True, text=True, env=env
+    )
+    assert real_proc.returncode == 0, real_proc.stderr[-4000:]
+    real = _records(tmp_path / "real")
+    for rank, (w, r) in enumerate(zip(warm, real, strict=True)):
+        assert (w["index"], w["num"], w["backend"], w["sum"]) == (r["index"], r["num"], r["backend"], r["sum"])
+        assert (r["index"], r["num"], r["backend"], r["sum"]) == (rank, 2, "gloo", 3.0)  # 1 + 2 over gloo
+        assert w["argv"] == [str(tmp_path / "warm"), "x y"] and r["argv"] == [str(tmp_path / "real"), "x y"]
+        # the variables accelerate launch sets, with its values; the rendezvous port is each launch's own free one
+        assert set(w["env"]) >= set(r["env"]), set(r["env"]) - set(w["env"])
+        for key, value in r["env"].items():
+            if key != "MASTER_PORT":
+                assert w["env"][key] == value, (key, w["env"][key], value)
+        assert w["threads"] == r["threads"] == 1
+
+
+def test_a_failing_rank_fails_the_run_and_ends_the_other(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('rank 1 gives up', flush=True)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(600)  # rank 0 would wait for it forever\n"
+    )
+    proc = run_2cpu(str(script), [], timeout=300)
+    assert proc.returncode == 3
+    assert proc.stdout.rstrip().endswith("rank 1 gives up"), proc.stdout  # the failed rank's output last
+
+
+def test_a_hung_script_is_killed_at_the_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_script(str(script), [], timeout=3)
+    assert "started" in info.value.output
+
+
+def test_a_script_runs_as_main_in_the_given_folder_and_ends_like_an_interpreter(tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import atexit, os, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    print('thread joined', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+        "print(__name__, os.getcwd(), os.environ['WARM_TEST'], sys.argv[1:], flush=True)\n"
+        "raise SystemExit(7)\n"
+    )
+    proc = run_script(str(script), ["a", 1], env={"WARM_TEST": "yes"}, cwd=str(tmp_path), timeout=60)
+    assert proc.returncode == 7
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == f"__main__ {tmp_path} yes ['a', '1']"
+    assert lines[1:] == ["thread joined", "atexit ran"]  # non-daemon threads first, then the exit handlers
