@@ -48,3 +48,24 @@ def test_a_killed_groups_segments_are_removed_and_no_one_elses():
             os.killpg(holder.pid, signal.SIGKILL)
         if foreign is not None:
             foreign.unlink()
+
+
+def _watching_child(path: str) -> None:
+    from grpo_async.generation.server_process import exit_with_parent
+
+    assert exit_with_parent(interval=0.05, grace=1.0)
+    time.sleep(1.0)  # twenty polls of the watch
+    with open(path, "w") as f:
+        f.write(str(os.getppid()))
+
+
+def test_exit_with_parent_watches_the_real_parent_under_forkserver(tmp_path):
+    """Under the forkserver start method the process that asked for the child is not its parent (the fork server
+    is): the watch must not take the one for the other and kill the child at its first poll (it did: exit -15)."""
+    from warm_launch import _context  # the suite's fork server (one per process: started once, preloaded)
+
+    p = _context().Process(target=_watching_child, args=(str(tmp_path / "alive"),))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    assert int((tmp_path / "alive").read_text()) != os.getpid()  # its parent was the fork server
