@@ -54,7 +54,11 @@ def test_ranks_get_accelerate_launch_environment_and_talk_over_gloo(tmp_path):
     warm = _records(tmp_path / "warm")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     real_proc = subprocess.run(
-        [*ACCELERATE_2CPU, str(script), str(tmp_path / "real"), "x y"], capture_output=True, text=True, env=env
+        [*ACCELERATE_2CPU, str(script), str(tmp_path / "real"), "x y"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert real_proc.returncode == 0, real_proc.stderr[-4000:]
     real = _records(tmp_path / "real")
