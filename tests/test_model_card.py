@@ -155,16 +155,8 @@ def test_demo_use_peft_saves_the_adapter_and_its_card(tmp_path):
     out = str(tmp_path / "demo")
     argv = ["--backend", "hf", "--output_dir", out]
     argv += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
-    argv += [
-        "--max_completion_length",
-        "8",
-        "--use_peft",
-        "--lora_r",
-        "8",
-        "--lora_target_modules",
-        "q_proj",
-        "v_proj",
-    ]
+    argv += ["--max_completion_length", "8", "--use_peft"]
+    argv += ["--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
     # `python recipes/demo.py ...` in a fork of the warm interpreter (`warm_launch.py`)
     demo = os.path.join(ROOT, "recipes", "demo.py")
     proc = run_script(demo, argv, env={"OMP_NUM_THREADS": "1"}, timeout=300, cwd=ROOT)

@@ -28,12 +28,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
+
+from grpo_async.generation.http_client import free_port
 
 #: imported once by the fork server, before any rank forks: the stack every training script imports
 PRELOAD = [
@@ -60,12 +61,6 @@ def _context():
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
     return _CTX
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _accelerate_env() -> dict[str, str]:
@@ -145,7 +140,7 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
     base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
     base.setdefault("ACCELERATE_USE_CPU", "true")
     base.update(_accelerate_env())
-    port = str(_free_port())
+    port = str(free_port("127.0.0.1"))
     envs = []
     for rank in range(nprocs):
         rank_env = {
@@ -241,7 +236,6 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     """`launch_server(model, api_key=..., extra_args=..., env=..., wait=False)`, its API process forked from the warm
     interpreter: the same command line (run as `python -m grpo_async.generation.serve`), environment, session and
     log; a `ServerProcess` (call `wait_ready`)."""
-    from grpo_async.generation.http_client import free_port
     from grpo_async.generation.server_process import ServerProcess, _shm_names, server_command, server_log_path
 
     port = port or free_port("127.0.0.1")
