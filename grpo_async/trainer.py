@@ -341,5 +341,11 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             self._saving_into_staging = False
 
     def _run_epoch(self, *args, **kwargs):
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            # resumed from a checkpoint at (or past) `max_steps`, mid-epoch: `Trainer` would train one more step before
+            # its `max_steps` check (a finished run re-launched with `resume_from_checkpoint` trained step N + 1)
+            logger.info(f"resumed at step {self.state.global_step}, max_steps={self.state.max_steps}: no step left")
+            self.control.should_training_stop = True
+            return
         with wrapper_skips_batches():  # resuming mid-epoch: our look-ahead wrapper skips the batches itself
             return super()._run_epoch(*args, **kwargs)

@@ -127,6 +127,29 @@ def test_resume_refuses_a_changed_batch_geometry(tiny_model_path, tmp_path):
         t.train(resume_from_checkpoint=True)
 
 
+def test_resume_from_the_last_checkpoint_trains_nothing_more(tiny_model_path, tmp_path):
+    """A run that ended at `max_steps` mid-epoch (its last checkpoint at that step), launched again with
+    `resume_from_checkpoint`, ends at once: no step N + 1 (transformers' loop trained one before its `max_steps` check;
+    the chaos test's trainer, killed after its last checkpoint, logged step 21 of 20)."""
+    _run.model_path = tiny_model_path
+    args = _args(str(tmp_path / "run"), 1)
+    args.max_steps = S  # 2 steps per epoch: step 3 is mid-epoch 1
+
+    def run(resume=None):
+        t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(8))
+        t.train(resume_from_checkpoint=resume)
+        t.end()
+        return t
+
+    first = run()
+    assert first.state.global_step == S and os.path.isdir(tmp_path / "run" / f"checkpoint-{S}")
+    again = run(resume=True)
+    assert getattr(again, "seen", []) == []  # no micro-batch trained
+    assert again.state.global_step == S
+    assert [h["step"] for h in again.state.log_history if "loss" in h] == [1, 2, 3]  # restored, none added
+    assert not os.path.isdir(tmp_path / "run" / f"checkpoint-{S + 1}")
+
+
 @pytest.mark.multiprocess
 def test_two_process_resume(tiny_model_path, tmp_path):
     def run(out, **env):

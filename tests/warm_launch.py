@@ -10,9 +10,17 @@ variables from accelerate's own `prepare_multi_gpu_env`, torchelastic's `RANK` /
 the script as `__main__` with `sys.argv` set.
 
 The test servers of `vllm_utils.running_servers` start the same way (`start_server`): `grpo-async serve`'s API
-process is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it (its engine-core
-process is vLLM's own `spawn`, as always); ~7 of the ~17 s a server takes to be ready on 2 quiet cores are that
-process's imports.
+process is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it; ~7 of the ~17 s
+a server takes to be ready on 2 quiet cores are that process's imports. Its engine-core process is a `fork()` of that
+API process instead of vLLM's `spawn` (which vLLM's CPU platform forces: a fresh interpreter importing torch and vLLM
+again, ~5.5 of the ~9.5 s a forked API process then still needed to be ready; 4 s with the fork). Safe there: the API
+process has run no OpenMP region and no `torch.distributed` group (vLLM forks its engine core by default elsewhere).
+Not in the ranks: a rank's colocated engine would inherit the rank's gloo group. The servers that start as real
+commands (`test_cli`, `test_readme_commands`, `test_hardening`, `test_security`, ...) keep vLLM's `spawn`.
+
+Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
+shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
+original environment layout, so it runs before the environment is replaced).
 
 What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`), the launch configs
 (`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), and whatever is about how a process ends
@@ -87,8 +95,12 @@ def _rank_main(
     """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
     `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
     exit status. A module runs in a session of its own (`start_new_session`, as `launch_server` starts servers)."""
+    import setproctitle  # before the environment changes below: it needs the process's original argv/environ layout
+
+    setproctitle.setproctitle(" ".join([sys.executable, *(["-m", script] if module else [script]), *argv]))
     if module:
         os.setsid()
+        _fork_engine_core()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -123,6 +135,13 @@ def _rank_main(
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def _fork_engine_core() -> None:
+    """In a forked server's API process: vLLM starts the engine core with `fork` (see the module docstring)."""
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
 def run_script(script: str, args: list, *, env: dict | None = None, timeout: float = 600.0, cwd: str | None = None):
