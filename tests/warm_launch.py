@@ -15,8 +15,12 @@ a server takes to be ready on 2 quiet cores are that process's imports. Its engi
 API process instead of vLLM's `spawn` (which vLLM's CPU platform forces: a fresh interpreter importing torch and vLLM
 again, ~5.5 of the ~9.5 s a forked API process then still needed to be ready; 4 s with the fork). Safe there: the API
 process has run no OpenMP region and no `torch.distributed` group (vLLM forks its engine core by default elsewhere).
-Not in the ranks: a rank's colocated engine would inherit the rank's gloo group. The servers that start as real
-commands (`test_cli`, `test_readme_commands`, `test_hardening`, `test_security`, ...) keep vLLM's `spawn`.
+The ranks of `run_2cpu` fork theirs too: there a colocated engine (`separate_process`) is an engine core plus a worker
+process it starts (vLLM's CPU platform requires the multiprocess executor then); forked, the engine core runs the
+scheduler only (the worker, still spawned, holds the model and joins vLLM's own process group), and a rank runs one
+OpenMP thread. `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several threads first, after
+which a forked child's OpenMP can hang. The servers that start as real commands (`test_cli`, `test_readme_commands`,
+`test_hardening`, `test_security`, ...) keep vLLM's `spawn`.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
@@ -90,7 +94,13 @@ def _accelerate_env() -> dict[str, str]:
 
 
 def _rank_main(
-    script: str, argv: list[str], env: dict[str, str], log_path: str, module: bool = False, cwd: str | None = None
+    script: str,
+    argv: list[str],
+    env: dict[str, str],
+    log_path: str,
+    module: bool = False,
+    cwd: str | None = None,
+    fork_engine: bool = False,
 ) -> None:
     """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
     `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
@@ -100,6 +110,7 @@ def _rank_main(
     setproctitle.setproctitle(" ".join([sys.executable, *(["-m", script] if module else [script]), *argv]))
     if module:
         os.setsid()
+    if fork_engine:
         _fork_engine_core()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -176,10 +187,12 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
             "TORCHELASTIC_RUN_ID": "none",
         }
         envs.append(rank_env)
-    return _run_forked(script, args, envs, timeout)
+    return _run_forked(script, args, envs, timeout, fork_engine=True)
 
 
-def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: float, cwd: str | None = None):
+def _run_forked(
+    script: str, args: list, envs: list[dict[str, str]], timeout: float, cwd: str | None = None, fork_engine=False
+):
     """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu`."""
     import tempfile
 
@@ -189,7 +202,8 @@ def _run_forked(script: str, args: list, envs: list[dict[str, str]], timeout: fl
     for rank, env in enumerate(envs):
         fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
         os.close(fd)
-        p = ctx.Process(target=_rank_main, args=(script, [str(a) for a in args], env, log, False, cwd), daemon=False)
+        argv = [str(a) for a in args]
+        p = ctx.Process(target=_rank_main, args=(script, argv, env, log, False, cwd, fork_engine), daemon=False)
         p.start()
         logs.append(log)
         procs.append(p)
@@ -263,7 +277,7 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
     p = _context().Process(
-        target=_rank_main, args=(args[2], args[3:], full_env, log_path, True, os.getcwd()), daemon=False
+        target=_rank_main, args=(args[2], args[3:], full_env, log_path, True, os.getcwd(), True), daemon=False
     )
     p.start()
     server = ServerProcess(
