@@ -149,7 +149,8 @@ def _rank_main(
 
 
 def _fork_engine_core() -> None:
-    """In a forked server's API process: vLLM starts the engine core with `fork` (see the module docstring)."""
+    """In a forked server's API process or a `run_2cpu` rank: vLLM starts its engine core with `fork` (see the module
+    docstring)."""
     import vllm.v1.engine.utils as engine_utils
 
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
@@ -191,7 +192,12 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
 
 
 def _run_forked(
-    script: str, args: list, envs: list[dict[str, str]], timeout: float, cwd: str | None = None, fork_engine=False
+    script: str,
+    args: list,
+    envs: list[dict[str, str]],
+    timeout: float,
+    cwd: str | None = None,
+    fork_engine: bool = False,
 ):
     """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu`."""
     import tempfile
