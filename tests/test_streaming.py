@@ -133,17 +133,29 @@ def _hf_logps(model, weights, prompt_ids, prompt_mask, completion_ids) -> torch.
     return torch.log_softmax(logits, -1).gather(1, completion_ids[:, None]).squeeze(1)  # [T]
 
 
-def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path, tmp_path):
+def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path, tmp_path, monkeypatch):
     """In-flight updates on the in-process engine: the straggler's tokens are sampled across weight loads, so its row
     carries several versions (non-decreasing along the completion); its `policy_version` (staleness, the drop rule)
     is the oldest token's; its sampler logprobs are per token: the tokens sampled before the first load match the
     version-0 weights (HF, 1e-4), those after it are closer to the weights of their own version than to version 0
     (over all of them: a token after a load attends to keys and values the engine computed before it, so one token
-    alone may not be), and the IS weights are exp(old − sampler) of exactly those logprobs."""
+    alone may not be), and the IS weights are exp(old − sampler) of exactly those logprobs.
+
+    Every engine step takes ≥ 10 ms here: the straggler's 200 steps then outlast the first optimizer step (the short
+    groups need 20), so a load lands mid-sample whatever the machine's speed (on the tiny model's ~2 ms steps the
+    straggler sometimes finished before the first load: failed 1 run in 3, on main too)."""
     from transformers import AutoModelForCausalLM
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     from grpo_async.algo.loss import importance_sampling_weights
 
+    step = LLMEngine.step
+
+    def slow_step(self):
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
     weights = Weights()
     args = _args(tmp_path, weight_sync_inflight=True, num_batches_ahead=2)  # 3 rounds of groups in the stream
     trainer = Recorder(

@@ -47,6 +47,21 @@ class LoopRequest:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def adopt_torch_threads() -> None:
+    """Give the calling thread the process's torch thread count (`torch.set_num_threads`) before it steps an
+    in-process vLLM engine.
+
+    OpenMP keeps the thread count per thread; torch applies its own setting to a thread lazily, at the thread's first
+    torch call. vLLM's CPU attention sizes its scheduling metadata with the calling thread's OpenMP count before any
+    torch call of a fresh thread, then runs with torch's: a process that set `torch.set_num_threads(k)` (k ≠ OpenMP's
+    default, e.g. `OMP_NUM_THREADS` unset and 1 thread asked for) failed its first generation on a new thread with
+    `Check failed: input->metadata->thread_num == thread_num (2 vs. 1)`. Asking torch for the count applies it here.
+    """
+    import torch
+
+    torch.get_num_threads()
+
+
 class EngineLoop:
     """Owns the stepping of `engine` (a `vllm` V1 `LLMEngine`) on its thread.
 
@@ -185,6 +200,7 @@ class EngineLoop:
         r.done.set()
 
     def _run(self) -> None:
+        adopt_torch_threads()
         try:
             while not self._stop.is_set():
                 with self._step_lock:

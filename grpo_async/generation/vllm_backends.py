@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
-from grpo_async.generation.engine_loop import EngineLoop
+from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
@@ -349,6 +349,7 @@ class VLLMColocateBackend:
         `GenerationAborted` is raised. Outputs in submission order."""
         if self._aborted.is_set():
             raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
+        adopt_torch_threads()  # the generator thread steps the engine: torch's thread count, not OpenMP's default
         llm = self.llm
         while llm.llm_engine.has_unfinished_requests():  # left by an aborted call (vLLM aborts a request with n > 1
             llm.llm_engine.step()  # by its children's ids, which enqueue does not return): finished, discarded
