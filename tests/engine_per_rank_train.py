@@ -1,7 +1,8 @@
 """Launched by tests/test_engine_per_rank.py on 2 processes (gloo on CPU): trains with an engine on every rank and
 writes, per rank, what it trained on, what its own engine counted, and its engine's logprobs against its model's.
 
-argv: MODEL OUT_DIR BACKEND ("hf" | "vllm" | "hf_env": hf with a multi-turn environment on every rank)
+argv: MODEL OUT_DIR BACKEND ("hf" | "vllm" | "hf_env": hf with a multi-turn environment on every rank | "vllm_main":
+in-process vLLM with groups of 16, which one rank's 8 rows of a round would split: the main process generates alone)
 """
 
 import gc
@@ -64,11 +65,29 @@ def engine_counter(backend) -> int:
     return backend.completions_generated
 
 
+def engine_processes() -> list[str]:
+    """The command lines of this process's descendants that run vLLM (an engine core, its worker)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "VLLM" in cmd or "spawn_main" in cmd:
+            found.append(cmd)
+    return found
+
+
 @torch.no_grad()
-def engine_vs_model(trainer) -> float:
-    """Largest |engine logprob − model logprob| of one sampled completion, after publishing the model's weights."""
+def engine_vs_model(trainer) -> float | None:
+    """Largest |engine logprob − model logprob| of one sampled completion, after publishing the model's weights (None
+    on a rank without an engine)."""
     trainer.sync_weights()  # every rank: its model into its own engine
     backend = trainer.backend
+    if backend is None:
+        return None
     prompt = trainer.processing_class("Say b")["input_ids"]
     (c,) = backend.generate([prompt], SamplingConfig(n=1, temperature=1.0, max_tokens=6, seed=123))
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -82,7 +101,9 @@ def main():
     model_path, out_dir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
     rank = int(os.environ["LOCAL_RANK"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % os.cpu_count()))  # each engine its own core
-    extra = {"generation_backend": "vllm", "vllm_max_model_length": 64} if backend == "vllm" else {}
+    extra = {"generation_backend": "vllm", "vllm_max_model_length": 64} if backend.startswith("vllm") else {}
+    if backend == "vllm_main":
+        extra["num_generations"] = 16
     env = {"environment": Echo()} if backend == "hf_env" else {}
     rewards = [letter_reward, replies_match] if env else letter_reward
     args = GRPOConfig(
@@ -90,7 +111,7 @@ def main():
         use_cpu=True,
         report_to=[],
         per_device_train_batch_size=4,
-        num_generations=4,
+        num_generations=extra.pop("num_generations", 4),
         gradient_accumulation_steps=2,
         max_completion_length=16 if env else 6,
         max_steps=3,
@@ -106,9 +127,10 @@ def main():
     )
     trainer = Recorder(model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), **env)
     trainer.train()
-    counted = engine_counter(trainer.backend)
+    children = engine_processes()  # the engine runs inside this process unless it is the only one (vllm_main)
+    counted = engine_counter(trainer.backend) if trainer.backend is not None else None
     logp_gap = engine_vs_model(trainer)
-    version = trainer.backend.version
+    version = trainer.backend.version if trainer.backend is not None else None
     trainer.close()
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     with open(os.path.join(out_dir, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
@@ -118,6 +140,7 @@ def main():
                 "world": trainer.accelerator.num_processes,
                 "seen": trainer.seen,
                 "engine_counter": counted,
+                "engine_processes": children,
                 "rounds_produced": trainer.producer.rounds_produced,
                 "engine_version": version,
                 "global_step": trainer.state.global_step,

@@ -74,10 +74,27 @@ def test_hf_engine_on_every_rank_runs_a_multi_turn_environment(tiny_model_path, 
 
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.slow  # ~90 s: two vLLM engines start, each in a child process of its rank
+@pytest.mark.slow  # two vLLM engines start, each inside its rank's process
 def test_vllm_colocate_engine_on_every_rank(tiny_model_path, tmp_path):
+    """Each rank's engine runs inside the rank's process (vLLM's `external_launcher`, as TRL's colocate mode): no
+    engine-core or worker process."""
     ranks = _launch(tiny_model_path, str(tmp_path), "vllm")
     _check(ranks, per_round_count=L // G)  # vLLM counts requests: one per prompt (n = G, seeded)
+    assert [r["engine_processes"] for r in ranks] == [[], []]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_vllm_colocate_on_the_main_process_alone_runs_its_engine_in_a_child_process(tiny_model_path, tmp_path):
+    """Groups of 16 that a rank's 8 rows would split: the main process generates every row, and its engine core runs
+    in a child process (an in-process start-up would wait in collectives of the trainer's group that rank 1 never
+    enters); each row is trained once, the engine follows the main process's model."""
+    ranks = _launch(tiny_model_path, str(tmp_path), "vllm_main")
+    check_disjoint_slices(ranks, mu=1, steps=STEPS, R=R, G=16)
+    main, other = ranks
+    assert any("EngineCore" in c for c in main["engine_processes"]), main["engine_processes"]
+    assert other["engine_processes"] == [] and other["engine_counter"] is None and other["logp_gap"] is None
+    assert main["engine_version"] == main["global_step"] == STEPS and main["logp_gap"] < 1e-3
 
 
 def token_sum(completion_ids, **kwargs):

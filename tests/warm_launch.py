@@ -15,11 +15,12 @@ a server takes to be ready on 2 quiet cores are that process's imports. Its engi
 API process instead of vLLM's `spawn` (which vLLM's CPU platform forces: a fresh interpreter importing torch and vLLM
 again, ~5.5 of the ~9.5 s a forked API process then still needed to be ready; 4 s with the fork). Safe there: the API
 process has run no OpenMP region and no `torch.distributed` group (vLLM forks its engine core by default elsewhere).
-The ranks of `run_2cpu` fork theirs too: there a colocated engine (`separate_process`) is an engine core plus a worker
-process it starts (vLLM's CPU platform requires the multiprocess executor then); forked, the engine core runs the
-scheduler only (the worker, still spawned, holds the model and joins vLLM's own process group), and a rank runs one
-OpenMP thread. `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several threads first, after
-which a forked child's OpenMP can hang. The servers that start as real commands (`test_cli`, `test_readme_commands`,
+The ranks of `run_2cpu` fork theirs too where a rank starts one (a colocated engine runs inside its rank, but with
+`separate_process`, the main process generating alone, it is an engine core plus a worker process it starts: vLLM's
+CPU platform requires the multiprocess executor then); forked, the engine core runs the scheduler only (the worker,
+still spawned, holds the model and joins vLLM's own process group), and a rank runs one OpenMP thread.
+`run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several threads first, after which a forked
+child's OpenMP can hang. The servers that start as real commands (`test_cli`, `test_readme_commands`,
 `test_hardening`, `test_security`, ...) keep vLLM's `spawn`.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`

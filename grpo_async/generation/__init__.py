@@ -57,7 +57,7 @@ def _lora_rank(args, model) -> int | None:
     return adapter_max_rank(model) if lora_sync_mode(args, model) == "adapter" else None
 
 
-def _make_vllm_colocate(args, model, tokenizer, model_path: str):
+def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_process: bool = False):
     from .vllm_backends import VLLMColocateBackend
 
     base = base_model(model)
@@ -71,6 +71,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str):
         trust_remote_code=args.trust_remote_code,  # off unless the user asked for it
         enforce_eager=args.vllm_enforce_eager,
         lora_rank=_lora_rank(args, model),  # adapter sync: the engine serves base + LoRA
+        separate_process=separate_process,
     )
 
 
@@ -185,8 +186,12 @@ def make_backend(args, model, tokenizer, model_path: str | None = None) -> Gener
     return BACKENDS[name](args, model, tokenizer, model_path)
 
 
-def make_trainer_backend(args, model, tokenizer, model_source: str | None):
+def make_trainer_backend(args, model, tokenizer, model_source: str | None, *, alone: bool = False):
     """The backend a trainer generates with: `(backend, temporary folder to delete at close or None)`.
+
+    `alone`: this process is the only one of several to build an engine (the main process generating for all): an
+    in-process vLLM engine then starts its engine core in a child process, since its in-process start-up takes part
+    in collectives of the trainer's process group that no other rank enters (`VLLMColocateBackend`).
 
     Under ZeRO-3 the `hf` backend generates on an unpartitioned twin of the architecture (a forward of the
     partitioned policy needs every rank); it receives whole weights, gathered group by group, before its first round.
@@ -213,6 +218,8 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None):
             state = {k: v for k, v in named if k is not None}
         base_model(model).save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
+    if alone and BACKENDS.get(args.generation_backend) is _make_vllm_colocate:
+        return _make_vllm_colocate(args, model, tokenizer, model_source, separate_process=True), folder
     return make_backend(args, model, tokenizer, model_source), folder
 
 

@@ -210,12 +210,14 @@ def parse_completions_response(resp, n: int, where: str) -> list[Completion]:
 class VLLMColocateBackend:
     """A `vllm.LLM` in this process; weights loaded in place between rounds.
 
-    With one training process the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here when
-    unset) and weights are handed over by reference. With several training processes (`accelerate launch`,
-    `torchrun`) vLLM's in-process start-up would join the trainer's process group (a collective only this rank
-    enters: a silent deadlock), so the engine core runs in a child process of this rank (`separate_process=True`)
-    and weights travel through shared memory. On CPU also set `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, e.g. `1`).
-    vLLM CPU pins this process's OpenMP threads and drops torch to one thread.
+    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here when unset) and weights are handed
+    over by reference. With several training processes (`accelerate launch`, `torchrun`) every rank builds its own
+    engine at the same point, as TRL's colocate mode does: vLLM's `external_launcher` executor, whose start-up makes
+    its (one-rank) groups from the trainer's process group with collectives every rank enters. Where one rank alone
+    builds an engine (the main process generating for all), those collectives would wait for the others forever:
+    `separate_process=True` then runs the engine core in a child process of this rank (plus its worker process:
+    vLLM's multiprocess executor) and weights travel through shared memory. On CPU also set `VLLM_CPU_KVCACHE_SPACE`
+    (GiB of KV cache, e.g. `1`).
 
     Args:
         model_path (`str`): model folder (HF format).
@@ -225,8 +227,8 @@ class VLLMColocateBackend:
         seed (`int`, *optional*, defaults to 0): engine seed.
         bucket_mb (`float`, *optional*, defaults to 64): weight-sync bucket size in MiB.
         enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
-        separate_process (`bool`, *optional*): run the engine core in a child process; default: when
-            `torch.distributed` is initialized with more than one process.
+        separate_process (`bool`, *optional*, defaults to `False`): run the engine core in a child process (when
+            this rank alone builds an engine in a run of several processes).
         lora_rank (`int`, *optional*): serve the policy as the base model plus a LoRA adapter of at most this rank
             (vLLM `enable_lora`); the trainer then sends only the adapter (`load_adapter`), and every `generate` uses
             the adapter last loaded (none before the first load: the base model).
@@ -245,20 +247,21 @@ class VLLMColocateBackend:
         seed: int = 0,
         bucket_mb: float = 64.0,
         enforce_eager: bool = True,
-        separate_process: bool | None = None,
+        separate_process: bool = False,
         lora_rank: int | None = None,
         **llm_kwargs,
     ):
-        if separate_process is None:
-            dist = torch.distributed
-            separate_process = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if separate_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        elif os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise ValueError(
-                "VLLMColocateBackend needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}), or pass separate_process=True"
-            )
+        else:
+            if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+                raise ValueError(
+                    "VLLMColocateBackend needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                    f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}), or pass separate_process=True"
+                )
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         from vllm import LLM
 
         if lora_rank is not None:  # one adapter per batch; the previous one stays resident (keep=2)

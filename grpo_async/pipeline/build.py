@@ -122,17 +122,20 @@ class TrainerLink:
 @dataclass
 class EngineFactory:
     """Builds the generation engine on first use (the main process, or every rank: `generates_on_every_rank`):
-    `(backend, temporary model folder or None)`."""
+    `(backend, temporary model folder or None)`. `alone`: the main process builds the only engine of several
+    processes."""
 
     config: Any
     link: TrainerLink
     tokenizer: Any
     model_source: str | None
+    alone: bool = False
 
     def __call__(self):
         from ..generation import make_trainer_backend
 
-        return make_trainer_backend(self.config, self.link.unwrapped_policy(), self.tokenizer, self.model_source)
+        policy = self.link.unwrapped_policy()
+        return make_trainer_backend(self.config, policy, self.tokenizer, self.model_source, alone=self.alone)
 
 
 @dataclass
@@ -185,7 +188,8 @@ def build_pipeline(
 
     per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
     has_engine = per_rank or collectives.is_main
-    engine = SharedBackend(EngineFactory(config, link, tokenizer, model_source)) if has_engine else None
+    alone = not per_rank and collectives.num_processes > 1
+    engine = SharedBackend(EngineFactory(config, link, tokenizer, model_source, alone)) if has_engine else None
     publisher = PolicyPublisher(
         engine,
         enabled=config.syncs_weights,

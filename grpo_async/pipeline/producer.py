@@ -125,6 +125,14 @@ class RoundProducer:
         self._aborted.clear()
         self.backend.resume()
 
+    def build_engine(self) -> None:
+        """Build the backend now, on the calling thread (no-op when built). The scheduler calls it on the trainer's
+        thread before a `train()` submits its first round: an in-process vLLM engine on every rank starts with
+        collectives over the trainer's process group (`VLLMColocateBackend`), which must run at the same point on
+        every rank, not on a generator thread beside the trainer's own collectives."""
+        if self.backend is not None:
+            self.backend.get()
+
     def start_streaming(self) -> None:
         """Stream mode: build the backend and make it take concurrent `generate` calls (`start_streaming` of the
         vLLM backends); a backend that cannot (hf) is refused naming both settings."""

@@ -336,6 +336,7 @@ class RoundScheduler:
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
         if self.generates and self.generator is None:
+            self.producer.build_engine()  # here, on every rank that generates (see `RoundProducer.build_engine`)
             self.generator = self._start_generator()
         rnd = self._fetch() if self.round in self.submitted else None
         self.publish(policy, version)  # the weights of this step, for the rounds submitted next
