@@ -102,7 +102,7 @@ def interleaved_trainer(warmup: int, block: int):
             trainer = self
 
             class Producer:  # the scheduler calls it (generator thread) and aborts it at shutdown
-                abort, resume = produce.abort, produce.resume
+                abort, resume, build_engine = produce.abort, produce.resume, produce.build_engine
 
                 def __call__(self, request):
                     if mode_of(request.round_id - 1, warmup, block) == "train_alone" and last:
