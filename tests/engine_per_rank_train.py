@@ -2,7 +2,8 @@
 writes, per rank, what it trained on, what its own engine counted, and its engine's logprobs against its model's.
 
 argv: MODEL OUT_DIR BACKEND ("hf" | "vllm" | "hf_env": hf with a multi-turn environment on every rank | "vllm_main":
-in-process vLLM with groups of 16, which one rank's 8 rows of a round would split: the main process generates alone)
+in-process vLLM with groups of 16, which one rank's 8 rows of a round would split: the main process generates alone |
+"vllm_eval": in-process vLLM without weight sync, `evaluate()` before `train()`)
 """
 
 import gc
@@ -104,6 +105,8 @@ def main():
     extra = {"generation_backend": "vllm", "vllm_max_model_length": 64} if backend.startswith("vllm") else {}
     if backend == "vllm_main":
         extra["num_generations"] = 16
+    if backend == "vllm_eval":  # evaluate() before train(), nothing published: no weight sync to build the engines
+        extra["weight_sync_transport"] = "none"
     env = {"environment": Echo()} if backend == "hf_env" else {}
     rewards = [letter_reward, replies_match] if env else letter_reward
     args = GRPOConfig(
@@ -125,7 +128,11 @@ def main():
         seed=0,
         **extra,
     )
-    trainer = Recorder(model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), **env)
+    evals = {"eval_dataset": make_dataset(8, seed=5)} if backend == "vllm_eval" else {}
+    trainer = Recorder(
+        model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), **env, **evals
+    )
+    evaluated = sorted(trainer.evaluate()) if evals else []
     trainer.train()
     children = engine_processes()  # the engine runs inside this process unless it is the only one (vllm_main)
     counted = engine_counter(trainer.backend) if trainer.backend is not None else None
@@ -141,6 +148,7 @@ def main():
                 "seen": trainer.seen,
                 "engine_counter": counted,
                 "engine_processes": children,
+                "evaluated": evaluated,
                 "rounds_produced": trainer.producer.rounds_produced,
                 "engine_version": version,
                 "global_step": trainer.state.global_step,

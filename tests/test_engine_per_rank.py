@@ -85,6 +85,19 @@ def test_vllm_colocate_engine_on_every_rank(tiny_model_path, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.vllm
+def test_vllm_colocate_evaluate_before_train_without_weight_sync(tiny_model_path, tmp_path):
+    """`evaluate()` first, with nothing published (`weight_sync_transport="none"`): every rank's engine starts there,
+    at the same point, before the main process generates the eval completions alone (an engine started by the main
+    process alone would wait in collectives rank 1 never enters); then training generates on every rank."""
+    ranks = _launch(tiny_model_path, str(tmp_path), "vllm_eval")
+    check_disjoint_slices(ranks, mu=1, steps=STEPS, R=R, G=G)
+    for r in ranks:
+        assert "eval_reward" in r["evaluated"] and "eval_loss" in r["evaluated"], r["evaluated"]
+        assert r["engine_counter"] >= STEPS * L // G and r["engine_processes"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.vllm
 def test_vllm_colocate_on_the_main_process_alone_runs_its_engine_in_a_child_process(tiny_model_path, tmp_path):
     """Groups of 16 that a rank's 8 rows would split: the main process generates every row, and its engine core runs
     in a child process (an in-process start-up would wait in collectives of the trainer's group that rank 1 never
