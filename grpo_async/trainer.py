@@ -288,8 +288,10 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
                 out.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
             return out
         start = time.perf_counter()
-        self.producer.build_engine()  # every rank's engine, before the main process alone generates (weight sync off:
-        self._publish()  # nothing publishes here to build them; see `RoundProducer.build_engine`)
+        # every rank's engine, before the main process alone generates (with weight sync off nothing publishes here
+        # to build them; see `RoundProducer.build_engine`)
+        self.producer.build_engine()
+        self._publish()
         config = self.accelerator.unwrap_model(self.model).config
         metrics = self.evaluator(dataset, self.model, self.objective.state_dict(), config)  # pipeline/evaluation.py
         metrics["runtime"] = time.perf_counter() - start

@@ -233,10 +233,13 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
             return True
         return False
 
+    def kills() -> int:
+        return sum("SIGKILL" in k for k in kill_log)
+
     try:
-        while len([k for k in kill_log if "SIGKILL" in k]) < KILLS:
+        while kills() < KILLS:
             assert time.monotonic() < deadline, "chaos run over its time budget:\n" + "\n".join(kill_log)
-            at = kill_steps[len([k for k in kill_log if "SIGKILL" in k])]
+            at = kill_steps[kills()]
             while max(_logged_steps(out), default=0) < at and trainer.proc.poll() is None:  # it trains (again)
                 assert time.monotonic() < deadline, "the trainer made no progress:\n" + "\n".join(kill_log)
                 for i in list(restarting):
@@ -244,7 +247,7 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
                 time.sleep(0.2)
             assert trainer.proc.poll() is None, f"the run ended after {len(kill_log)} events:\n" + "\n".join(kill_log)
             time.sleep(rng.uniform(0.0, 0.5))  # a moment of the step drawn from the seed (save, push, next round)
-            target = TARGETS[len([k for k in kill_log if "SIGKILL" in k]) % len(TARGETS)]
+            target = TARGETS[kills() % len(TARGETS)]
             if target.startswith("server"):
                 i = int(target[-1])
                 if not rejoined(1 - i) or i in restarting:
