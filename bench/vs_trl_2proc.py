@@ -9,7 +9,7 @@ What it measures: seconds per optimizer step of TRL 1.16's `GRPOTrainer` and our
 - `trl_colocate` / `ours_colocate`: in-process vLLM on every rank (TRL: `use_vllm=True, vllm_mode="colocate"`, its
   engine in the dtype TRL gives it; ours: `generation_backend="vllm"`, float32), both engines inside their rank's
   process (vLLM's `external_launcher`; until 2026-11-27 ours ran its engine core and worker in child processes of
-  each rank, and the published record of that day's 06:45 run predates the change), each rank on its own core.
+  each rank; the published record is the rerun of 18:49 that day, after the change), each rank on its own core.
 
 Same everywhere: SmolLM2-135M-Instruct (`grpo_async.testing.build_smollm2`, offline), 2-digit addition chats,
 4 prompts × G = 4 × T = 32 forced tokens per step (`min_new_tokens` / `ignore_eos`), 2 prompts (8 rows) per process,
