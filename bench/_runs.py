@@ -373,24 +373,53 @@ def run_trl(spec: dict) -> dict:
     return {"step_times": clock.step_times(), "phases": ph.steps, "mean_length": median(lengths)}
 
 
-def launch(spec: dict, timeout: float = 1200.0, log=None) -> dict:
-    """Run one spec in a fresh process; return its `RUN` record (raise with the log tail if it produced none)."""
+def run_python(
+    script: str, args: list[str], *, timeout: float, env: dict | None = None, processes: int = 1, warm: bool = False
+):
+    """`python script args` in a fresh process, or with `processes` N > 1 under `accelerate launch` on N processes
+    with the README's CPU flags (`--multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`, a free port);
+    a `subprocess.CompletedProcess` with stdout and stderr together in `stdout`. `env`: the run's whole environment
+    (None: this process's). `warm` (the smoke runs, on CPU): the process or ranks are forks of a warm interpreter
+    instead (`grpo_async.testing.warm_launch`: torch, transformers, the trainers and vLLM imported once per bench
+    instead of once per run; a rank gets the variables `accelerate launch` would give it)."""
     import subprocess
 
-    cmd, env = [sys.executable, os.path.abspath(__file__), json.dumps(spec)], None
-    if spec.get("processes", 1) > 1:  # the README's CPU flags (tests/mp_utils.ACCELERATE_2CPU), a free port
-        accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1"]
-        accelerate += ["--num_processes", str(spec["processes"]), "--mixed_precision", "no", "--dynamo_backend", "no"]
-        cmd = [*accelerate, "--main_process_port", "0", *cmd[1:]]
-        env = {**os.environ, "ACCELERATE_USE_CPU": "true"} if spec["device"] == "cpu" else None
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
-    if log is not None:
-        log.write(proc.stdout)
-        log.flush()
+    if warm:
+        from grpo_async.testing.warm_launch import run_2cpu, run_script
+
+        changed = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}  # merged onto this environment
+        if processes > 1:
+            return run_2cpu(script, args, env=changed, timeout=timeout, nprocs=processes)
+        return run_script(script, args, env=changed, timeout=timeout)
+    cmd = [sys.executable, script, *args]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1"]
+        cmd += ["--num_processes", str(processes), "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd += ["--main_process_port", "0", script, *args]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
+
+
+def run_record(proc, what) -> dict:
+    """The record of the `RUN {json}` line a run printed (`run_python`'s result); raise with its output's tail,
+    naming `what`, if it printed none."""
     for line in proc.stdout.splitlines():
         if line.startswith("RUN "):
             return json.loads(line[4:])
-    raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    raise RuntimeError(f"run {what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+
+
+def launch(spec: dict, timeout: float = 1200.0, log=None, warm: bool = False) -> dict:
+    """Run one spec in a fresh process (forked from a warm interpreter with `warm`: `run_python`); return its `RUN`
+    record (raise with the log tail if it produced none)."""
+    processes = spec.get("processes", 1)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"} if processes > 1 and spec["device"] == "cpu" else None
+    proc = run_python(
+        os.path.abspath(__file__), [json.dumps(spec)], timeout=timeout, env=env, processes=processes, warm=warm
+    )
+    if log is not None:
+        log.write(proc.stdout)
+        log.flush()
+    return run_record(proc, spec)
 
 
 def launch_pinned_server(model: str, extra_args: list[str], quick_start: bool, ready_timeout: float = 240.0):

@@ -200,8 +200,17 @@ def token_budget_child(a) -> dict:
     }
 
 
+def children(a) -> dict[str, dict]:
+    """The variants of `--child` (comma-separated), one after the other in this process: their measurements."""
+    out = {}
+    for variant in a.child.split(","):
+        a.variant = variant
+        out[variant] = child(a)
+    return out
+
+
 def child(a) -> dict:
-    """One variant in this (fresh) process; returns its measurements."""
+    """One variant (`a.variant`) in this process; returns its measurements."""
     import dataclasses
 
     if a.variant.startswith("tb_"):
@@ -259,17 +268,22 @@ def child(a) -> dict:
     }
 
 
-def run_child(a, variant: str, model: str, server: str | None = None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--model", model, "--tmp", a.tmp]
-    cmd += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
-    cmd += ["--tb_rows", str(a.tb_rows), "--tb_long", str(a.tb_long), "--tb_budget", str(a.tb_budget)]
-    cmd += ["--tb_repeats", str(a.tb_repeats)]
-    if server:
-        cmd += ["--server", server]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"variant {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_children(a, variants: list[str], model: str, server: str | None = None) -> dict[str, dict]:
+    """The measurements of `variants`, each in a fresh process of its own (its peak is its own); a smoke run measures
+    them all in one process (it checks the bench's path, its numbers mean nothing: 2 processes instead of 9)."""
+    out = {}
+    for group in [variants] if a.smoke else [[v] for v in variants]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(group), "--model", model, "--tmp", a.tmp]
+        cmd += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
+        cmd += ["--tb_rows", str(a.tb_rows), "--tb_long", str(a.tb_long), "--tb_budget", str(a.tb_budget)]
+        cmd += ["--tb_repeats", str(a.tb_repeats)]
+        if server:
+            cmd += ["--server", server]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"variants {group} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main(argv=None) -> float:
@@ -291,8 +305,7 @@ def main(argv=None) -> float:
         a.rows, a.long, a.short = 4, 64, 16
         a.tb_rows, a.tb_long, a.tb_budget, a.tb_repeats = 16, 128, 256, 1
     if a.child:
-        a.variant = a.child
-        print(json.dumps(child(a)), flush=True)
+        print(json.dumps(children(a)), flush=True)
         return 0.0
 
     from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
@@ -302,14 +315,13 @@ def main(argv=None) -> float:
     pos = {"max_position_embeddings": 2 * max(a.long, a.tb_long), "seed": 0}
     model = build_tiny_model(os.path.join(a.tmp, "model"), TinyModelSpec(**SPEC, **pos))
     ref_model = build_tiny_model(os.path.join(a.tmp, "ref_model"), TinyModelSpec(**REF_SPEC, **pos))
-    res = {v: run_child(a, v, model) for v in ("padded", "packed")}
     k = a.tb_budget // a.tb_long
     if k < 1 or a.tb_rows % (4 * k):
         raise SystemExit(
             f"--tb_budget {a.tb_budget} must hold a row of --tb_long {a.tb_long}; --tb_rows a multiple of 4k"
         )
     tb_variants = ["tb_bound", "tb_budget", *(f"tb_rows_{m * k}" for m in (1, 2, 4))]
-    res.update({v: run_child(a, v, model) for v in tb_variants})
+    res = run_children(a, ["padded", "packed", *tb_variants], model)
     server = launch_server(
         ref_model,
         api_key="bench",
@@ -318,8 +330,7 @@ def main(argv=None) -> float:
         ready_timeout=300,
     )
     try:
-        res["ref_inprocess"] = run_child(a, "ref_inprocess", ref_model)
-        res["ref_server"] = run_child(a, "ref_server", ref_model, server.url)
+        res.update(run_children(a, ["ref_inprocess", "ref_server"], ref_model, server.url))
     finally:
         server.stop()
 

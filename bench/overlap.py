@@ -49,8 +49,9 @@ bench runs `--repeats` (default 3) interleaved/synchronous pairs: the `RESULT` l
 min / median / max over the repeats (each summarized on its own) are printed and stored under `spread`.
 
 Run: `python bench/overlap.py` (~8 min on 2 quiet cores: each run starts its own server); `--smoke`: a 1-layer model,
-one short repeat (checks the bench runs). Writes `bench/out/overlap.json` and `bench/plots/overlap.png`; ends with
-`RESULT overlap_fraction=<x>` (and the live metric's `live_overlap`, `live_vs_bench`).
+one short repeat, each run a fork of one warm interpreter (checks the bench runs). Writes `bench/out/overlap.json` and
+`bench/plots/overlap.png`; ends with `RESULT overlap_fraction=<x>` (and the live metric's `live_overlap`,
+`live_vs_bench`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import default_gen_backend, median  # noqa: E402
+from _runs import default_gen_backend, median, run_python, run_record  # noqa: E402
 
 MODES = ("async", "gen_alone", "train_alone", "sync")  # the blocks of the interleaved run, in turn
 LIVE_KEYS = ("async/overlap", "async/trainer_wait", "async/generator_idle", "async/bottleneck")
@@ -162,25 +162,18 @@ def child(spec: dict) -> dict:
     return out
 
 
-def launch(spec: dict, log=None, timeout: float = 1200.0, attempts: int = 2) -> dict:
-    """Run one spec in a fresh process (`--child`); its `RUN` record. A failed run (e.g. a server that did not start
-    on a machine shared with other jobs) is tried again once, then raises with the log tail."""
+def launch(spec: dict, log=None, timeout: float = 1200.0, attempts: int = 2, warm: bool = False) -> dict:
+    """Run one spec in a fresh process (`--child`; a fork of a warm interpreter with `warm`: `_runs.run_python`); its
+    `RUN` record. A failed run (e.g. a server that did not start on a machine shared with other jobs) is tried again
+    once, then raises with the log tail."""
     for attempt in range(attempts):
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
+        proc = run_python(os.path.abspath(__file__), ["--child", json.dumps(spec)], timeout=timeout, warm=warm)
         if log is not None:
             log.write(proc.stdout)
             log.flush()
-        for line in proc.stdout.splitlines():
-            if line.startswith("RUN "):
-                return json.loads(line[4:])
+        if any(line.startswith("RUN ") for line in proc.stdout.splitlines()) or attempt == attempts - 1:
+            return run_record(proc, spec)
         print(f"run {spec['phase']} failed (exit {proc.returncode}, attempt {attempt + 1}/{attempts})", flush=True)
-    raise RuntimeError(f"run {spec} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
 
 
 # ---------------------------------------------------------------------------------------------- the numbers
@@ -384,7 +377,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join(HERE, "out", "overlap.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "overlap.png"))
     ap.add_argument("--from-runs", default=None, help="recompute the summary from the runs of an overlap.json")
-    ap.add_argument("--smoke", action="store_true", help="a 1-layer model, 1 short repeat: checks the bench runs")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a 1-layer model, 1 short repeat, runs forked from a warm interpreter: checks the bench runs",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run (JSON spec), in a fresh process
     a = ap.parse_args(argv)
     if a.smoke:
@@ -437,7 +434,7 @@ def main(argv=None) -> dict:
     with open(a.out.replace(".json", ".runs.log"), "w") as log:
         for r in range(a.repeats):
             for name, spec in (("interleaved", interleaved), ("sync", sync)):
-                run = launch(spec, log=log)
+                run = launch(spec, log=log, warm=a.smoke and a.device == "cpu")
                 runs[name].append(run)
                 if name == "sync":
                     recs = [step_record(run, j) for j in range(a.warmup, len(run["step_times"]))]

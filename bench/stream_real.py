@@ -39,8 +39,9 @@ Printed: per mode the accuracy curve (step, seconds, accuracy), s/step. `RESULT`
   `stream_real_speedup` (rounds ÷ stream of those seconds, the same number of steps).
 
 Run: `python bench/stream_real.py` (~17 min on 2 CPU cores: two ~5 min runs, their scoring, the server's start);
-`--smoke`: the tiny random model, 2 steps each, a handful of problems (a minute). Writes `bench/out/stream_real.json`
-and `bench/plots/stream_real.png` (accuracy vs wall-clock seconds, both modes).
+`--smoke`: the tiny random model, 2 steps each, a handful of problems, each run a fork of one warm interpreter (a
+minute). Writes `bench/out/stream_real.json` and `bench/plots/stream_real.png` (accuracy vs wall-clock seconds, both
+modes).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,26 +146,23 @@ def child(spec: dict) -> dict:
     }
 
 
-def launch(mode_argv: list[str], argv: list[str], eval_every: int, log, timeout: float, trainer_core) -> dict:
+def launch(
+    mode_argv: list[str], argv: list[str], eval_every: int, log, timeout: float, trainer_core, warm: bool = False
+) -> dict:
+    """One mode's run (`--child`) in a fresh process (a fork of a warm interpreter with `warm`: `_runs.run_python`);
+    its `RUN` record."""
+    from _runs import run_python, run_record
+
     spec = {"argv": argv + mode_argv, "eval_every": eval_every, "trainer_core": trainer_core}
     env = None if trainer_core is None else {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(  # argv names the run's own output_dir
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    # argv names the run's own output_dir
+    proc = run_python(os.path.abspath(__file__), ["--child", json.dumps(spec)], timeout=timeout, env=env, warm=warm)
     log.write(proc.stdout)
     log.flush()
     for line in proc.stdout.splitlines():
         if line.startswith("[") and "accuracy" in line:
             print("  " + line, flush=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RUN "):
-            return json.loads(line[4:])
-    raise RuntimeError(f"run {' '.join(mode_argv)} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    return run_record(proc, " ".join(mode_argv))
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -314,7 +311,9 @@ def main(argv=None) -> dict:
             for mode in MODES:
                 print(f"== {mode}: python recipes/real_math.py {' '.join(recipe + mode_flags[mode])}", flush=True)
                 output_dir = ["--output_dir", os.path.join(workdir.name, mode)]  # each run's own metrics.jsonl
-                runs[mode] = launch(mode_flags[mode], output_dir + recipe, a.eval_every, log, timeout, trainer_core)
+                runs[mode] = launch(
+                    mode_flags[mode], output_dir + recipe, a.eval_every, log, timeout, trainer_core, warm=a.smoke
+                )
     finally:
         if server is not None:
             server.stop()

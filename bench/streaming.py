@@ -24,8 +24,8 @@ change of load hits both modes alike; the first `--warmup` steps of each run are
 `RESULT stream_speedup` = stream ÷ rounds tokens/s on the long-tailed lengths (goal ≥ 1.5); `RESULT
 uniform_ratio` the same on uniform lengths (goal ≥ 0.95); `RESULT engine_busy_stream` (goal ≥ 0.9).
 
-Run: `python bench/streaming.py` (~10 min on 2 cores); `--smoke`: a 1-layer model, short runs, one repeat. Writes
-`bench/out/streaming.json` and `bench/plots/streaming.png`.
+Run: `python bench/streaming.py` (~10 min on 2 cores); `--smoke`: a 1-layer model, short runs, one repeat, each run a
+fork of one warm interpreter. Writes `bench/out/streaming.json` and `bench/plots/streaming.png`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import SERVER_ARGS, launch_pinned_server, median  # noqa: E402
+from _runs import SERVER_ARGS, launch_pinned_server, median, run_python, run_record  # noqa: E402
 
 MODES = ("rounds", "stream")
 KEYS = (
@@ -120,21 +119,14 @@ def child(spec: dict) -> dict:
     return {"step_times": clock.step_times(), "steps": steps, "rows_per_step": P * G}
 
 
-def launch(spec: dict, log, timeout: float = 1200.0) -> dict:
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def launch(spec: dict, log, timeout: float = 1200.0, warm: bool = False) -> dict:
+    """One run (`--child`) in a fresh process, one thread (a fork of a warm interpreter with `warm`:
+    `_runs.run_python`); its `RUN` record."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_python(os.path.abspath(__file__), ["--child", json.dumps(spec)], timeout=timeout, env=env, warm=warm)
     log.write(proc.stdout)
     log.flush()
-    for line in proc.stdout.splitlines():
-        if line.startswith("RUN "):
-            return json.loads(line[4:])
-    raise RuntimeError(f"run {spec['mode']} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    return run_record(proc, spec["mode"])
 
 
 # ---------------------------------------------------------------------------------------------- the numbers
@@ -209,7 +201,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2, help="rounds/stream pairs per length distribution")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "streaming.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "streaming.png"))
-    ap.add_argument("--smoke", action="store_true", help="a 1-layer model, short runs, one repeat")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a 1-layer model, short runs, one repeat, runs forked from a warm interpreter",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child is not None:
@@ -263,7 +259,7 @@ def main(argv=None) -> dict:
                             "trainer_core": trainer_core,
                             "ahead": a.ahead,
                         }
-                        run = launch(spec, log)
+                        run = launch(spec, log, warm=a.smoke)
                         runs[dist][mode].append(run)
                         m = measure([run], a.warmup)
                         print(

@@ -261,8 +261,8 @@ def main(argv=None) -> dict:
         action="store_true",
         help="a smoke run in seconds: a 2-layer hidden-64 random Llama, 2 prompts x G=2 x T=8, 1 step, 1 repeat, no "
         "warm-up, engines eager, modes trl, trl_default_bf16, trl_tuned and ours_async_colocate unless --modes says "
-        "otherwise; writes "
-        "bench/out/vs_trl_smoke.json and .png and prints the RESULT lines (its numbers mean nothing)",
+        "otherwise, each run (each rank with --processes) a fork of one warm interpreter instead of a fresh one; "
+        "writes bench/out/vs_trl_smoke.json and .png and prints the RESULT lines (its numbers mean nothing)",
     )
     ap.add_argument(
         "--model",
@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
         for r in range(0 if a.from_runs else a.repeats):
             for m in a.modes:
                 before, started = load_average(), time.time()
-                run = launch({**common, **ALL_MODES[m]}, log=log, timeout=3600.0)
+                run = launch({**common, **ALL_MODES[m]}, log=log, timeout=3600.0, warm=a.smoke)
                 # the machine is shared: each run keeps the load average (as `uptime` prints it) around it
                 run.update(load_before=before, load_after=load_average(), started=started, ended=time.time())
                 runs[m].append(run)
@@ -533,7 +533,7 @@ def main_processes(a, common: dict, preset: dict) -> dict:
                     continue
                 before, started = load_average(), time.time()
                 try:
-                    run = launch({**common, **PROCESS_MODES[m]}, log=log, timeout=3600.0)
+                    run = launch({**common, **PROCESS_MODES[m]}, log=log, timeout=3600.0, warm=a.smoke)
                 except RuntimeError as e:  # e.g. TRL's colocate vLLM on several CPU processes: reported, not hidden
                     failed[m] = str(e)[-2000:]
                     print(f"[{r}] {m:16s} FAILED: {str(e)[-600:]}", flush=True)

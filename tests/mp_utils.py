@@ -1,12 +1,14 @@
-"""Launch `mp_train.py` on 2 real training processes (gloo on CPU, forked from a warm interpreter: `warm_launch.py`)
-and check what each rank trained on: shared by the HF-backend and vLLM-server multi-process tests."""
+"""Launch `mp_train.py` on 2 real training processes (gloo on CPU, forked from a warm interpreter:
+`grpo_async.testing.warm_launch`) and check what each rank trained on: shared by the HF-backend and vLLM-server
+multi-process tests."""
 
 import json
 import os
 import sys
 
 import pytest
-from warm_launch import run_2cpu
+
+from grpo_async.testing.warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 

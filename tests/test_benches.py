@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
-from warm_launch import run_script
+
+from grpo_async.testing.warm_launch import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

@@ -48,7 +48,6 @@ import pytest
 import requests
 import torch
 from vllm_utils import API_KEY, PROMPTS, SERVER_ARGS, assert_matches_hf, perturbed_state_dict, running_servers
-from warm_launch import start_server
 
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.server_process import (
@@ -59,6 +58,7 @@ from grpo_async.generation.server_process import (
 )
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.testing import push_state_dict
+from grpo_async.testing.warm_launch import start_server
 
 pytestmark = pytest.mark.vllm
 

@@ -4,7 +4,8 @@ import json
 import os
 
 import pytest
-from warm_launch import run_2cpu
+
+from grpo_async.testing.warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 from transformers import TrainerCallback
-from warm_launch import run_2cpu  # noqa: E402
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.testing import tiny_config
+from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
 
 
 class Jitter(TrainerCallback):

@@ -8,7 +8,8 @@ import json
 import os
 
 import pytest
-from warm_launch import run_2cpu  # noqa: E402
+
+from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 

@@ -150,7 +150,7 @@ def test_init_broadcast_to_a_silent_peer_does_not_stall_completions(server):
 
     threading.Thread(target=accept, daemon=True).start()
     # the probe's deadline: long enough for a completion on a loaded machine to be answered inside it (~1 s quiet)
-    body = {"host": "127.0.0.1", "port": listener.getsockname()[1], "world_size": 2, "timeout_s": 25}
+    body = {"host": "127.0.0.1", "port": listener.getsockname()[1], "world_size": 2, "timeout_s": 10}
     answer = {}
 
     def join():

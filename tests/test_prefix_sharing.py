@@ -628,7 +628,7 @@ def test_two_processes_with_sharing_on(tiny_model_path, tmp_path):
     import json
     import os
 
-    from warm_launch import run_2cpu  # tests/ is on sys.path (rootdir-relative conftest)
+    from grpo_async.testing.warm_launch import run_2cpu
 
     def launch(share: bool):
         out = str(tmp_path / ("on" if share else "off"))

@@ -1,9 +1,10 @@
 """Security defaults: loopback bind, the API key on every route, no pickles on weight routes, no remote code.
 
-One real `grpo-async serve` is started here WITHOUT `--host` (the defaults are what is under test), its key given only
-through the `VLLM_API_KEY` variable (vLLM alone would guard `/v1` with it and leave the weight routes open). The
-routes and the pickle refusal on `/ws/update` with `--api-key` are also checked in tests/test_vllm_backends.py, the key
-from `--api-key-file` in tests/test_hardening.py; this file covers the rest.
+One `grpo-async serve` (`python -m grpo_async.generation.serve`, its API process forked from the warm interpreter) is
+started here WITHOUT `--host` (the defaults are what is under test), its key given only through the `VLLM_API_KEY`
+variable (vLLM alone would guard `/v1` with it and leave the weight routes open). The routes and the pickle refusal
+on `/ws/update` with `--api-key` are also checked in tests/test_vllm_backends.py, the key from `--api-key-file` in
+tests/test_hardening.py; this file covers the rest.
 """
 
 import json
@@ -12,14 +13,14 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import psutil
 import pytest
 import requests
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, wait_ready
+from grpo_async.testing.warm_launch import start_server_command
 
 KEY = "security-test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
@@ -27,17 +28,14 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
+    """`python -m grpo_async.generation.serve` without `--host`, the key in `VLLM_API_KEY` only (its API process forked
+    from the warm interpreter: `warm_launch.start_server_command`, the command line and environment as here)."""
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path)]
     args += ["--port", str(port), *SERVER_ARGS]  # no --host: the default is under test
     env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV, "VLLM_API_KEY": KEY}  # the key only in the variable
     env.pop("VLLM_SERVER_DEV_MODE", None)
-    fd, log_path = tempfile.mkstemp(prefix="grpo_security_", suffix=".log")
-    before = frozenset(_shm_names())
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    s = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, api_key=KEY, args=args)
-    s.shm_before = before
+    s = start_server_command(args, env, port=port, api_key=KEY)
     try:
         wait_ready(s, timeout=300)
         yield s

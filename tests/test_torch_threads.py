@@ -9,7 +9,8 @@ process (a fork of the warm interpreter, whose OpenMP default is its own: the co
 import os
 
 import pytest
-from warm_launch import run_script
+
+from grpo_async.testing.warm_launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -14,13 +14,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 trl = pytest.importorskip("trl")
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
-from warm_launch import run_2cpu  # noqa: E402
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
 from grpo_async.generation.base import SamplingConfig  # noqa: E402
 from grpo_async.generation.hf import HFBackend  # noqa: E402
 from grpo_async.testing import tiny_config  # noqa: E402
+from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
 
 
 def _trainer(tiny_model_path, tmp_path, reward_funcs=letter_reward, **overrides):

@@ -1,5 +1,6 @@
-"""`tests/warm_launch.py`, the launcher most multi-process tests and the test servers use: its ranks get the
-environment `accelerate launch` gives, talk over gloo, and a failing or hung rank ends the run."""
+"""`grpo_async.testing.warm_launch`, the launcher most multi-process tests, the test servers and the bench smokes' runs
+use: its ranks get the environment `accelerate launch` gives, talk over gloo, and a failing or hung rank ends the
+run."""
 
 import json
 import os
@@ -8,7 +9,8 @@ import textwrap
 
 import pytest
 from mp_utils import ACCELERATE_2CPU
-from warm_launch import run_2cpu, run_script
+
+from grpo_async.testing.warm_launch import run_2cpu, run_script
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,9 +12,9 @@ import contextlib
 import hashlib
 
 import torch
-from warm_launch import start_server
 
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, wait_ready
+from grpo_async.testing.warm_launch import start_server
 
 API_KEY = "test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]

@@ -131,7 +131,7 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
 def tiny_config(output_dir, **overrides):
     """A `GRPOConfig` for a few quick CPU steps on the tiny model: 8 rows × G=4 per device, GA 2, 8 completion tokens,
     3 steps at lr 1e-2, logging every step, no saves, no reporting, seed 0. `overrides` replace any field."""
-    from .config import GRPOConfig
+    from ..config import GRPOConfig
 
     fields = dict(
         output_dir=str(output_dir),
@@ -155,7 +155,7 @@ def tiny_config(output_dir, **overrides):
 def push_state_dict(backend, state_dict, version: int) -> None:
     """Push a flat `{hf_name: tensor}` state dict into a generation backend as the policy publisher would (module
     groups, `backend.load_weights`): known weights for tests and tools, without a trainer."""
-    from .weight_sync.buckets import group_by_module
+    from ..weight_sync.buckets import group_by_module
 
     backend.load_weights(group_by_module(state_dict), version)
 

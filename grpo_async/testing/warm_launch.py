@@ -1,5 +1,6 @@
 """2 training processes forked from a warm interpreter: `accelerate launch --multi_gpu` without its start-up cost, for
-the tests whose subject is what the ranks train, not the launcher.
+the tests whose subject is what the ranks train, not the launcher (and the runs of the benches' `--smoke` modes:
+`bench/_runs.run_python`). Test infrastructure; `tests/test_warm_launch.py` checks it.
 
 `accelerate launch` on 2 CPU processes costs ~13 CPU-seconds before a rank runs a line of its script (the launcher
 imports accelerate and torch, then each rank imports torch, transformers and the trainer: ~9 s on 2 quiet cores). The
@@ -20,8 +21,11 @@ The ranks of `run_2cpu` fork theirs too where a rank starts one (a colocated eng
 CPU platform requires the multiprocess executor then); forked, the engine core runs the scheduler only (the worker,
 still spawned, holds the model and joins vLLM's own process group), and a rank runs one OpenMP thread.
 `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several threads first, after which a forked
-child's OpenMP can hang. The servers that start as real commands (`test_cli`, `test_readme_commands`,
-`test_hardening`, `test_security`, ...) keep vLLM's `spawn`.
+child's OpenMP can hang. `start_server_command` forks a server from a test's own command line and environment
+(`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real commands (`test_cli`,
+`test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts, stops, sizes itself or
+dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked
+server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
@@ -276,15 +280,24 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     """`launch_server(model, api_key=..., extra_args=..., env=..., wait=False)`, its API process forked from the warm
     interpreter: the same command line (run as `python -m grpo_async.generation.serve`), environment, session and
     log; a `ServerProcess` (call `wait_ready`)."""
-    from grpo_async.generation.server_process import ServerProcess, _shm_names, server_command, server_log_path
+    from grpo_async.generation.server_process import server_command
 
     port = port or free_port("127.0.0.1")
     args, full_env = server_command(model, port=port, api_key=api_key, extra_args=extra_args, env=env)
+    return start_server_command(args, full_env, port=port, api_key=api_key)
+
+
+def start_server_command(args: list[str], env: dict[str, str], *, port: int, api_key: str | None):
+    """`python -m grpo_async.generation.serve ...` (`args`, a command line as `server_command` makes it or one of a
+    test's own) with exactly the environment `env`, its API process forked from the warm interpreter; a
+    `ServerProcess` (call `wait_ready`)."""
+    from grpo_async.generation.server_process import ServerProcess, _shm_names, server_log_path
+
     assert args[1:3] == ["-m", "grpo_async.generation.serve"], args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
     p = _context().Process(
-        target=_rank_main, args=(args[2], args[3:], full_env, log_path, True, os.getcwd(), True), daemon=False
+        target=_rank_main, args=(args[2], args[3:], env, log_path, True, os.getcwd(), True), daemon=False
     )
     p.start()
     server = ServerProcess(
@@ -294,7 +307,7 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     return server
 
 
-if __name__ == "__main__":  # `python tests/warm_launch.py SCRIPT ARGS...`: try it by hand
+if __name__ == "__main__":  # `python -m grpo_async.testing.warm_launch SCRIPT ARGS...`: try it by hand
     ap = argparse.ArgumentParser()
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)

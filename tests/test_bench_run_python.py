@@ -1,0 +1,75 @@
+"""`bench/_runs.run_python`, the launcher of every bench run: a fresh interpreter (or `accelerate launch` on 2
+processes) in a real run, a fork of a warm interpreter in a smoke run. The smoke runs of `tests/test_benches.py` take
+the warm path; here both paths run the same script and must give the same record, so the one a real run takes cannot
+rot unseen."""
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+
+import _runs  # noqa: E402
+
+#: prints what a run sees (its arguments, the variables a launcher sets, its rank) as `RUN {json}` on rank 0 only,
+#: as `bench/_runs.py` does; no torch import, so the fresh interpreters cost little
+SCRIPT = """
+import json, os, sys
+seen = {k: os.environ.get(k) for k in ("BENCH_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_CPU")}
+seen["argv"] = sys.argv[1:]
+seen["main"] = __name__
+if os.environ.get("RANK", "0") == "0":
+    print("RUN " + json.dumps(seen), flush=True)
+print("to stderr too", file=sys.stderr, flush=True)
+sys.exit(int(os.environ.get("BENCH_TEST_EXIT", "0")))
+"""
+
+
+@pytest.fixture()
+def script(tmp_path):
+    path = tmp_path / "run.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_one_process_prints_its_record(script, warm):
+    env = {**os.environ, "BENCH_TEST": "yes"}
+    proc = _runs.run_python(script, ["a", '{"x": 1}'], timeout=120, env=env, warm=warm)
+    assert proc.returncode == 0 and "to stderr too" in proc.stdout, proc.stdout
+    record = _runs.run_record(proc, "one process")
+    assert record == {
+        "BENCH_TEST": "yes",
+        "RANK": None,
+        "WORLD_SIZE": None,
+        "LOCAL_RANK": None,
+        "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU"),
+        "argv": ["a", '{"x": 1}'],
+        "main": "__main__",
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("warm", [False, True], ids=["accelerate-launch", "warm"])
+def test_two_processes_get_the_launchers_ranks(script, warm):
+    env = {**os.environ, "BENCH_TEST": "2", "ACCELERATE_USE_CPU": "true"}
+    proc = _runs.run_python(script, [json.dumps({"s": 1})], timeout=180, env=env, processes=2, warm=warm)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    record = _runs.run_record(proc, "two processes")
+    assert record["RANK"] == "0" and record["WORLD_SIZE"] == "2" and record["LOCAL_RANK"] == "0", record
+    assert record["BENCH_TEST"] == "2" and record["ACCELERATE_USE_CPU"] == "true"
+    assert record["argv"] == ['{"s": 1}'] and record["main"] == "__main__"
+    assert proc.stdout.count("RUN ") == 1  # rank 1 ran too, and printed no record
+    assert proc.stdout.count("to stderr too") == 2
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_run_without_a_record_fails_naming_it_with_its_output(script, warm):
+    env = {**os.environ, "BENCH_TEST_EXIT": "3", "RANK": "1"}  # rank 1 prints no record
+    proc = _runs.run_python(script, [], timeout=120, env=env, warm=warm)
+    assert proc.returncode == 3
+    with pytest.raises(RuntimeError, match=r"run the named one failed \(exit 3\):\n(.|\n)*to stderr too"):
+        _runs.run_record(proc, "the named one")
