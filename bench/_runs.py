@@ -422,20 +422,37 @@ def launch(spec: dict, timeout: float = 1200.0, log=None, warm: bool = False) ->
     return run_record(proc, spec)
 
 
+def launch_bench_server(
+    model: str, extra_args: list[str], *, env=None, api_key=None, ready_timeout: float = 240.0, warm: bool = False
+):
+    """A ready `grpo-async serve` of `model` (`server_process.launch_server`). `warm` (smoke runs): its API process
+    (and engine core) forked from the warm interpreter of `run_python` instead (`grpo_async.testing.warm_launch
+    .start_server`: the same command line and environment, without their imports)."""
+    from grpo_async.generation.server_process import launch_server, wait_ready
+
+    if warm:
+        from grpo_async.testing.warm_launch import start_server
+
+        return wait_ready(start_server(model, api_key=api_key, extra_args=extra_args, env=env), timeout=ready_timeout)
+    return launch_server(model, api_key=api_key, extra_args=extra_args, env=env, ready_timeout=ready_timeout)
+
+
 def launch_pinned_server(model: str, extra_args: list[str], quick_start: bool, ready_timeout: float = 240.0):
     """The 2-core split of the streaming benches: one `grpo-async serve` of `model` whose engine threads are bound to
     core 0 (it and its children inherit that core); returns the server and the core the trainer runs should pin to
-    (1, or 0 on a single core). `quick_start` (smoke runs): the worker inside the engine-core process, up sooner."""
-    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+    (1, or 0 on a single core). `quick_start` (smoke runs): the worker inside the engine-core process, the server
+    forked from a warm interpreter (`launch_bench_server`; only its engine threads bound then), up sooner."""
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV
 
     server_core, trainer_core = (0, 1) if len(os.sched_getaffinity(0)) >= 2 else (0, 0)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(server_core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
     if quick_start:
         env.update(TWO_PROCESS_ENV)
+        return launch_bench_server(model, extra_args, env=env, ready_timeout=ready_timeout, warm=True), trainer_core
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {server_core})
     try:
-        server = launch_server(model, extra_args=extra_args, env=env, ready_timeout=ready_timeout)
+        server = launch_bench_server(model, extra_args, env=env, ready_timeout=ready_timeout)
     finally:
         os.sched_setaffinity(0, mask)
     return server, trainer_core

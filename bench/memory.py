@@ -50,7 +50,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -270,19 +269,17 @@ def child(a) -> dict:
 
 def run_children(a, variants: list[str], model: str, server: str | None = None) -> dict[str, dict]:
     """The measurements of `variants`, each in a fresh process of its own (its peak is its own); a smoke run measures
-    them all in one process (it checks the bench's path, its numbers mean nothing: 2 processes instead of 9)."""
+    them all in one process, a fork of a warm interpreter (it checks the bench's path, its numbers mean nothing: 2
+    forks instead of 9 fresh processes)."""
+    from _runs import run_python, run_record
+
     out = {}
     for group in [variants] if a.smoke else [[v] for v in variants]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(group), "--model", model, "--tmp", a.tmp]
-        cmd += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
-        cmd += ["--tb_rows", str(a.tb_rows), "--tb_long", str(a.tb_long), "--tb_budget", str(a.tb_budget)]
-        cmd += ["--tb_repeats", str(a.tb_repeats)]
-        if server:
-            cmd += ["--server", server]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"variants {group} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        args = ["--child", ",".join(group), "--model", model, "--tmp", a.tmp]
+        args += ["--rows", str(a.rows), "--long", str(a.long), "--short", str(a.short)]
+        args += ["--tb_rows", str(a.tb_rows), "--tb_long", str(a.tb_long), "--tb_budget", str(a.tb_budget)]
+        args += ["--tb_repeats", str(a.tb_repeats)] + (["--server", server] if server else [])
+        out.update(run_record(run_python(os.path.abspath(__file__), args, timeout=1200, warm=a.smoke), group))
     return out
 
 
@@ -295,7 +292,7 @@ def main(argv=None) -> float:
     p.add_argument("--tb_long", type=int, default=1024, help="token budget: the longest row's tokens")
     p.add_argument("--tb_budget", type=int, default=2048, help="token budget: tokens per forward pass")
     p.add_argument("--tb_repeats", type=int, default=2, help="token budget: timed steps per variant (fastest kept)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the bench runs (seconds)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, warm forks: checks the bench runs (seconds)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
@@ -305,10 +302,12 @@ def main(argv=None) -> float:
         a.rows, a.long, a.short = 4, 64, 16
         a.tb_rows, a.tb_long, a.tb_budget, a.tb_repeats = 16, 128, 256, 1
     if a.child:
-        print(json.dumps(children(a)), flush=True)
+        print("RUN " + json.dumps(children(a)), flush=True)
         return 0.0
 
-    from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server
+    from _runs import launch_bench_server
+
+    from grpo_async.generation.server_process import TWO_PROCESS_ENV
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
     a.tmp = tempfile.mkdtemp(prefix="grpo_bench_memory_")
@@ -322,12 +321,13 @@ def main(argv=None) -> float:
         )
     tb_variants = ["tb_bound", "tb_budget", *(f"tb_rows_{m * k}" for m in (1, 2, 4))]
     res = run_children(a, ["padded", "packed", *tb_variants], model)
-    server = launch_server(
+    server = launch_bench_server(  # smoke: forked from a warm interpreter, the worker inside the engine-core process
         ref_model,
+        ["--dtype", "float32", "--max-model-len", str(2 * a.long), "--enforce-eager"],
         api_key="bench",
-        extra_args=["--dtype", "float32", "--max-model-len", str(2 * a.long), "--enforce-eager"],
-        env=TWO_PROCESS_ENV if a.smoke else None,  # smoke: the worker inside the engine-core process, ~12 s sooner
+        env=TWO_PROCESS_ENV if a.smoke else None,
         ready_timeout=300,
+        warm=a.smoke,
     )
     try:
         res.update(run_children(a, ["ref_inprocess", "ref_server"], ref_model, server.url))
