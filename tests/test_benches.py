@@ -27,12 +27,12 @@ SMOKE = {
     "memory.py": [pytest.mark.vllm],  # one `grpo-async serve` reference server
     "weight_sync.py": [pytest.mark.vllm],
     "lora_sync.py": [pytest.mark.vllm],
-    "overlap.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # runs in fresh processes against a server
-    "streaming.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # fresh trainer processes against one server
-    # real_math.py's training on the tiny model, rounds then stream, each a fresh process with an in-process engine
+    "overlap.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # runs (warm forks) against a server each
+    "streaming.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # trainer processes (warm forks), one server
+    # real_math.py's training on the tiny model, rounds then stream, each its own process (a warm fork), one server
     "stream_real.py": [pytest.mark.vllm, pytest.mark.slow],
     "vs_trl.py": [pytest.mark.vllm],
-    # 2 processes × 4 trainers, two of them starting a vLLM engine per rank: ~3.5 min
+    # 2 processes × 4 trainers, two of them starting a vLLM engine per rank (warm forks): ~40 s alone
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
 }
 RESULT = re.compile(r"^RESULT (\w+)=(\S+)\s*$", re.M)
