@@ -115,3 +115,25 @@ def test_a_script_runs_as_main_in_the_given_folder_and_ends_like_an_interpreter(
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == f"__main__ {tmp_path} yes ['a', '1']"
     assert lines[1:] == ["thread joined", "atexit ran"]  # non-daemon threads first, then the exit handlers
+
+
+def test_a_forked_script_forks_its_own_runs_from_the_same_warm_interpreter(tmp_path):
+    """A bench's `--smoke` run is itself a fork (`tests/test_benches.py`) and forks its runs: they come from the fork
+    server that forked it (the stack imported once), not from a second one it would start and preload."""
+    inner = tmp_path / "inner.py"
+    inner.write_text("import os, sys\nprint('inner', os.getppid(), sys.argv[1:], flush=True)\n")
+    outer = tmp_path / "outer.py"
+    outer.write_text(
+        "import os, sys\n"
+        "from grpo_async.testing.warm_launch import run_script\n"
+        "if __name__ == '__main__':  # its forks import it as `__mp_main__`\n"
+        "    print('outer', os.getppid(), flush=True)\n"
+        "    proc = run_script(sys.argv[1], ['x'], timeout=60)\n"
+        "    print(proc.stdout, end='', flush=True)\n"
+        "    raise SystemExit(proc.returncode)\n"
+    )
+    proc = run_script(str(outer), [str(inner)], timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    parents = dict(line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("outer", "inner")))
+    assert parents["inner"] == parents["outer"], proc.stdout  # both children of the one fork server
+    assert "inner" in proc.stdout and "['x']" in proc.stdout

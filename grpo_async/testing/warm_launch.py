@@ -10,22 +10,24 @@ them as under `accelerate launch` — that gets the environment `accelerate laun
 variables from accelerate's own `prepare_multi_gpu_env`, torchelastic's `RANK` / `WORLD_SIZE` / `MASTER_*`) and runs
 the script as `__main__` with `sys.argv` set.
 
-The test servers of `vllm_utils.running_servers` start the same way (`start_server`): `grpo-async serve`'s API
-process is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it; ~7 of the ~17 s
-a server takes to be ready on 2 quiet cores are that process's imports. Its engine-core process is a `fork()` of that
-API process instead of vLLM's `spawn` (which vLLM's CPU platform forces: a fresh interpreter importing torch and vLLM
+The test servers of `vllm_utils.running_servers` start the same way (`start_server`): `grpo-async serve`'s API process
+is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it; ~7 of the ~17 s a server
+takes to be ready on 2 quiet cores are that process's imports. Its engine-core process is a `fork()` of that API
+process instead of vLLM's `spawn` (which vLLM's CPU platform forces: a fresh interpreter importing torch and vLLM
 again, ~5.5 of the ~9.5 s a forked API process then still needed to be ready; 4 s with the fork). Safe there: the API
 process has run no OpenMP region and no `torch.distributed` group (vLLM forks its engine core by default elsewhere).
 The ranks of `run_2cpu` fork theirs too where a rank starts one (a colocated engine runs inside its rank, but with
-`separate_process`, the main process generating alone, it is an engine core plus a worker process it starts: vLLM's
-CPU platform requires the multiprocess executor then); forked, the engine core runs the scheduler only (the worker,
-still spawned, holds the model and joins vLLM's own process group), and a rank runs one OpenMP thread.
-`run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several threads first, after which a forked
-child's OpenMP can hang. `start_server_command` forks a server from a test's own command line and environment
-(`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real commands (`test_cli`,
-`test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts, stops, sizes itself or
-dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked
-server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
+`separate_process`, the main process generating alone, it is an engine core plus a worker process it starts: vLLM's CPU
+platform requires the multiprocess executor then); forked, the engine core runs the scheduler only (the worker, still
+spawned, holds the model and joins vLLM's own process group: forked too, it hung), and a rank runs one OpenMP thread. A
+forked script that forks in turn (a bench's `--smoke` run under `tests/test_benches.py` starts its runs and servers
+here too) asks the same fork server, not a second one of its own: one preload per pytest worker, not one per bench
+(`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
+threads first, after which a forked child's OpenMP can hang. `start_server_command` forks a server from a test's own
+command line and environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real
+commands (`test_cli`, `test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts,
+stops, sizes itself or dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine
+core of a forked server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
@@ -70,6 +72,7 @@ PRELOAD = [
 ]
 
 _CTX = None
+_IN_WARM_FORK = False  # set in a process this module forked (`_rank_main`)
 
 
 def _context():
@@ -77,7 +80,23 @@ def _context():
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
+        if _IN_WARM_FORK:
+            _use_the_parent_fork_server()
     return _CTX
+
+
+def _use_the_parent_fork_server() -> None:
+    """In a process the fork server forked (a bench's `--smoke` run under `tests/test_benches.py`, which forks its own
+    runs and servers): ask that same fork server for those forks instead of starting a second one that imports the
+    whole stack again (~10 CPU-seconds each). The process already holds the server's address and its "alive" pipe
+    (`multiprocessing.forkserver` hands them to every child); only the check that the server is this process's own
+    child has to go (it is the parent's: `waitpid` cannot see it, and the check would start a new server)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if server._forkserver_address is None or server._forkserver_alive_fd is None:
+        return  # not a fork server's child after all: start one as usual
+    server.ensure_running = resource_tracker.ensure_running
 
 
 def _accelerate_env() -> dict[str, str]:
@@ -110,7 +129,10 @@ def _rank_main(
     """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
     `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
     exit status. A module runs in a session of its own (`start_new_session`, as `launch_server` starts servers)."""
+    global _IN_WARM_FORK
     import setproctitle  # before the environment changes below: it needs the process's original argv/environ layout
+
+    _IN_WARM_FORK = True
 
     setproctitle.setproctitle(" ".join([sys.executable, *(["-m", script] if module else [script]), *argv]))
     if module:
