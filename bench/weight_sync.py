@@ -45,8 +45,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _runs import launch_bench_server  # noqa: E402
+
 from grpo_async.generation.http_client import ServerClient
-from grpo_async.generation.server_process import TWO_PROCESS_ENV, launch_server  # noqa: E402
+from grpo_async.generation.server_process import TWO_PROCESS_ENV  # noqa: E402
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
 from grpo_async.weight_sync.buckets import group_by_module, iter_buckets  # noqa: E402
 from grpo_async.weight_sync.transports import BroadcastTransport, CudaIpcTransport, ShmTransport
@@ -120,8 +122,10 @@ def main(argv=None) -> dict:
     extra = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
     if args.device == "cuda":
         extra += ["--gpu-memory-utilization", "0.3"]
-    # smoke: the worker inside the engine-core process, up ~12 s sooner (the transports are what is measured)
-    server = launch_server(path, extra_args=extra, env=TWO_PROCESS_ENV if args.smoke else None)
+    # smoke: the worker inside the engine-core process, the API process forked from the warm interpreter, up sooner
+    # (the transports are what is measured)
+    env = TWO_PROCESS_ENV if args.smoke else None
+    server = launch_bench_server(path, extra, env=env, warm=args.smoke)
     results: dict = {"tensors": n_tensors, "bytes": n_bytes, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
     results["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU x{os.cpu_count()}"
     if args.device == "cuda":  # NCCL broadcast from the trainer's GPU, and CUDA IPC handles instead of shared memory
