@@ -60,9 +60,10 @@ def test_every_bench_is_smoked_and_run_by_make_bench():
 def test_bench_smoke(name):
     """`python bench/<name> --smoke` (in a fork of a warm interpreter) exits 0 and prints the same `RESULT` metrics as
     the published run, all finite."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    # forked from a warm interpreter (`warm_launch.run_script`): the bench's own imports once per worker, not per bench
-    proc = run_script(str(BENCH / name), ["--smoke"], env=env, timeout=600)
+    # forked from a warm interpreter (`warm_launch.run_script`): the bench's own imports once per worker, not per
+    # bench; so are the engine cores it starts in child processes (`lora_sync`'s two), its OpenMP running one thread
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    proc = run_script(str(BENCH / name), ["--smoke"], env=env, timeout=600, fork_engine=True)
     out = proc.stdout
     assert proc.returncode == 0, f"bench/{name} --smoke failed (exit {proc.returncode}):\n{out[-4000:]}"
     printed = dict(RESULT.findall(proc.stdout))

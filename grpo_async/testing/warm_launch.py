@@ -23,11 +23,12 @@ spawned, holds the model and joins vLLM's own process group: forked too, it hung
 forked script that forks in turn (a bench's `--smoke` run under `tests/test_benches.py` starts its runs and servers
 here too) asks the same fork server, not a second one of its own: one preload per pytest worker, not one per bench
 (`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
-threads first, after which a forked child's OpenMP can hang. `start_server_command` forks a server from a test's own
-command line and environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real
-commands (`test_cli`, `test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts,
-stops, sizes itself or dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine
-core of a forked server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
+threads first, after which a forked child's OpenMP can hang (unless the caller knows they run one thread:
+`fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
+environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real commands
+(`test_cli`, `test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts, stops,
+sizes itself or dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a
+forked server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
@@ -183,11 +184,21 @@ def _fork_engine_core() -> None:
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
-def run_script(script: str, args: list, *, env: dict | None = None, timeout: float = 600.0, cwd: str | None = None):
+def run_script(
+    script: str,
+    args: list,
+    *,
+    env: dict | None = None,
+    timeout: float = 600.0,
+    cwd: str | None = None,
+    fork_engine: bool = False,
+):
     """`python script args` in one process forked from the warm interpreter (its environment: this process's updated
     with `env`; in `cwd`, default this process's); a `subprocess.CompletedProcess` with the script's exit status and
-    its output in `stdout`."""
-    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout, cwd)
+    its output in `stdout`. `fork_engine`: the vLLM engine cores the script starts (`separate_process`) are forks of
+    it, as a `run_2cpu` rank's are, instead of fresh interpreters; only for a script that runs one OpenMP thread (the
+    environment's `OMP_NUM_THREADS=1`), after which a fork is safe."""
+    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout, cwd, fork_engine=fork_engine)
 
 
 def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
