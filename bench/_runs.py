@@ -8,7 +8,8 @@ Spec keys: `trainer` ("ours" | "trl"), `mode` ("colocate" | "server"), `num_batc
 `prompts` (per step), `G`, `T` (completion tokens, forced: EOS is ignored so every completion has T tokens),
 `device` ("cpu" | "cuda"), `pin` (CPU only: server on core 0 and trainer on core 1, one thread each),
 `server_args` (extra `grpo-async serve` flags), `server_env` (the server's extra environment: smoke runs pass
-`server_process.TWO_PROCESS_ENV`, a faster start), `task` ("letter": the demo letter task, the default; "add": 2-digit
+`server_process.TWO_PROCESS_ENV`, a faster start), `warm_server` (smoke runs: the server's processes forked from the
+warm interpreter, `launch_bench_server`), `task` ("letter": the demo letter task, the default; "add": 2-digit
 addition as chat messages with `recipes/real_math.py`'s problems and `sum_reward`, for a real pretrained model),
 `max_prompt_length` (ours; default 32, the letter task's prompts are shorter), `enforce_eager` (both engines in
 eager mode: no compile at start-up; `bench/vs_trl.py --smoke`), `trl_args` (TRL only: more `trl.GRPOConfig` fields,
@@ -158,13 +159,12 @@ def run_ours(spec: dict) -> dict:
     server = None
     cpu = spec["device"] == "cpu"
     if spec["mode"] == "server":
-        from grpo_async.generation.server_process import launch_server
-
         env = dict(spec.get("server_env") or {})
         if cpu and spec.get("pin"):
             env.update({"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"})
-            os.sched_setaffinity(0, {0})  # the server (and its engine children) inherit core 0
-        server = launch_server(spec["model"], extra_args=SERVER_ARGS + spec.get("server_args", []), env=env)
+            os.sched_setaffinity(0, {0})  # the server (and its engine children) inherit core 0 (forked: its threads)
+        args = SERVER_ARGS + spec.get("server_args", [])
+        server = launch_bench_server(spec["model"], args, env=env, warm=bool(spec.get("warm_server")))
     if cpu and spec.get("pin"):
         os.sched_setaffinity(0, {1})  # the trainer: core 1, one thread
         torch.set_num_threads(1)

@@ -49,7 +49,7 @@ bench runs `--repeats` (default 3) interleaved/synchronous pairs: the `RESULT` l
 min / median / max over the repeats (each summarized on its own) are printed and stored under `spread`.
 
 Run: `python bench/overlap.py` (~8 min on 2 quiet cores: each run starts its own server); `--smoke`: a 1-layer model,
-one short repeat, each run a fork of one warm interpreter (checks the bench runs). Writes `bench/out/overlap.json` and
+one short repeat, each run (and the server it starts) a fork of one warm interpreter (checks the bench runs). Writes `bench/out/overlap.json` and
 `bench/plots/overlap.png`; ends with `RESULT overlap_fraction=<x>` (and the live metric's `live_overlap`,
 `live_vs_bench`).
 """
@@ -418,8 +418,8 @@ def main(argv=None) -> dict:
         base = {"mode": "server", "pin": True}
     common = {"trainer": "ours", "model": model, "prompts": a.prompts, "G": a.G, "T": a.T}
     common.update(base, device=a.device, padding_free=a.padding_free)
-    if a.smoke:  # the worker inside the engine-core process: the server is up ~12 s sooner (not a measurement)
-        common["server_env"] = TWO_PROCESS_ENV
+    if a.smoke:  # the worker inside the engine-core process, forked from the warm interpreter: up sooner (unmeasured)
+        common.update(server_env=TWO_PROCESS_ENV, warm_server=a.device == "cpu")
     interleaved = {
         **common,
         "phase": "interleaved",
