@@ -162,7 +162,7 @@ def run_ours(spec: dict) -> dict:
         env = dict(spec.get("server_env") or {})
         if cpu and spec.get("pin"):
             env.update({"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"})
-            os.sched_setaffinity(0, {0})  # the server (and its engine children) inherit core 0 (forked: its threads)
+            os.sched_setaffinity(0, {0})  # the server inherits core 0 (a warm one: only its engine threads are bound)
         args = SERVER_ARGS + spec.get("server_args", [])
         server = launch_bench_server(spec["model"], args, env=env, warm=bool(spec.get("warm_server")))
     if cpu and spec.get("pin"):

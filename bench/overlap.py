@@ -49,9 +49,9 @@ bench runs `--repeats` (default 3) interleaved/synchronous pairs: the `RESULT` l
 min / median / max over the repeats (each summarized on its own) are printed and stored under `spread`.
 
 Run: `python bench/overlap.py` (~8 min on 2 quiet cores: each run starts its own server); `--smoke`: a 1-layer model,
-one short repeat, each run (and the server it starts) a fork of one warm interpreter (checks the bench runs). Writes `bench/out/overlap.json` and
-`bench/plots/overlap.png`; ends with `RESULT overlap_fraction=<x>` (and the live metric's `live_overlap`,
-`live_vs_bench`).
+one short repeat, each run (and the server it starts) a fork of one warm interpreter (checks the bench runs). Writes
+`bench/out/overlap.json` and `bench/plots/overlap.png`; ends with `RESULT overlap_fraction=<x>` (and the live metric's
+`live_overlap`, `live_vs_bench`).
 """
 
 from __future__ import annotations
