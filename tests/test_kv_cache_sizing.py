@@ -7,15 +7,14 @@ RSS for a 2-layer model), so two servers started together raced for it and the s
 """
 
 import os
-import subprocess
 import sys
-import tempfile
 
 import psutil
 import pytest
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
+from grpo_async.testing.warm_launch import start_server_command
 
 GiB, MiB = 2**30, 2**20
 
@@ -60,20 +59,17 @@ def test_a_size_the_user_gives_wins(tiny_model_path, argv, environ, expected):
         assert explicit == (expected == "explicit") and args.kv_cache_memory_bytes == given
 
 
-def _start(model: str, log_dir: str) -> ServerProcess:
+def _start(model: str) -> ServerProcess:
+    """`python -m grpo_async.generation.serve ...` with the server's own KV-cache default, its API process forked from
+    the warm interpreter (`warm_launch.start_server_command`: this command line and environment; how the cache is
+    sized and that both servers come up are the subject, not the interpreter's start)."""
     port = free_port()
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--port", str(port)]
     args += ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
     env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE", "VLLM_API_KEY"):  # the server's own default
         env.pop(k, None)
-    fd, log_path = tempfile.mkstemp(prefix="grpo_kv_", suffix=".log", dir=log_dir)
-    before = frozenset(_shm_names())
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    s = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, args=args)
-    s.shm_before = before
-    return s
+    return start_server_command(args, env, port=port, api_key=None)
 
 
 def _tree_rss(pid: int) -> int:
@@ -83,8 +79,8 @@ def _tree_rss(pid: int) -> int:
 
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-def test_two_servers_started_at_once_both_come_up(tiny_model_path, tmp_path):
-    servers = [_start(str(tiny_model_path), str(tmp_path)) for _ in range(2)]  # at once: neither waits
+def test_two_servers_started_at_once_both_come_up(tiny_model_path):
+    servers = [_start(str(tiny_model_path)) for _ in range(2)]  # at once: neither waits
     try:
         for s in servers:
             wait_ready(s, timeout=300)  # today's main: the second fails, "Available memory on node 0 ..."
