@@ -26,9 +26,9 @@ here too) asks the same fork server, not a second one of its own: one preload pe
 threads first, after which a forked child's OpenMP can hang (unless the caller knows they run one thread:
 `fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
 environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real commands
-(`test_cli`, `test_readme_commands`, `test_kv_cache_sizing`, `test_hardening`, ...: how the process starts, stops,
-sizes itself or dies is their subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a
-forked server outlived its SIGKILLed API process by more than 60 s, where a real one exits within seconds.
+(`test_cli`, `test_readme_commands`, `test_hardening`, ...: how the process starts, stops or dies is their subject)
+keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked server outlived its SIGKILLed
+API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
