@@ -70,6 +70,12 @@ PRELOAD = [
     "vllm.entrypoints.launchers.api_server.entry",
     "vllm.entrypoints.launchers.app",
     "vllm.entrypoints.launchers.launcher",
+    # what a vLLM engine imports as it starts (its worker, model runner, sampler): ~1 CPU-s per engine otherwise
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.sample.rejection_sampler",
+    # last: the preloaded heap into the collector's permanent generation (see the module)
+    "grpo_async.testing.frozen_heap",
 ]
 
 _CTX = None
