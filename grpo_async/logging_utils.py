@@ -17,10 +17,12 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsJsonlCallback(TrainerCallback):
-    """Appends every log dict (plus `step`) to `output_dir/metrics.jsonl` on the main process."""
+    """Appends every log dict (plus `step`) to `output_dir/metrics.jsonl` on the main process; with `plot`, draws
+    `output_dir/metrics.png` from it at the end of training (`GRPOConfig.save_metrics_plot`)."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, plot: bool = True):
         self.path = path
+        self.plot = plot
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.path is None:
@@ -48,7 +50,7 @@ class MetricsJsonlCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Plots the run into `output_dir/metrics.png` (what `grpo-async plot OUTPUT_DIR` draws)."""
-        if not state.is_world_process_zero or self.path is None or not os.path.exists(self.path):
+        if not self.plot or not state.is_world_process_zero or self.path is None or not os.path.exists(self.path):
             return
         try:
             plot_metrics(self.path, os.path.join(args.output_dir, PLOT_FILE), title=os.path.basename(args.output_dir))

@@ -134,7 +134,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.add_callback(MetricsJsonlCallback())
+        self.add_callback(MetricsJsonlCallback(plot=self.args.save_metrics_plot))
         self._build_pipeline(ref_model, processing_class, rewards, weights, rollout_func)  # trainer_pipeline.py
 
     # ---- data ----------------------------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ def test_a_run_logs_and_plots_the_throughput(tiny_model_path, tmp_path):
     assert panels["throughput"] == ["perf/train_tokens_per_second", "perf/generated_tokens_per_second"]
     assert panels["training FLOPs per second"] == ["perf/flops_per_second"]
     assert "model FLOPs utilisation" not in panels
+    # `tiny_config` turns the end-of-training plot off (`save_metrics_plot=False`; test_logging's run draws it):
+    # metrics.jsonl is there, metrics.png is not, and `grpo-async plot`'s function still draws it from the file
+    assert not os.path.exists(out / PLOT_FILE)
     png = plot_metrics(os.path.join(out, METRICS_FILE), str(tmp_path / PLOT_FILE))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

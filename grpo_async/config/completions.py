@@ -1,4 +1,4 @@
-"""Completion-logging fields of `GRPOConfig`."""
+"""Logging fields of `GRPOConfig` besides `report_to`: the completions table and the end-of-training plot."""
 
 from dataclasses import dataclass, field
 
@@ -7,7 +7,7 @@ from .checks import Number, checked_field
 
 @dataclass
 class CompletionLogFields:
-    """Which completions are printed when logging."""
+    """Which completions are printed when logging; whether the run's metrics are plotted at its end."""
 
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of completions when logging."})
     num_completions_to_print: int | None = checked_field(
@@ -17,4 +17,11 @@ class CompletionLogFields:
     )
     log_multimodal: bool = field(
         default=True, metadata={"help": "TRL: log images/videos with completions. Text-only here: no effect."}
+    )
+    save_metrics_plot: bool = field(
+        default=True,
+        metadata={
+            "help": "At the end of training the main process draws output_dir/metrics.png from output_dir/metrics.jsonl "
+            "(matplotlib: about a CPU-second). False: no plot; `grpo-async plot OUTPUT_DIR` draws it at any time."
+        },
     )

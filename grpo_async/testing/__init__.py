@@ -130,7 +130,8 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
 
 def tiny_config(output_dir, **overrides):
     """A `GRPOConfig` for a few quick CPU steps on the tiny model: 8 rows × G=4 per device, GA 2, 8 completion tokens,
-    3 steps at lr 1e-2, logging every step, no saves, no reporting, seed 0. `overrides` replace any field."""
+    3 steps at lr 1e-2, logging every step, no saves, no reporting, no end-of-training plot (`metrics.jsonl` is
+    written; a test of the plot passes `save_metrics_plot=True`), seed 0. `overrides` replace any field."""
     from ..config import GRPOConfig
 
     fields = dict(
@@ -146,6 +147,7 @@ def tiny_config(output_dir, **overrides):
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
+        save_metrics_plot=False,
         seed=0,
     )
     fields.update(overrides)
