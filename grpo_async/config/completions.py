@@ -21,7 +21,8 @@ class CompletionLogFields:
     save_metrics_plot: bool = field(
         default=True,
         metadata={
-            "help": "At the end of training the main process draws output_dir/metrics.png from output_dir/metrics.jsonl "
-            "(matplotlib: about a CPU-second). False: no plot; `grpo-async plot OUTPUT_DIR` draws it at any time."
+            "help": "At the end of training the main process draws output_dir/metrics.png from "
+            "output_dir/metrics.jsonl (matplotlib: about a CPU-second). False: no plot; `grpo-async plot OUTPUT_DIR` "
+            "draws it at any time."
         },
     )
