@@ -59,6 +59,42 @@ def test_a_size_the_user_gives_wins(tiny_model_path, argv, environ, expected):
         assert explicit == (expected == "explicit") and args.kv_cache_memory_bytes == given
 
 
+def test_both_a_kv_variable_and_the_flag_are_refused(tiny_model_path):
+    """vLLM's CPU platform lets `VLLM_CPU_KVCACHE_SPACE` override `--kv-cache-memory-bytes` without a word: the server
+    refuses the pair, naming both."""
+    from vllm.platforms import current_platform
+
+    from grpo_async.generation.serve import _default_cpu_kv_cache, make_parser
+
+    if not current_platform.is_cpu():
+        pytest.skip("the KV cache is sized on CPU only")
+    argv = ["--model", str(tiny_model_path), "--kv-cache-memory-bytes", str(64 * MiB)]
+    with pytest.raises(SystemExit, match="VLLM_CPU_KVCACHE_SPACE=1 and --kv-cache-memory-bytes"):
+        _default_cpu_kv_cache(make_parser().parse_args(argv), argv, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def test_launch_server_lets_the_flag_size_the_kv_cache(monkeypatch):
+    """`launch_server(..., extra_args=["--kv-cache-memory-bytes", N])` starts the server without the
+    `VLLM_CPU_KVCACHE_SPACE` of `CPU_ENV` or of this process (vLLM would take it over the flag); a variable the caller
+    passes in `env` stays (and the server refuses the pair: above)."""
+    from grpo_async.generation.server_process import CPU_ENV, server_command
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    _, env = server_command("m", port=1)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # no flag: this process's variable
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    _, env = server_command("m", port=1)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == CPU_ENV["VLLM_CPU_KVCACHE_SPACE"]  # no flag: the default
+    for flag in (["--kv-cache-memory-bytes", str(64 * MiB)], [f"--kv_cache_memory_bytes={64 * MiB}"]):
+        for process_env in ({}, {"VLLM_CPU_KVCACHE_SPACE": "2"}):
+            for k, v in process_env.items():
+                monkeypatch.setenv(k, v)
+            args, env = server_command("m", port=1, extra_args=flag)
+            assert "VLLM_CPU_KVCACHE_SPACE" not in env and args[-len(flag) :] == flag
+    _, env = server_command("m", port=1, extra_args=flag, env={"VLLM_CPU_KVCACHE_SPACE": "3"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
 def _start(model: str) -> ServerProcess:
     """`python -m grpo_async.generation.serve ...` with the server's own KV-cache default, its API process forked from
     the warm interpreter (`warm_launch.start_server_command`: this command line and environment; how the cache is

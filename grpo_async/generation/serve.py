@@ -54,6 +54,7 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from grpo_async.generation.server_process import flag_passed as _passed
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
 
@@ -447,11 +448,6 @@ def cpu_memory_utilization(available_bytes: int, total_bytes: int) -> float:
     return max(0.05, min(0.9, math.floor(share * 100) / 100))
 
 
-def _passed(argv: list[str], flag: str) -> bool:
-    names = (flag, flag.replace("-", "_").replace("__", "--", 1))
-    return any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in argv)
-
-
 def _default_cpu_memory(args, argv: list[str]) -> None:
     """On CPU, when the user did not pass --gpu-memory-utilization, replace vLLM's 0.92 (which fails to start
     whenever other processes use RAM) by `cpu_memory_utilization` of the memory free now."""
@@ -526,6 +522,12 @@ def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
 
     if not current_platform.is_cpu():
         return False
+    if environ.get("VLLM_CPU_KVCACHE_SPACE") and _passed(argv, "--kv-cache-memory-bytes"):
+        raise SystemExit(
+            f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={environ['VLLM_CPU_KVCACHE_SPACE']} and "
+            "--kv-cache-memory-bytes choose the CPU KV cache, and vLLM would take the variable's size and ignore the "
+            "flag: unset one"
+        )
     if environ.get("VLLM_CPU_KVCACHE_SPACE") or _passed(argv, "--kv-cache-memory-bytes"):
         return True
     if _passed(argv, "--gpu-memory-utilization"):

@@ -179,7 +179,10 @@ def launch_server(
         api_key (`str`, *optional*): the server's key, passed in its `VLLM_API_KEY` variable (not on the command
             line, which `ps` shows to every user); without it the server has no key (the caller's `VLLM_API_KEY`
             is not passed on).
-        extra_args (`list[str]`, *optional*): more `vllm serve` flags, e.g. `["--dtype", "float32"]`.
+        extra_args (`list[str]`, *optional*): more `vllm serve` flags, e.g. `["--dtype", "float32"]`. With
+            `--kv-cache-memory-bytes` among them, the flag sizes the KV cache: the `VLLM_CPU_KVCACHE_SPACE` of
+            `CPU_ENV` and of `os.environ` is not passed on (vLLM would take it over the flag; one in `env` is, and
+            the server then refuses to start, naming both).
         env (`dict`, *optional*): extra environment (on top of `os.environ` and `CPU_ENV`).
         log_path (`str`, *optional*): where stdout+stderr go; defaults to a temp file.
         wait (`bool`, *optional*, defaults to `True`): block until ready (call `wait_ready` yourself otherwise).
@@ -211,11 +214,26 @@ def server_command(
     args = [sys.executable, "-m", "grpo_async.generation.serve", "--model", model, "--host", host, "--port", str(port)]
     args += list(extra_args)
     full_env = {**CPU_ENV, **os.environ, **SERVER_ENV, **(env or {})}
+    if flag_passed(args, "--kv-cache-memory-bytes") and "VLLM_CPU_KVCACHE_SPACE" not in (env or {}):
+        # the flag sizes the KV cache; vLLM would let the variable (CPU_ENV's default or this process's) override it
+        full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     full_env.pop("VLLM_SERVER_DEV_MODE", None)
     full_env.pop("VLLM_API_KEY", None)
     if api_key:  # through the environment: not in the command line, which `ps` shows to every user
         full_env["VLLM_API_KEY"] = api_key
     return args, full_env
+
+
+def flag_passed(argv: list[str] | tuple[str, ...], flag: str) -> bool:
+    """Whether the command line `argv` passes `flag` (`--a-b` or `--a_b`, the value apart or after `=`).
+
+    >>> flag_passed(["--model", "m", "--kv_cache_memory_bytes=1024"], "--kv-cache-memory-bytes")
+    True
+    >>> flag_passed(["--max-model-len", "256"], "--max-model")
+    False
+    """
+    names = (flag, flag.replace("-", "_").replace("__", "--", 1))
+    return any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in argv)
 
 
 def server_log_path(port: int) -> str:
