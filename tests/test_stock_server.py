@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ from grpo_async.generation.http_client import ServerClient, free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
 from grpo_async.generation.stock_server import StockVLLMServerBackend, detect_server_kind
 from grpo_async.testing import tiny_config
+from grpo_async.testing.warm_launch import start_server_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,10 +33,10 @@ STOCK_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
 SEQUENCES = [([7, 8, 9, 10, 11], [12, 40, 41, 3]), ([20, 21, 22], [23, 24, 60, 61, 62]), ([30, 31], [5])]
 
 
-def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=(), log_name: str = "stock") -> ServerProcess:
-    """A plain `vllm serve` on a free loopback port (vLLM's api_server module, not grpo-async serve)."""
-    import tempfile
-
+def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=()) -> ServerProcess:
+    """A plain `vllm serve` on a free loopback port (vLLM's api_server module, not grpo-async serve): its command line
+    and environment, the API process forked from the warm interpreter (`warm_launch.start_server_command`: what the
+    server answers is the subject here, not how a process starts)."""
     port = free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     args += ["--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs", *STOCK_ARGS]
@@ -45,11 +45,7 @@ def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=(), log_
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    fd, log_path = tempfile.mkstemp(prefix=f"{log_name}_{port}_", suffix=".log")
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, args=args)
-    return wait_ready(server, timeout=300)
+    return wait_ready(start_server_command(args, env, port=port, api_key=None), timeout=300)
 
 
 def sampler_logprobs(url: str, prompt: list[int], completion: list[int]) -> list[float]:

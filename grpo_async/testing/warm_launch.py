@@ -25,10 +25,11 @@ here too) asks the same fork server, not a second one of its own: one preload pe
 (`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
 threads first, after which a forked child's OpenMP can hang (unless the caller knows they run one thread:
 `fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
-environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`). The servers that start as real commands
-(`test_cli`, `test_readme_commands`, `test_hardening`, ...: how the process starts, stops or dies is their subject)
-keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked server outlived its SIGKILLed
-API process by more than 60 s, where a real one exits within seconds.
+environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`; `test_stock_server`: vLLM's own
+`vllm.entrypoints.openai.api_server`, whose routes and refusals are the subject). The servers that start as real
+commands (`test_cli`, `test_readme_commands`, `test_hardening`, ...: how the process starts, stops or dies is their
+subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked server outlived its
+SIGKILLed API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
@@ -327,12 +328,12 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
 
 
 def start_server_command(args: list[str], env: dict[str, str], *, port: int, api_key: str | None):
-    """`python -m grpo_async.generation.serve ...` (`args`, a command line as `server_command` makes it or one of a
-    test's own) with exactly the environment `env`, its API process forked from the warm interpreter; a
-    `ServerProcess` (call `wait_ready`)."""
+    """`python -m MODULE ...` (`args`: `grpo-async serve` as `server_command` makes it or one of a test's own, or a
+    stock `python -m vllm.entrypoints.openai.api_server ...`) with exactly the environment `env`, its API process
+    forked from the warm interpreter; a `ServerProcess` (call `wait_ready`)."""
     from grpo_async.generation.server_process import ServerProcess, _shm_names, server_log_path
 
-    assert args[1:3] == ["-m", "grpo_async.generation.serve"], args
+    assert args[1] == "-m" and args[2] in ("grpo_async.generation.serve", "vllm.entrypoints.openai.api_server"), args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
     p = _context().Process(
