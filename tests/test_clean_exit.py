@@ -117,9 +117,8 @@ def test_a_thread_stuck_in_a_reward_past_the_stop_timeout_is_joined_before_exit(
     no backend can abort. The generator abandons the call at once (its shutdown does not wait out a reward), and the
     reward's thread is joined at interpreter exit instead of being left running under it (before: `terminate called
     without an active exception`, exit 134)."""
-    result, stderr = _run(
-        "train", tiny_model_path, tmp_path / "h", max_steps=4, stop_at_step=1, slow_from=2, slow_seconds=20
-    )
+    kw = dict(max_steps=4, stop_at_step=1, stop_in_reward_call=2, slow_from=2, slow_seconds=20)
+    result, stderr = _run("train", tiny_model_path, tmp_path / "h", **kw)
     assert result["global_step"] == 1
     assert result["threads"] == [], result  # the generator did not wait for the reward
     assert len(result["reward_threads"]) == 1, result  # still scoring when train() returned
@@ -292,6 +291,11 @@ def main(mode: str, spec: dict) -> None:
     class StopAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == spec.get("stop_at_step"):
+                # `stop_in_reward_call`: stop only once that reward call has begun (the round ahead is then in its
+                # reward for sure, not still generating; without it the order is a race with the training step)
+                deadline = time.monotonic() + 120
+                while len(calls) < spec.get("stop_in_reward_call", 0) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 control.should_training_stop = True
 
     def make_trainer(**overrides):
