@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, server_command, wait_ready
 from grpo_async.testing.warm_launch import start_server_command
 
 GiB, MiB = 2**30, 2**20
@@ -77,8 +77,6 @@ def test_launch_server_lets_the_flag_size_the_kv_cache(monkeypatch):
     """`launch_server(..., extra_args=["--kv-cache-memory-bytes", N])` starts the server without the
     `VLLM_CPU_KVCACHE_SPACE` of `CPU_ENV` or of this process (vLLM would take it over the flag); a variable the caller
     passes in `env` stays (and the server refuses the pair: above)."""
-    from grpo_async.generation.server_process import CPU_ENV, server_command
-
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     _, env = server_command("m", port=1)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # no flag: this process's variable
@@ -87,6 +85,7 @@ def test_launch_server_lets_the_flag_size_the_kv_cache(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == CPU_ENV["VLLM_CPU_KVCACHE_SPACE"]  # no flag: the default
     for flag in (["--kv-cache-memory-bytes", str(64 * MiB)], [f"--kv_cache_memory_bytes={64 * MiB}"]):
         for process_env in ({}, {"VLLM_CPU_KVCACHE_SPACE": "2"}):
+            monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
             for k, v in process_env.items():
                 monkeypatch.setenv(k, v)
             args, env = server_command("m", port=1, extra_args=flag)

@@ -522,13 +522,13 @@ def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
 
     if not current_platform.is_cpu():
         return False
-    if environ.get("VLLM_CPU_KVCACHE_SPACE") and _passed(argv, "--kv-cache-memory-bytes"):
+    variable, flag = environ.get("VLLM_CPU_KVCACHE_SPACE"), _passed(argv, "--kv-cache-memory-bytes")
+    if variable and flag:
         raise SystemExit(
-            f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={environ['VLLM_CPU_KVCACHE_SPACE']} and "
-            "--kv-cache-memory-bytes choose the CPU KV cache, and vLLM would take the variable's size and ignore the "
-            "flag: unset one"
+            f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={variable} and --kv-cache-memory-bytes choose the CPU KV "
+            "cache, and vLLM would take the variable's size and ignore the flag: unset one"
         )
-    if environ.get("VLLM_CPU_KVCACHE_SPACE") or _passed(argv, "--kv-cache-memory-bytes"):
+    if variable or flag:
         return True
     if _passed(argv, "--gpu-memory-utilization"):
         return False
