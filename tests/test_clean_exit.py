@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -113,11 +114,11 @@ def test_a_round_in_progress_on_in_process_vllm_is_aborted(tiny_model_path, tmp_
 
 @pytest.mark.slow
 def test_a_thread_stuck_in_a_reward_past_the_stop_timeout_is_joined_before_exit(tiny_model_path, tmp_path):
-    """A callback stops training after step 1 while round 1 (legitimately ahead) is in its reward: 20 s of torch work
-    no backend can abort. The generator abandons the call at once (its shutdown does not wait out a reward), and the
-    reward's thread is joined at interpreter exit instead of being left running under it (before: `terminate called
-    without an active exception`, exit 134)."""
-    kw = dict(max_steps=4, stop_at_step=1, stop_in_reward_call=2, slow_from=2, slow_seconds=20)
+    """A callback stops training after step 1 while round 1 (legitimately ahead) is in its reward: torch work no
+    backend can abort, which goes on until the interpreter begins to exit and 3 s past that. The generator abandons
+    the call at once (its shutdown does not wait out a reward), and the reward's thread is joined at interpreter exit
+    instead of being left running under it (before: `terminate called without an active exception`, exit 134)."""
+    kw = dict(max_steps=4, stop_at_step=1, stop_in_reward_call=2, slow_from=2, slow_seconds=3, slow_until_exit=True)
     result, stderr = _run("train", tiny_model_path, tmp_path / "h", **kw)
     assert result["global_step"] == 1
     assert result["threads"] == [], result  # the generator did not wait for the reward
@@ -233,11 +234,20 @@ def test_server_backend_abort_stops_waiting_for_its_requests_and_closes_twice():
 
 
 # ---- the training script ------------------------------------------------------------------------------------------
-def _slow_torch_work(seconds: float) -> None:
-    """What a slow reward model does: torch ops, for `seconds`."""
+#: set by the first `atexit` handler of a script that asked for it (`slow_until_exit`): the interpreter is exiting
+_EXITING = threading.Event()
+
+
+def _slow_torch_work(seconds: float, until_exit: bool = False) -> None:
+    """What a slow reward model does: torch ops, for `seconds` (`until_exit`: until the interpreter begins to exit,
+    at most 120 s, then for `seconds` more)."""
     import torch
 
     a = torch.randn(256, 256)
+    if until_exit:
+        deadline = time.monotonic() + 120
+        while not _EXITING.is_set() and time.monotonic() < deadline:
+            a = torch.tanh(a @ a)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         a = torch.tanh(a @ a)
@@ -262,7 +272,7 @@ def main(mode: str, spec: dict) -> None:
         else:
             seconds = spec.get("slow_seconds", 0)
         if slow:
-            _slow_torch_work(seconds)
+            _slow_torch_work(seconds, until_exit=spec.get("slow_until_exit", False))
         return letter_reward(prompts, completions, **kw)
 
     config = {"max_steps": spec.get("max_steps", 2), "num_batches_ahead": spec.get("num_batches_ahead", 1)}
@@ -330,6 +340,10 @@ def main(mode: str, spec: dict) -> None:
         trainer.close()  # a second close after end(): safe
         result["backend_after_end"] = None if trainer.backend is None else type(trainer.backend).__name__
     print("RESULT " + json.dumps(result), flush=True)
+    if spec.get("slow_until_exit"):
+        import atexit
+
+        atexit.register(_EXITING.set)  # registered last: the first handler to run at exit
 
 
 if __name__ == "__main__":

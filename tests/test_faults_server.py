@@ -180,7 +180,7 @@ def test_broadcast_peer_that_dies_or_hangs_mid_push_fails_the_push_naming_it(sta
     backend = None
     try:
         assert "PEER ready" in peer.stdout.readline()
-        backend = VLLMServerBackend([url], timeout=20, transport="broadcast", group_timeout=4)
+        backend = VLLMServerBackend([url], timeout=10, transport="broadcast", group_timeout=4)
         start = time.monotonic()
         with pytest.raises(RuntimeError) as err:
             push_state_dict(backend, state_dict, 7)
