@@ -54,7 +54,7 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from grpo_async.generation.server_process import flag_passed as _passed
+from grpo_async.generation.server_process import flag_passed
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
 
@@ -451,7 +451,7 @@ def cpu_memory_utilization(available_bytes: int, total_bytes: int) -> float:
 def _default_cpu_memory(args, argv: list[str]) -> None:
     """On CPU, when the user did not pass --gpu-memory-utilization, replace vLLM's 0.92 (which fails to start
     whenever other processes use RAM) by `cpu_memory_utilization` of the memory free now."""
-    if _passed(argv, "--gpu-memory-utilization"):
+    if flag_passed(argv, "--gpu-memory-utilization"):
         return
     from vllm.platforms import current_platform
 
@@ -522,7 +522,7 @@ def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
 
     if not current_platform.is_cpu():
         return False
-    variable, flag = environ.get("VLLM_CPU_KVCACHE_SPACE"), _passed(argv, "--kv-cache-memory-bytes")
+    variable, flag = environ.get("VLLM_CPU_KVCACHE_SPACE"), flag_passed(argv, "--kv-cache-memory-bytes")
     if variable and flag:
         raise SystemExit(
             f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={variable} and --kv-cache-memory-bytes choose the CPU KV "
@@ -530,7 +530,7 @@ def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
         )
     if variable or flag:
         return True
-    if _passed(argv, "--gpu-memory-utilization"):
+    if flag_passed(argv, "--gpu-memory-utilization"):
         return False
     import psutil
 
@@ -554,7 +554,7 @@ def _default_cpu_chunked_prefill(args, argv: list[str]) -> None:
     """On CPU, unless the user chose, turn chunked prefill off: vLLM CPU cannot rewind a seeded request's generator
     after a partial prefill (the trainer sends per-request seeds, `GRPOConfig.seeded_generation`)."""
     chose = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
-    if any(_passed(argv, flag) for flag in chose):  # a token budget below the context needs chunks: left to vLLM
+    if any(flag_passed(argv, flag) for flag in chose):  # a token budget below the context needs chunks: left to vLLM
         return
     from vllm.platforms import current_platform
 
@@ -675,7 +675,7 @@ SHUTDOWN_TIMEOUT_S = 10
 
 
 def _default_shutdown_timeout(args, argv: list[str]) -> None:
-    if not _passed(argv, "--shutdown-timeout"):
+    if not flag_passed(argv, "--shutdown-timeout"):
         args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
 
 
