@@ -46,7 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _plot(argv: list[str]) -> int:
-    from .logging_utils import METRICS_FILE, plot_metrics
+    from .plotting import METRICS_FILE, PLOT_FILE, plot_metrics
 
     p = argparse.ArgumentParser(prog="grpo-async plot", description="Plot the metrics of a training run.")
     p.add_argument("output_dir")
@@ -55,7 +55,7 @@ def _plot(argv: list[str]) -> int:
     metrics = os.path.join(a.output_dir, METRICS_FILE)
     if not os.path.exists(metrics):
         p.error(f"{metrics} does not exist: is {a.output_dir!r} a grpo_async output_dir?")
-    print(plot_metrics(metrics, a.out or os.path.join(a.output_dir, "metrics.png"), title=a.output_dir))
+    print(plot_metrics(metrics, a.out or os.path.join(a.output_dir, PLOT_FILE), title=a.output_dir))
     return 0
 
 

@@ -31,8 +31,9 @@ from accelerate import PartialState
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import LETTERS, letter_reward, make_dataset, make_ends_cleanly_for
 from grpo_async.loading import load_tokenizer
-from grpo_async.logging_utils import METRICS_FILE, plot_metrics, read_metrics, use_concise_console
+from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
+from grpo_async.plotting import METRICS_FILE, plot_metrics, read_metrics
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 

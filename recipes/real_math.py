@@ -41,8 +41,9 @@ import torch
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.envs import template_ids
 from grpo_async.generation.base import SamplingConfig
-from grpo_async.logging_utils import METRICS_FILE, plot_metrics, use_concise_console
+from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
+from grpo_async.plotting import METRICS_FILE, plot_metrics
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.rewards.builtin import completion_text
 from grpo_async.testing import build_smollm2

@@ -38,8 +38,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from urllib.parse import urlparse
@@ -58,7 +56,7 @@ from grpo_async.generation.server_process import (
 )
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.testing import push_state_dict
-from grpo_async.testing.warm_launch import start_server
+from grpo_async.testing.warm_launch import start_script, start_server
 
 pytestmark = pytest.mark.vllm
 
@@ -150,17 +148,20 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 
 class _Trainer:
-    """One trainer process (its own process group, so a SIGKILL takes all of it)."""
+    """One trainer process (its own process group, so a SIGKILL takes all of it), forked from the warm interpreter
+    (`warm_launch.start_script`: `python train.py ...` with the trainer's imports done, ending as a fresh interpreter
+    does); its output in `log_path`."""
 
-    def __init__(self, script: str, model: str, out: str, urls: list[str], log):
+    def __init__(self, script: str, model: str, out: str, urls: list[str], log_path: str):
         self.out = out
+        self.log_path = log_path
         self.shm_before = frozenset(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else frozenset()
-        self.proc = subprocess.Popen(
-            [sys.executable, script, model, out, ",".join(urls), API_KEY, str(MAX_STEPS)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        args = [model, out, ",".join(urls), API_KEY, str(MAX_STEPS)]
+        self.proc = start_script(script, args, log_path=log_path, new_session=True)
+
+    def log_tail(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-3000:]
 
     def kill(self) -> None:
         owned = group_shm(self.proc.pid)  # its weight-sync segments: unlinked once it is dead
@@ -200,15 +201,15 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
     script = str(tmp_path / "train.py")
     with open(script, "w") as f:
         f.write(TRAIN_SCRIPT)
-    log = open(tmp_path / "trainers.log", "wb")
+    logs = iter(str(tmp_path / f"trainer{n}.log") for n in range(100))  # one per trainer process
     kill_log: list[str] = []
     for i, s in enumerate(servers):  # the rejoin test may have left one starting again: both must be up
         if not s.alive:
             servers[i] = _restart(s, tiny_model_path)
         wait_ready(servers[i], timeout=300)
     urls = [s.url for s in servers]
-    straight = _Trainer(script, tiny_model_path, str(tmp_path / "straight"), urls, log)
-    assert straight.proc.wait(timeout=240) == 0, (tmp_path / "trainers.log").read_text()[-3000:]
+    straight = _Trainer(script, tiny_model_path, str(tmp_path / "straight"), urls, next(logs))
+    assert straight.proc.wait(timeout=240) == 0, straight.log_tail()
 
     out = str(tmp_path / "chaos")
     rng = random.Random(SEED)
@@ -217,7 +218,7 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
     kill_steps = sorted(rng.sample(range(2, MAX_STEPS - 3), KILLS))
     start = time.monotonic()
     deadline = start + DEADLINE_S
-    trainer = _Trainer(script, tiny_model_path, out, urls, log)
+    trainer = _Trainer(script, tiny_model_path, out, urls, next(logs))
     restarting: dict[int, object] = {}  # server index -> the new process, until it has rejoined
 
     def note(what: str) -> None:
@@ -256,13 +257,13 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
             if target == "trainer":
                 trainer.kill()
                 note("SIGKILL trainer; resumed from its latest checkpoint")
-                trainer = _Trainer(script, tiny_model_path, out, urls, log)
+                trainer = _Trainer(script, tiny_model_path, out, urls, next(logs))
             else:
                 servers[i].kill()
                 note(f"SIGKILL server {i} ({servers[i].url}); started again on its port")
                 servers[i] = restarting[i] = _restart(servers[i], tiny_model_path)
         code = trainer.proc.wait(timeout=max(10.0, deadline - time.monotonic()))
-        assert code == 0, (tmp_path / "trainers.log").read_text()[-3000:]
+        assert code == 0, trainer.log_tail()
         for i in list(restarting):  # started, whether or not it rejoined before the end
             wait_ready(servers[i], timeout=max(10.0, deadline - time.monotonic()))
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -22,23 +21,24 @@ import time
 import pytest
 from mp_utils import ACCELERATE_2CPU  # noqa: E402
 
+from grpo_async.testing.warm_launch import run_script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BAD_SIGNS = ("Aborted", "terminate called", "Traceback", "still running after")
 
 
 def _run(mode: str, model: str, out, timeout: float = 240, allow=(), **spec) -> tuple[dict, str]:
-    """Run this file as a training script; returns the `RESULT {...}` line it printed and its stderr."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """Run this file as a training script; returns the `RESULT {...}` line it printed and its stderr.
+
+    The process is forked from the warm interpreter (`warm_launch.run_script`: the trainer's imports, ~8 CPU-s, are
+    already done) and ends through the interpreter's whole finalization (`real_exit`: `Py_Exit`, as a fresh `python
+    test_clean_exit.py` ends), so an abort at exit shows here as it would there (`tests/test_warm_launch.py`)."""
+    env = {"PYTHONUNBUFFERED": "1"}
     for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
-        env.setdefault(k, v)
+        env[k] = os.environ.get(k, v)
     spec = {"model": str(model), "output_dir": str(out), **spec}
-    p = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), mode, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    args = [mode, json.dumps(spec)]
+    p = run_script(os.path.abspath(__file__), args, env=env, timeout=timeout, real_exit=True, stderr_apart=True)
     tail = f"\n--- stdout ---\n{p.stdout[-3000:]}\n--- stderr ---\n{p.stderr[-6000:]}"
     assert p.returncode == 0, f"exit code {p.returncode}{tail}"
     for sign in BAD_SIGNS:

@@ -5,11 +5,11 @@ of the moment to hit, injects the fault, and checks what the user is left with: 
 left behind, and checkpoints that resume.
 """
 
+import contextlib
 import os
 import queue
 import signal
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 
@@ -17,38 +17,45 @@ import psutil
 import pytest
 
 from grpo_async.generation.http_client import free_port
+from grpo_async.testing.warm_launch import start_script
 
 HERE = os.path.dirname(__file__)
 
 
-def _sigint_as_in_a_terminal() -> None:
-    """The child starts with SIGINT at its default, as under a terminal's Ctrl-C, whatever this process inherited: a
-    suite started as a background job of a non-interactive shell (`cmd &`, `nohup`) has SIGINT ignored, which
-    children inherit and Python then leaves ignored (no KeyboardInterrupt ever)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Proc:
-    """A subprocess whose output lines are read by a thread (so waiting for a marker never blocks forever)."""
+    """`python SCRIPT ARGS` forked from the warm interpreter (`warm_launch.start_script`: the trainer's imports are
+    done, the process ends through the interpreter's whole finalization as a fresh one does), SIGINT at its default
+    as under a terminal's Ctrl-C whatever this process inherited (a suite started as a background job of a
+    non-interactive shell has SIGINT ignored); its output lines (standard error too) read from its log by a thread, so
+    waiting for a marker never blocks forever."""
 
     def __init__(self, args, env=None):
         self.lines: list[str] = []
         self.q: queue.Queue[str] = queue.Queue()
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.p = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=full_env,
-            preexec_fn=_sigint_as_in_a_terminal,
-        )
+        fd, self.log = tempfile.mkstemp(prefix="faults_", suffix=".log")
+        os.close(fd)
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.p = start_script(args[0], args[1:], log_path=self.log, env=env, sigint_default=True)
+        self.drained = threading.Event()  # the process ended and every line it wrote is read
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        for line in self.p.stdout:
-            self.lines.append(line)
-            self.q.put(line)
+        with open(self.log, errors="replace") as f:
+            partial = ""
+            while True:
+                ended = self.p.poll() is not None  # before reading: what it wrote before it ended is read next
+                partial += f.read()
+                *lines, partial = partial.split("\n")
+                for line in lines:
+                    self.lines.append(line + "\n")
+                    self.q.put(line + "\n")
+                if ended:
+                    break
+                time.sleep(0.05)
+        if partial:
+            self.lines.append(partial)
+            self.q.put(partial)
+        self.drained.set()
 
     def wait_for(self, marker: str, timeout: float = 240) -> str:
         deadline = time.monotonic() + timeout
@@ -56,7 +63,7 @@ class Proc:
             try:
                 line = self.q.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
-                if self.p.poll() is not None and self.q.empty():
+                if self.drained.is_set() and self.q.empty():
                     break
                 continue
             if marker in line:
@@ -71,6 +78,9 @@ class Proc:
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait(30)
+        self.drained.wait(5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log)
 
 
 def _worker(mode, model, out, *extra):
@@ -87,7 +97,6 @@ def _interrupt_and_check(proc: Proc) -> str:
     finally:
         proc.kill()
     elapsed = time.monotonic() - start
-    time.sleep(0.5)  # let the reader thread drain the last lines
     assert rc == 130, (rc, proc.output[-4000:])
     assert elapsed <= 10, f"exit took {elapsed:.1f}s after SIGINT"
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], children

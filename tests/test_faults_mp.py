@@ -1,8 +1,8 @@
-"""One of two training processes dies or stalls: the survivor must exit with a clear error, never wait forever.
-
-The two processes are started directly (RANK/WORLD_SIZE/MASTER_* environment, gloo on CPU), not by `accelerate
-launch` / `torchrun`: their agent kills the survivor as soon as one worker fails, which would hide what the survivor
-itself does. `ddp_timeout=15` bounds every collective (torch's gloo default is 30 minutes).
+"""One of two training processes dies or stalls: the survivor must exit with a clear error, never wait forever. The two
+processes are started directly (RANK/WORLD_SIZE/MASTER_* environment, gloo on CPU; forked from the warm interpreter by
+`test_faults.Proc`, each ending as a fresh interpreter does), not by `accelerate launch` / `torchrun`: their agent
+kills the survivor as soon as one worker fails, which would hide what the survivor itself does. `ddp_timeout=15` bounds
+every collective (torch's gloo default is 30 minutes).
 """
 
 import os
@@ -32,7 +32,7 @@ def test_survivor_fails_clearly_when_the_other_process_dies_or_stalls(tiny_model
         start = time.monotonic()
         rc = procs[0].p.wait(120)  # 15 s of ddp_timeout plus the exit; without a bound this would be 30 minutes
         elapsed = time.monotonic() - start
-        time.sleep(0.5)
+        procs[0].drained.wait(5)  # every line it wrote, read
         out = procs[0].output
         assert rc != 0, out[-3000:]
         assert "process 0 of 2: a collective with the other training processes failed" in out, out[-3000:]

@@ -1,5 +1,6 @@
 """Logging: the completions table (console + parquet), tensorboard event files, and the PNG plots written at the
-end of training and by `grpo-async plot OUTPUT_DIR` (mirrors grpo_async/logging_utils.py)."""
+end of training and by `grpo-async plot OUTPUT_DIR` (mirrors grpo_async/logging_utils.py and
+grpo_async/plotting.py)."""
 
 import contextlib
 import glob
@@ -11,16 +12,8 @@ import pytest
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
-from grpo_async.logging_utils import (
-    COMPLETIONS_DIR,
-    METRICS_FILE,
-    PLOT_FILE,
-    completion_columns,
-    metric_panels,
-    plot_metrics,
-    read_completions,
-    read_metrics,
-)
+from grpo_async.logging_utils import COMPLETIONS_DIR, completion_columns, read_completions
+from grpo_async.plotting import METRICS_FILE, PLOT_FILE, metric_panels, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from trl.trainer.utils import compute_flops_per_token
 
 from grpo_async.algo.throughput import ThroughputMeter, generated_tokens_per_second
-from grpo_async.logging_utils import METRICS_FILE, PLOT_FILE, metric_panels, plot_metrics, read_metrics
+from grpo_async.plotting import METRICS_FILE, PLOT_FILE, metric_panels, plot_metrics, read_metrics
 
 
 def test_meter_tokens_flops_and_mfu(tiny_model_path):

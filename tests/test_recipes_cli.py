@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from grpo_async import GRPOConfig
-from grpo_async.logging_utils import METRICS_FILE, read_metrics
 from grpo_async.model_config import ModelConfig
+from grpo_async.plotting import METRICS_FILE, read_metrics
 from grpo_async.scripts.grpo import load_named_dataset, resolve_reward_funcs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from grpo_async import GRPOConfig
-from grpo_async.logging_utils import METRICS_FILE, read_metrics
 from grpo_async.model_config import ModelConfig
+from grpo_async.plotting import METRICS_FILE, read_metrics
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.testing.warm_launch import run_script
 

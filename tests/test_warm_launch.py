@@ -4,7 +4,9 @@ run."""
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -137,3 +139,29 @@ def test_a_forked_script_forks_its_own_runs_from_the_same_warm_interpreter(tmp_p
     parents = dict(line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("outer", "inner")))
     assert parents["inner"] == parents["outer"], proc.stdout  # both children of the one fork server
     assert "inner" in proc.stdout and "['x']" in proc.stdout
+
+
+def test_real_exit_ends_through_the_interpreters_finalization_as_a_fresh_interpreter_does(tmp_path):
+    """A script that leaves a daemon thread in torch ops when it returns: a fresh `python script` aborts at exit
+    (`terminate called without an active exception`, 134: the case of `tests/test_clean_exit.py`). `real_exit` ends the
+    fork the same way, with its standard error apart; the default ending (`os._exit` after the `atexit` handlers)
+    would not show it."""
+    script = tmp_path / "daemon.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "import torch\n"
+        "def work():\n"
+        "    a = torch.randn(512, 512)\n"
+        "    while True:\n"
+        "        a = torch.tanh(a @ a)\n"
+        "threading.Thread(target=work, daemon=True).start()\n"
+        "time.sleep(0.5)\n"
+        "print('returned', flush=True)\n"
+    )
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == -signal.SIGABRT and "terminate called" in fresh.stderr, (fresh.returncode, fresh.stderr)
+    forked = run_script(str(script), [], timeout=120, real_exit=True, stderr_apart=True)
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, "returned\n"), (forked.returncode, forked.stdout)
+    assert "terminate called without an active exception" in forked.stderr, forked.stderr
+    masked = run_script(str(script), [], timeout=120)
+    assert masked.returncode == 0 and "terminate called" not in masked.stdout, masked.stdout

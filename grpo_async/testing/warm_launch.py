@@ -35,10 +35,18 @@ Every forked process takes its command line as its title (`setproctitle`, as vLL
 shows what each fork runs, and vLLM's `VLLM::EngineCore` title works in the forks (setproctitle needs the process's
 original environment layout, so it runs before the environment is replaced).
 
+How a fork ends: a rank of `run_2cpu` ends with `os._exit` after its non-daemon threads and `atexit` handlers, so an
+abort later in the interpreter's shutdown would not show. The tests whose subject is how a process ends or dies
+(`tests/test_clean_exit.py`'s runs, `tests/test_faults.py`, `tests/test_faults_mp.py`, the chaos test's trainers) fork
+with `real_exit` (`run_script`, `start_script`): the fork ends through `Py_Exit`, the interpreter's whole
+finalization and the C library's `exit`, as a fresh `python script` does, so a thread left in torch ops at exit aborts
+it (`terminate called without an active exception`) as it aborts a fresh interpreter
+(`tests/test_warm_launch.py` runs both); they save the ~8 CPU-s of imports each such process paid.
+
 What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`), the launch configs
-(`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), and whatever is about how a process ends
-(`tests/test_clean_exit.py`, `tests/test_faults_mp.py`): a forked rank ends with `os._exit` after its `atexit`
-handlers, so an abort at interpreter shutdown would not show here.
+(`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), `accelerate launch`'s own agent
+(`tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`), and the servers whose start or stop is the
+subject (above).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -75,6 +84,8 @@ PRELOAD = [
     "vllm.v1.engine.core",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.sample.rejection_sampler",
+    # inductor's check of the CPU's vector ISAs, which every forked engine core would run again (see the module)
+    "grpo_async.testing.cpu_isa",
     # last: the preloaded heap into the collector's permanent generation (see the module)
     "grpo_async.testing.frozen_heap",
 ]
@@ -130,27 +141,41 @@ def _rank_main(
     argv: list[str],
     env: dict[str, str],
     log_path: str,
+    *,
     module: bool = False,
     cwd: str | None = None,
     fork_engine: bool = False,
+    real_exit: bool = False,
+    err_path: str | None = None,
+    new_session: bool = False,
+    sigint_default: bool = False,
 ) -> None:
-    """In the forked process: output to `log_path`, the given environment, then `script` (a module with `module`) as
-    `__main__`; ends like an interpreter would (non-daemon threads joined, `atexit` handlers run) with the script's
-    exit status. A module runs in a session of its own (`start_new_session`, as `launch_server` starts servers)."""
+    """In the forked process: output to `log_path` (standard error to `err_path` if given), the given environment,
+    then `script` (a module with `module`) as `__main__`; ends with the script's exit status like an interpreter would
+    (non-daemon threads joined, `atexit` handlers run), then `os._exit`; with `real_exit`, by the interpreter's own
+    `Py_Exit` instead: the whole finalization a fresh `python script` goes through at exit, C++ static destructors
+    included, so an abort there shows (`terminate called without an active exception`, exit -6) as it would in a
+    fresh interpreter. A module runs in a session of its own (`start_new_session`, as `launch_server` starts
+    servers), so does a script with `new_session`. `sigint_default`: SIGINT raises `KeyboardInterrupt`, as in a fresh
+    interpreter started with SIGINT at its default (the fork server ignores it, and a suite started in the background
+    of a non-interactive shell has it ignored too)."""
     global _IN_WARM_FORK
     import setproctitle  # before the environment changes below: it needs the process's original argv/environ layout
 
     _IN_WARM_FORK = True
 
     setproctitle.setproctitle(" ".join([sys.executable, *(["-m", script] if module else [script]), *argv]))
-    if module:
+    if module or new_session:
         os.setsid()
+    if sigint_default:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if fork_engine:
         _fork_engine_core()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for targets, path in [((1, 2), log_path)] if err_path is None else [((1,), log_path), ((2,), err_path)]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # one open file: one offset for both
+        for target in targets:
+            os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     if cwd:  # the caller's, as `subprocess` would give it (the fork server's is wherever the first caller was)
@@ -163,6 +188,7 @@ def _rank_main(
     if not module:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     code = 0
+    interrupted = False
     try:
         if module:
             runpy.run_module(script, run_name="__main__", alter_sys=True)
@@ -172,14 +198,22 @@ def _rank_main(
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
         code = 1
-    finally:
-        threading._shutdown()  # what the interpreter does at exit, in this order
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        interrupted = isinstance(e, KeyboardInterrupt)
+    if real_exit and not interrupted:
+        import ctypes
+
+        ctypes.pythonapi.Py_Exit.argtypes = [ctypes.c_int]
+        ctypes.pythonapi.Py_Exit(code)  # does not return
+    threading._shutdown()  # what the interpreter does at exit, in this order
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if real_exit and interrupted:  # an uncaught KeyboardInterrupt: the interpreter ends by SIGINT (exit -2)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
@@ -199,13 +233,20 @@ def run_script(
     timeout: float = 600.0,
     cwd: str | None = None,
     fork_engine: bool = False,
+    real_exit: bool = False,
+    stderr_apart: bool = False,
 ):
     """`python script args` in one process forked from the warm interpreter (its environment: this process's updated
     with `env`; in `cwd`, default this process's); a `subprocess.CompletedProcess` with the script's exit status and
-    its output in `stdout`. `fork_engine`: the vLLM engine cores the script starts (`separate_process`) are forks of
-    it, as a `run_2cpu` rank's are, instead of fresh interpreters; only for a script that runs one OpenMP thread (the
-    environment's `OMP_NUM_THREADS=1`), after which a fork is safe."""
-    return _run_forked(script, args, [{**os.environ, **(env or {})}], timeout, cwd, fork_engine=fork_engine)
+    its output in `stdout` (its standard error in `stderr` with `stderr_apart`, else in `stdout` too). `fork_engine`:
+    the vLLM engine cores the script starts (`separate_process`) are forks of it, as a `run_2cpu` rank's are, instead
+    of fresh interpreters; only for a script that runs one OpenMP thread (the environment's `OMP_NUM_THREADS=1`),
+    after which a fork is safe. `real_exit`: the process ends through the interpreter's whole finalization, as a fresh
+    `python script` does (`_rank_main`), for the tests whose subject is how a process exits."""
+    envs = [{**os.environ, **(env or {})}]
+    return _run_forked(
+        script, args, envs, timeout, cwd, fork_engine=fork_engine, real_exit=real_exit, stderr_apart=stderr_apart
+    )
 
 
 def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
@@ -243,18 +284,27 @@ def _run_forked(
     timeout: float,
     cwd: str | None = None,
     fork_engine: bool = False,
+    real_exit: bool = False,
+    stderr_apart: bool = False,
 ):
-    """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu`."""
+    """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu` and
+    `run_script`."""
     import tempfile
 
+    assert not stderr_apart or len(envs) == 1, "stderr_apart: one process"
     ctx = _context()
     cwd = cwd or os.getcwd()
     logs, procs = [], []
+    err_log = None
+    if stderr_apart:
+        fd, err_log = tempfile.mkstemp(prefix="warm_stderr_", suffix=".log")
+        os.close(fd)
     for rank, env in enumerate(envs):
         fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
         os.close(fd)
         argv = [str(a) for a in args]
-        p = ctx.Process(target=_rank_main, args=(script, argv, env, log, False, cwd, fork_engine), daemon=False)
+        options = dict(cwd=cwd, fork_engine=fork_engine, real_exit=real_exit, err_path=err_log)
+        p = ctx.Process(target=_rank_main, args=(script, argv, env, log), kwargs=options, daemon=False)
         p.start()
         logs.append(log)
         procs.append(p)
@@ -287,11 +337,16 @@ def _run_forked(
         parts.append((rank in failed, header + text))
     # a failed process's output last, where a caller's `stdout[-N:]` looks
     output = "".join(text for _, text in sorted(parts, key=lambda p: p[0]))
+    errors = ""
+    if err_log:
+        with open(err_log, errors="replace") as f:
+            errors = f.read()
+        os.unlink(err_log)
     cmd = ["warm_launch", script, *map(str, args)]
     if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=output)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=output, stderr=errors)
     failed = codes[failed[0]] if failed else next((c for c in codes if c not in (0, None)), 0)
-    return subprocess.CompletedProcess(cmd, failed, stdout=output, stderr="")
+    return subprocess.CompletedProcess(cmd, failed, stdout=output, stderr=errors)
 
 
 class ForkedProcess:
@@ -315,6 +370,39 @@ class ForkedProcess:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_script(
+    script: str,
+    args: list,
+    *,
+    log_path: str,
+    env: dict | None = None,
+    cwd: str | None = None,
+    new_session: bool = False,
+    sigint_default: bool = False,
+) -> ForkedProcess:
+    """`subprocess.Popen([sys.executable, script, *args], stdout=log, stderr=STDOUT, ...)` for the tests that signal or
+    kill a running script: one process forked from the warm interpreter, its output (standard error too) written to
+    `log_path`, its environment this process's updated with `env`, ending through the interpreter's whole
+    finalization (`real_exit`); `new_session` as `start_new_session`, `sigint_default` as a child started with SIGINT
+    at its default (see `_rank_main`)."""
+    argv = [str(a) for a in args]
+    options = dict(cwd=cwd or os.getcwd(), real_exit=True, new_session=new_session, sigint_default=sigint_default)
+    env = {**os.environ, **(env or {})}
+    p = _context().Process(target=_rank_main, args=(script, argv, env, log_path), kwargs=options, daemon=False)
+    p.start()
+    return ForkedProcess(p, [sys.executable, script, *argv])
+
 
 def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | None = None, port: int | None = None):
     """`launch_server(model, api_key=..., extra_args=..., env=..., wait=False)`, its API process forked from the warm
@@ -336,9 +424,8 @@ def start_server_command(args: list[str], env: dict[str, str], *, port: int, api
     assert args[1] == "-m" and args[2] in ("grpo_async.generation.serve", "vllm.entrypoints.openai.api_server"), args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
-    p = _context().Process(
-        target=_rank_main, args=(args[2], args[3:], env, log_path, True, os.getcwd(), True), daemon=False
-    )
+    options = dict(module=True, cwd=os.getcwd(), fork_engine=True)
+    p = _context().Process(target=_rank_main, args=(args[2], args[3:], env, log_path), kwargs=options, daemon=False)
     p.start()
     server = ServerProcess(
         url=f"http://127.0.0.1:{port}", proc=ForkedProcess(p, args), log_path=log_path, api_key=api_key, args=args
