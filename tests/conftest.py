@@ -57,6 +57,22 @@ def pytest_collection_finish(session):
     _freeze_heap()
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under `--dist loadgroup` a worker tells the scheduler each test's `xdist_group` by appending it to the node id
+    (`test_x.py::test_a@group`): without it every test is a unit of its own, a file's module fixtures (its servers) are
+    set up on both workers and `tests/suite_plan.py`'s order is ignored; nothing else would say so. It happened with
+    pytest 9.2 (structured node ids, which pytest-xdist 3.8 does not know): setup.py pins pytest below it."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [nodeid for nodeid in ids if "@" not in nodeid.rsplit("]", 1)[-1]]
+    if lost:
+        pytest.exit(
+            f"--dist loadgroup: {len(lost)} tests reach the scheduler without their xdist_group (e.g. {lost[0]}): "
+            f"pytest {pytest.__version__} with this pytest-xdist does not group tests (setup.py pins one that does)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """An in-process vLLM engine that shut down unfroze the whole heap: freeze it again, its objects collected."""
