@@ -64,7 +64,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     pytest 9.2 (structured node ids, which pytest-xdist 3.8 does not know): setup.py pins pytest below it."""
     if node.config.getvalue("dist") != "loadgroup":
         return
-    lost = [nodeid for nodeid in ids if "@" not in nodeid.rsplit("]", 1)[-1]]
+    lost = [nodeid for nodeid in ids if "@" not in nodeid]
     if lost:
         pytest.exit(
             f"--dist loadgroup: {len(lost)} tests reach the scheduler without their xdist_group (e.g. {lost[0]}): "
