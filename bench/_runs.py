@@ -399,12 +399,26 @@ def run_python(
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
 
 
+def run_records(text: str) -> list[dict]:
+    """The records of the `RUN {json}` lines in a run's output. The processes of a run share one pipe for stdout and
+    stderr, unbuffered (`PYTHONUNBUFFERED`, as `make` sets it): `print` writes a line's text and its newline in two
+    writes, so another process's text can land before or after a record on the same line (`to stderr tooRUN {...}`,
+    seen under `accelerate launch`); each record is read from its `RUN {` to the end of its JSON object."""
+    decoder = json.JSONDecoder()
+    records = []
+    for line in text.splitlines():
+        at = line.find("RUN {")
+        if at >= 0:
+            records.append(decoder.raw_decode(line, at + len("RUN "))[0])
+    return records
+
+
 def run_record(proc, what) -> dict:
     """The record of the `RUN {json}` line a run printed (`run_python`'s result); raise with its output's tail,
     naming `what`, if it printed none."""
-    for line in proc.stdout.splitlines():
-        if line.startswith("RUN "):
-            return json.loads(line[4:])
+    records = run_records(proc.stdout)
+    if records:
+        return records[0]
     raise RuntimeError(f"run {what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
 
 

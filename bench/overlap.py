@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import default_gen_backend, median, run_python, run_record  # noqa: E402
+from _runs import default_gen_backend, median, run_python, run_record, run_records  # noqa: E402
 
 MODES = ("async", "gen_alone", "train_alone", "sync")  # the blocks of the interleaved run, in turn
 LIVE_KEYS = ("async/overlap", "async/trainer_wait", "async/generator_idle", "async/bottleneck")
@@ -171,7 +171,7 @@ def launch(spec: dict, log=None, timeout: float = 1200.0, attempts: int = 2, war
         if log is not None:
             log.write(proc.stdout)
             log.flush()
-        if any(line.startswith("RUN ") for line in proc.stdout.splitlines()) or attempt == attempts - 1:
+        if run_records(proc.stdout) or attempt == attempts - 1:
             return run_record(proc, spec)
         print(f"run {spec['phase']} failed (exit {proc.returncode}, attempt {attempt + 1}/{attempts})", flush=True)
 

@@ -72,7 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import after_warmup, launch, median  # noqa: E402
+from _runs import after_warmup, launch, median, run_records  # noqa: E402
 
 # TRL with the best settings a TRL user can set on this machine: `trl.GRPOConfig` fields and environment variables
 # only, nothing patched beyond the layerwise-reload session every TRL run here needs to sync weights at all (see
@@ -357,13 +357,11 @@ def main(argv=None) -> dict:
     load_before, t_start = load_average(), time.time()
     if a.from_runs:  # summarize the RUN records of an earlier run instead of running
         with open(a.from_runs) as f:
-            for line in f:
-                if line.startswith("RUN "):
-                    run = json.loads(line[4:])
-                    specific_first = sorted(ALL_MODES.items(), key=lambda kv: -len(kv[1]))
-                    m = next(m for m, v in specific_first if all(run["spec"].get(k) == x for k, x in v.items()))
-                    if m in runs:
-                        runs[m].append(run)
+            for run in run_records(f.read()):
+                specific_first = sorted(ALL_MODES.items(), key=lambda kv: -len(kv[1]))
+                m = next(m for m, v in specific_first if all(run["spec"].get(k) == x for k, x in v.items()))
+                if m in runs:
+                    runs[m].append(run)
         common = {k: v for k, v in runs["trl"][0]["spec"].items() if k in common}
     with open(os.devnull if a.from_runs else a.out.replace(".json", ".runs.log"), "w") as log:
         for r in range(0 if a.from_runs else a.repeats):

@@ -73,3 +73,14 @@ def test_a_run_without_a_record_fails_naming_it_with_its_output(script, warm):
     assert proc.returncode == 3
     with pytest.raises(RuntimeError, match=r"run the named one failed \(exit 3\):\n(.|\n)*to stderr too"):
         _runs.run_record(proc, "the named one")
+
+
+def test_a_record_another_process_wrote_into_is_still_read():
+    """Two processes on one unbuffered pipe: rank 1's stderr line was written around rank 0's record (seen in a
+    clean-clone run: `to stderr tooRUN {...}`): the record is read from its `RUN {` to the end of its JSON object."""
+    import subprocess
+
+    out = 'to stderr tooRUN {"RANK": "0", "argv": ["{\\"s\\": 1}"]}\nto stderr too\nRUN {"RANK": "1"}to stderr\n'
+    proc = subprocess.CompletedProcess(["x"], 0, stdout=out)
+    assert _runs.run_record(proc, "glued") == {"RANK": "0", "argv": ['{"s": 1}']}
+    assert _runs.run_records(out) == [{"RANK": "0", "argv": ['{"s": 1}']}, {"RANK": "1"}]
