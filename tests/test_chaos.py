@@ -34,6 +34,7 @@ What makes that exact, and where it could not be:
   next server kill ended the run.
 """
 
+import itertools
 import json
 import os
 import random
@@ -201,7 +202,7 @@ def test_chaos_run_ends_on_the_uninterrupted_weights(tiny_model_path, servers, t
     script = str(tmp_path / "train.py")
     with open(script, "w") as f:
         f.write(TRAIN_SCRIPT)
-    logs = iter(str(tmp_path / f"trainer{n}.log") for n in range(100))  # one per trainer process
+    logs = (str(tmp_path / f"trainer{n}.log") for n in itertools.count())  # one per trainer process
     kill_log: list[str] = []
     for i, s in enumerate(servers):  # the rejoin test may have left one starting again: both must be up
         if not s.alive:

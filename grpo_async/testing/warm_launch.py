@@ -371,8 +371,12 @@ class ForkedProcess:
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
+        """As `Popen.send_signal`: nothing once the process has ended (also if it ends just before the signal)."""
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
