@@ -357,8 +357,8 @@ def main(argv=None) -> dict:
     load_before, t_start = load_average(), time.time()
     if a.from_runs:  # summarize the RUN records of an earlier run instead of running
         with open(a.from_runs) as f:
+            specific_first = sorted(ALL_MODES.items(), key=lambda kv: -len(kv[1]))  # the most specific mode first
             for run in run_records(f.read()):
-                specific_first = sorted(ALL_MODES.items(), key=lambda kv: -len(kv[1]))
                 m = next(m for m, v in specific_first if all(run["spec"].get(k) == x for k, x in v.items()))
                 if m in runs:
                     runs[m].append(run)

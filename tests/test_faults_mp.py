@@ -1,8 +1,9 @@
-"""One of two training processes dies or stalls: the survivor must exit with a clear error, never wait forever. The two
-processes are started directly (RANK/WORLD_SIZE/MASTER_* environment, gloo on CPU; forked from the warm interpreter by
-`test_faults.Proc`, each ending as a fresh interpreter does), not by `accelerate launch` / `torchrun`: their agent
-kills the survivor as soon as one worker fails, which would hide what the survivor itself does. `ddp_timeout=15` bounds
-every collective (torch's gloo default is 30 minutes).
+"""One of two training processes dies or stalls: the survivor must exit with a clear error, never wait forever.
+
+The two processes are started directly (RANK/WORLD_SIZE/MASTER_* environment, gloo on CPU; forked from the warm
+interpreter by `test_faults.Proc`, each ending as a fresh interpreter does), not by `accelerate launch` / `torchrun`:
+their agent kills the survivor as soon as one worker fails, which would hide what the survivor itself does.
+`ddp_timeout=15` bounds every collective (torch's gloo default is 30 minutes).
 """
 
 import os

@@ -148,7 +148,7 @@ def test_real_exit_ends_through_the_interpreters_finalization_as_a_fresh_interpr
     would not show it."""
     script = tmp_path / "daemon.py"
     script.write_text(
-        "import sys, threading, time\n"
+        "import threading, time\n"
         "import torch\n"
         "def work():\n"
         "    a = torch.randn(512, 512)\n"
