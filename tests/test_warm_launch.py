@@ -165,3 +165,51 @@ def test_real_exit_ends_through_the_interpreters_finalization_as_a_fresh_interpr
     assert "terminate called without an active exception" in forked.stderr, forked.stderr
     masked = run_script(str(script), [], timeout=120)
     assert masked.returncode == 0 and "terminate called" not in masked.stdout, masked.stdout
+
+
+WORKER_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the multiprocess executor: an engine core and a worker
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function
+
+
+    def probe(worker):  # runs in vLLM's worker process
+        print("worker says hello on stdout", flush=True)
+        print("worker says hello on stderr", file=sys.stderr, flush=True)
+        return {"ppid": os.getppid(), "marker": os.environ.get("WARM_TEST_MARKER")}
+
+
+    if __name__ == "__main__":  # not run again as the worker imports this file as `__mp_main__`
+        from vllm import LLM, SamplingParams
+
+        os.environ["WARM_TEST_MARKER"] = "set by the script"
+
+        llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=2,
+                  kv_cache_memory_bytes=64 * 2**20)
+        out = llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(max_tokens=3, ignore_eos=True))
+        info = llm.collective_rpc(probe)[0]
+        mine = {"script_pid": os.getpid(), "script_ppid": os.getppid(), "tokens": len(out[0].outputs[0].token_ids)}
+        print("RESULT " + json.dumps({**info, **mine}), flush=True)
+    """
+)
+
+
+@pytest.mark.vllm
+def test_a_forked_scripts_vllm_worker_is_a_fork_of_the_fork_server_with_the_scripts_environment(
+    tiny_model_path, tmp_path
+):
+    """A fork's multiprocess vLLM engine (`fork_engine`, as the bench smokes and `run_2cpu`'s ranks have it) starts
+    its worker from the fork server, not as a spawned interpreter importing torch and vLLM again; the worker still
+    gets what spawn would give it: the script's environment as it started the engine, its stdout and stderr."""
+    script = tmp_path / "engine.py"
+    script.write_text(WORKER_SCRIPT)
+    proc = run_script(str(script), [tiny_model_path], timeout=300, fork_engine=True)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    info = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert info["tokens"] == 3, info
+    # the worker's parent is the fork server the script came from (a spawned one's would be the engine core)
+    assert info["ppid"] == info["script_ppid"] != info["script_pid"], info
+    assert info["marker"] == "set by the script", info
+    assert "worker says hello on stdout" in proc.stdout and "worker says hello on stderr" in proc.stdout, proc.stdout

@@ -18,11 +18,13 @@ again, ~5.5 of the ~9.5 s a forked API process then still needed to be ready; 4 
 process has run no OpenMP region and no `torch.distributed` group (vLLM forks its engine core by default elsewhere).
 The ranks of `run_2cpu` fork theirs too where a rank starts one (a colocated engine runs inside its rank, but with
 `separate_process`, the main process generating alone, it is an engine core plus a worker process it starts: vLLM's CPU
-platform requires the multiprocess executor then); forked, the engine core runs the scheduler only (the worker, still
-spawned, holds the model and joins vLLM's own process group: forked too, it hung), and a rank runs one OpenMP thread. A
-forked script that forks in turn (a bench's `--smoke` run under `tests/test_benches.py` starts its runs and servers
-here too) asks the same fork server, not a second one of its own: one preload per pytest worker, not one per bench
-(`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
+platform requires the multiprocess executor then); forked, the engine core runs the scheduler only, and a rank runs one
+OpenMP thread. The worker, which holds the model and joins vLLM's own process group, hung when forked from the engine
+core; it is a fork of the fork server instead (`_WorkerContext`: no thread, no OpenMP region run there), with the
+environment and output a spawned one would inherit (~12 CPU-s less per worker: `bench/lora_sync.py --smoke` 47 → 26
+CPU-s). A forked script that forks in turn (a bench's `--smoke` run under `tests/test_benches.py` starts its runs and
+servers here too) asks the same fork server, not a second one of its own: one preload per pytest worker, not one per
+bench (`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
 threads first, after which a forked child's OpenMP can hang (unless the caller knows they run one thread:
 `fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
 environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`; `test_stock_server`: vLLM's own
@@ -218,11 +220,59 @@ def _rank_main(
 
 
 def _fork_engine_core() -> None:
-    """In a forked server's API process or a `run_2cpu` rank: vLLM starts its engine core with `fork` (see the module
-    docstring)."""
+    """In a forked server's API process or a `run_2cpu` rank: vLLM starts its engine core with `fork`, and the worker
+    processes of its multiprocess executor as forks of the fork server (`_WorkerContext`; see the module docstring)."""
     import vllm.v1.engine.utils as engine_utils
+    import vllm.v1.executor.multiproc_executor as multiproc_executor
 
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    multiproc_executor.get_mp_context = lambda: _WorkerContext(_context())
+
+
+class _WorkerContext:
+    """The `multiprocessing` context vLLM's multiprocess executor starts its workers with, in a warm fork: each worker
+    is a fork of the fork server (torch and vLLM imported, no OpenMP region run, no thread) instead of a spawned
+    interpreter importing them again (~12 CPU-s), and gets what a spawned one would inherit from the process starting
+    it: its environment at that moment (the OpenMP variables vLLM sets for each worker included) and its standard
+    output and error. Pipes, locks and the start method's other parts are the fork server context's own."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def Process(self, *, target, args=(), kwargs=None, **options):  # noqa: N802 - multiprocessing's name
+        inherited = (dict(os.environ), _StdStreams(), target, tuple(args), dict(kwargs or {}))
+        return self._ctx.Process(target=_run_inherited, args=inherited, **options)
+
+
+class _StdStreams:
+    """This process's standard output and error, handed to a child of the fork server as it starts."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _StdStreamsInChild, (DupFd(1), DupFd(2))
+
+
+class _StdStreamsInChild:
+    def __init__(self, out, err):
+        self.fds = (out.detach(), err.detach())
+
+
+def _run_inherited(env: dict, streams: _StdStreamsInChild, target, args: tuple, kwargs: dict):
+    """In a fork server's child: take the starting process's environment and output (`_WorkerContext`), then run."""
+    for target_fd, fd in zip((1, 2), streams.fds):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # the fork server's OpenMP read its own environment at start
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    return target(*args, **kwargs)
 
 
 def run_script(
