@@ -133,8 +133,8 @@ def test_init_broadcast_refuses_bad_values_with_400(server, change, message):
 @pytest.mark.slow
 def test_init_broadcast_to_a_silent_peer_does_not_stall_completions(server):
     """A peer that accepts the connection and never answers (what a dead or wrong store address looks like to the
-    engine) must not block generation: the store is probed from a child process killed at its deadline, before the
-    engine is involved (the engine then joins on a thread). Order of events: the completion is answered while the
+    engine) must not block generation: the store is probed on the event loop with a deadline, before the engine is
+    involved (the engine then joins on a thread). Order of events: the completion is answered while the
     init_broadcast request is still pending; then the init_broadcast is refused with 400."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted, connected = [], threading.Event()

@@ -51,12 +51,14 @@ the engine keeps generating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import os
 import re
 import socket
-import sys
+import struct
 import time
 
 from fastapi import HTTPException, Request
@@ -257,51 +259,46 @@ async def check_init_broadcast(body: dict) -> None:
         ) from e
 
 
-#: the store probe, run in a child process: `python -c PROBE_STORE host port timeout_s`
-PROBE_STORE = """
-import sys
-from datetime import timedelta
-from torch.distributed import TCPStore
-print("probing", flush=True)
-host, port, timeout = sys.argv[1], int(sys.argv[2]), timedelta(seconds=float(sys.argv[3]))
-TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False).num_keys()
-"""
-#: seconds the probe process may take to start (Python and torch's import on a busy machine): its `timeout_s` counts
-#: from the line it prints once started
-PROBE_START_S = 60.0
-#: seconds the started probe gets beyond `timeout_s` to give up by itself (its own error names the cause)
-PROBE_GRACE_S = 5.0
+#: torch's store protocol (c10d's `TCPStore`, torch 2.13), as its client speaks it on connecting: VALIDATE (query 0
+#: and the magic number; no answer), PING (query 13 and a nonce the store echoes), then GETNUMKEYS (query 7; an int64
+#: answer). `tests/test_weight_sync_routes.py` checks this against a real `TCPStore`.
+_STORE_VALIDATE = struct.pack("<BI", 0, 0x3C85F7CE)
+_STORE_PING = 13
+_STORE_GETNUMKEYS = 7
 
 
 async def probe_store(host: str, port: int, timeout_s: float) -> None:
-    """Connect to the trainer's `TCPStore` as a client and make one round trip; raise if none answers in time.
+    """Connect to the trainer's `TCPStore` as torch's client does (validate, ping) and make one round trip (the number
+    of keys); raise if no store answers within `timeout_s`.
 
-    In a child process, killed `timeout_s + PROBE_GRACE_S` after it started (it prints a line once Python and torch
-    are up, which may take up to `PROBE_START_S`): torch's store client, given a peer that accepts and never answers
-    (or resets), keeps waiting and retrying past its timeout, and in the server's own process that held the request
-    open (the client saw the connection dropped) while it held a thread. A silent peer is refused after `timeout_s`
-    plus the grace and the probe's start (~3 s on 2 quiet cores), not after `timeout_s + PROBE_START_S`."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        PROBE_STORE,
-        host,
-        str(port),
-        str(timeout_s),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    Here, on the event loop, with asyncio's own socket: torch's store client, given a peer that accepts and never
+    answers (or resets), keeps waiting and retrying past its timeout, and in the server's own process that held the
+    request open while it held a thread; it once ran in a child process for that reason, which cost ~2 s of starting
+    Python and torch on every init. A silent peer is refused after `timeout_s`, a closed one at once."""
+
+    async def exchange() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            nonce = os.getpid() & 0xFFFFFFFF
+            writer.write(_STORE_VALIDATE + struct.pack("<BI", _STORE_PING, nonce))
+            await writer.drain()
+            (echoed,) = struct.unpack("<I", await reader.readexactly(4))
+            if echoed != nonce:
+                raise ConnectionError(f"not a torch TCPStore: it answered the ping with {echoed:#x}, not {nonce:#x}")
+            writer.write(bytes([_STORE_GETNUMKEYS]))
+            await writer.drain()
+            await reader.readexactly(8)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
     try:
-        started = await asyncio.wait_for(proc.stdout.readline(), PROBE_START_S)  # b"": it exited before (stderr: why)
-        _, err = await asyncio.wait_for(proc.communicate(), timeout_s + PROBE_GRACE_S if started else PROBE_START_S)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        proc.kill()
-        await proc.wait()
+        await asyncio.wait_for(exchange(), timeout_s)
+    except asyncio.TimeoutError:
         raise TimeoutError(f"no answer within {timeout_s:g} s") from None
-    if proc.returncode != 0:
-        lines = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
-        raise ConnectionError(lines[-1] if lines else f"probe exited with {proc.returncode}")
+    except asyncio.IncompleteReadError as e:
+        raise ConnectionError(f"the peer closed the connection after {len(e.partial)} bytes of an answer") from None
 
 
 def _register_lora(app, ours: dict, spec: dict, resident: list) -> None:
