@@ -503,10 +503,12 @@ def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_pat
         (identical ones have a zero policy gradient, which Adam's first step turns into float noise of full size)."""
 
         def generate(self, prompt_ids, sampling):
+            answered = [p for p in prompt_ids if "<|im_start|>tool" in self.tok.decode(p)]
+            replies = iter(self.hf.generate(answered, sampling) if answered else [])  # the model finishes: one batch
             out = []
             for p in prompt_ids:
-                if "<|im_start|>tool" in self.tok.decode(p):  # the tool answered: let the model finish
-                    out.extend(self.hf.generate([p], sampling))
+                if "<|im_start|>tool" in self.tok.decode(p):  # the tool answered
+                    out.extend(next(replies) for _ in range(sampling.n))
                     continue
                 for k in range(sampling.n):
                     call = TOOL_CALL.replace("12+35", f"{12 + k}+{35 - k}")

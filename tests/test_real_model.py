@@ -132,10 +132,12 @@ class ScriptedToolCaller:
         self.scripted = 0
 
     def generate(self, prompt_ids, sampling):
+        answered = [p for p in prompt_ids if "<|im_start|>tool" in self.tok.decode(p)]
+        replies = iter(self.hf.generate(answered, sampling) if answered else [])  # the model finishes: one batch
         out = []
         for p in prompt_ids:
-            if "<|im_start|>tool" in self.tok.decode(p):  # the tool answered: let the model finish
-                out.extend(self.hf.generate([p], sampling))
+            if "<|im_start|>tool" in self.tok.decode(p):  # the tool answered
+                out.extend(next(replies) for _ in range(sampling.n))
                 continue
             full = torch.tensor([p + self.call_ids])
             logps = completion_logps(
