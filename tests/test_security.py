@@ -123,18 +123,23 @@ def test_the_key_comes_from_the_flag_then_the_file_then_the_variable(tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0"])
 def test_a_non_loopback_host_without_a_key_is_refused_before_the_engine_starts(tiny_model_path, host):
+    """`grpo-async serve --host 0.0.0.0` without a key exits naming the fix; its API process is a fork of the warm
+    interpreter (`start_server_command`: the same module, command line and environment), which the refusal ends."""
     env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_API_KEY", None)
+    port = free_port()
     cmd = [sys.executable, "-m", "grpo_async.generation.serve", "--model", str(tiny_model_path), "--host", host]
-    cmd += ["--port", str(free_port()), *SERVER_ARGS]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    cmd += ["--port", str(port), *SERVER_ARGS]
+    server = start_server_command(cmd, env, port=port, api_key=None)
     try:
-        out, _ = proc.communicate(timeout=120)  # today's main starts a server open to the network: never returns
+        code = server.proc.wait(timeout=120)  # today's main starts a server open to the network: never returns
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
         pytest.fail(f"grpo-async serve --host {host} without a key started instead of refusing")
-    assert proc.returncode != 0 and b"without an API key" in out and b"--api-key-file" in out, out[-2000:]
+    finally:
+        server.stop()
+    with open(server.log_path, "rb") as f:
+        out = f.read()
+    assert code != 0 and b"without an API key" in out and b"--api-key-file" in out, out[-2000:]
 
 
 @pytest.mark.vllm
