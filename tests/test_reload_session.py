@@ -6,9 +6,7 @@ them; a "trainer" that dies mid-push is a real subprocess SIGKILLed after its fi
 """
 
 import os
-import signal
-import subprocess
-import sys
+import tempfile
 import time
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
 from grpo_async.generation.vllm_backends import VLLMServerBackend
-from grpo_async.testing.warm_launch import start_server
+from grpo_async.testing.warm_launch import start_script, start_server
 from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"
@@ -218,20 +216,25 @@ time.sleep(600)  # SIGKILLed here, mid-push
 
 
 def start_killed_trainer(server, tiny_model_path) -> str:
-    """Run a trainer-like process that sends the first buckets of a push, SIGKILL it; return its session id."""
+    """Run a trainer-like process (forked from the warm interpreter: `start_script`) that sends the first buckets of a
+    push, SIGKILL it; return its session id."""
     upto = "model.layers.0.mlp.gate_proj.weight"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_TRAINER, server.url, KEY, str(tiny_model_path), upto],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    folder = tempfile.mkdtemp(prefix="grpo_killed_trainer_")
+    script, log = os.path.join(folder, "trainer.py"), os.path.join(folder, "trainer.log")
+    with open(script, "w") as f:
+        f.write(KILLED_TRAINER)
+    proc = start_script(script, [server.url, KEY, str(tiny_model_path), upto], log_path=log)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("SENT"), line
+        deadline, sent = time.monotonic() + 120, []
+        while not sent and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            with open(log) as f:
+                sent = [line for line in f if line.startswith("SENT")]
+        assert sent, open(log).read()[-3000:]
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(30)
-    return line.split()[1]
+    return sent[0].split()[1]
 
 
 @pytest.mark.vllm
