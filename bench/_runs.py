@@ -400,17 +400,11 @@ def run_python(
 
 
 def run_records(text: str) -> list[dict]:
-    """The records of the `RUN {json}` lines in a run's output. The processes of a run share one pipe for stdout and
-    stderr, unbuffered (`PYTHONUNBUFFERED`, as `make` sets it): `print` writes a line's text and its newline in two
-    writes, so another process's text can land before or after a record on the same line (`to stderr tooRUN {...}`,
-    seen under `accelerate launch`); each record is read from its `RUN {` to the end of its JSON object."""
-    decoder = json.JSONDecoder()
-    records = []
-    for line in text.splitlines():
-        at = line.find("RUN {")
-        if at >= 0:
-            records.append(decoder.raw_decode(line, at + len("RUN "))[0])
-    return records
+    """The records of the `RUN {json}` lines in a run's output, wherever another process's text landed around them
+    (`grpo_async.testing.json_records`)."""
+    from grpo_async.testing import json_records
+
+    return json_records(text, "RUN")
 
 
 def run_record(proc, what) -> dict:

@@ -84,3 +84,5 @@ def test_a_record_another_process_wrote_into_is_still_read():
     proc = subprocess.CompletedProcess(["x"], 0, stdout=out)
     assert _runs.run_record(proc, "glued") == {"RANK": "0", "argv": ['{"s": 1}']}
     assert _runs.run_records(out) == [{"RANK": "0", "argv": ['{"s": 1}']}, {"RANK": "1"}]
+    # both records on one line, the newlines after them (seen with test_clean_exit's RESULT records)
+    assert _runs.run_records('RUN {"RANK": "1"}RUN {"RANK": "0"}\n\n') == [{"RANK": "1"}, {"RANK": "0"}]

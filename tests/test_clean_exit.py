@@ -21,6 +21,7 @@ import time
 import pytest
 from mp_utils import ACCELERATE_2CPU  # noqa: E402
 
+from grpo_async.testing import json_records
 from grpo_async.testing.warm_launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,7 +155,7 @@ def test_two_processes_agree_on_the_horizon(tiny_model_path, tmp_path):
     assert p.returncode == 0, f"exit code {p.returncode}{tail}"
     for sign in BAD_SIGNS:
         assert sign not in p.stderr, f"{sign!r} in stderr{tail}"
-    results = [json.loads(line[len("RESULT ") :]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    results = json_records(p.stdout, "RESULT")  # the 2 ranks share the pipe: their lines can interleave
     assert sorted(r["rank"] for r in results) == [0, 1], tail
     main = next(r for r in results if r["rank"] == 0)
     assert all(r["global_step"] == 2 for r in results), results
