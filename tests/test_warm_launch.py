@@ -12,6 +12,7 @@ import textwrap
 import pytest
 from mp_utils import ACCELERATE_2CPU
 
+from grpo_async.testing import json_records
 from grpo_async.testing.warm_launch import run_2cpu, run_script
 
 pytestmark = pytest.mark.multiprocess
@@ -207,7 +208,7 @@ def test_a_forked_scripts_vllm_worker_is_a_fork_of_the_fork_server_with_the_scri
     script.write_text(WORKER_SCRIPT)
     proc = run_script(str(script), [tiny_model_path], timeout=300, fork_engine=True)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    info = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    (info,) = json_records(proc.stdout, "RESULT")  # the worker writes to the same file
     assert info["tokens"] == 3, info
     # the worker's parent is the fork server the script came from (a spawned one's would be the engine core)
     assert info["ppid"] == info["script_ppid"] != info["script_pid"], info
