@@ -6,6 +6,7 @@ them; a "trainer" that dies mid-push is a real subprocess SIGKILLed after its fi
 """
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -234,6 +235,7 @@ def start_killed_trainer(server, tiny_model_path) -> str:
     finally:
         proc.kill()
         proc.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
     return sent[0].split()[1]
 
 
