@@ -17,7 +17,7 @@ import torch
 from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
 from grpo_async.generation.vllm_backends import VLLMServerBackend
-from grpo_async.testing.warm_launch import start_script, start_server
+from grpo_async.testing.warm_launch import start_server
 from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"
@@ -217,26 +217,22 @@ time.sleep(600)  # SIGKILLed here, mid-push
 
 
 def start_killed_trainer(server, tiny_model_path) -> str:
-    """Run a trainer-like process (forked from the warm interpreter: `start_script`) that sends the first buckets of a
-    push, SIGKILL it; return its session id."""
+    """Run a trainer-like process (forked from the warm interpreter: `test_faults.Proc`) that sends the first buckets
+    of a push, SIGKILL it; return its session id."""
+    from test_faults import Proc  # tests/ is on sys.path
+
     upto = "model.layers.0.mlp.gate_proj.weight"
     folder = tempfile.mkdtemp(prefix="grpo_killed_trainer_")
-    script, log = os.path.join(folder, "trainer.py"), os.path.join(folder, "trainer.log")
+    script = os.path.join(folder, "trainer.py")
     with open(script, "w") as f:
         f.write(KILLED_TRAINER)
-    proc = start_script(script, [server.url, KEY, str(tiny_model_path), upto], log_path=log)
+    proc = Proc([script, server.url, KEY, str(tiny_model_path), upto])
     try:
-        deadline, sent = time.monotonic() + 120, []
-        while not sent and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-            with open(log) as f:
-                sent = [line for line in f if line.startswith("SENT")]
-        assert sent, open(log).read()[-3000:]
+        line = proc.wait_for("SENT", timeout=120)
     finally:
         proc.kill()
-        proc.wait(30)
         shutil.rmtree(folder, ignore_errors=True)
-    return sent[0].split()[1]
+    return line.split()[1]
 
 
 @pytest.mark.vllm

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from grpo_async.generation.http_client import free_port
 from grpo_async.weight_sync.routes import probe_store
 
 
@@ -31,19 +32,25 @@ def test_a_real_store_answers_and_still_serves_torchs_own_clients_after():
 
 @pytest.fixture
 def listener():
-    """A TCP listener that accepts connections and hands them to the test (`conns`), answering nothing itself."""
+    """A TCP listener that accepts connections and answers nothing itself: `(port, first)`, `first()` the first
+    connection it accepted (waited for), for the test to act as the peer."""
     sock = socket.create_server(("127.0.0.1", 0))
-    conns = []
+    conns, connected = [], threading.Event()
 
     def accept():
         try:
             while True:
                 conns.append(sock.accept()[0])
+                connected.set()
         except OSError:
             return
 
+    def first():
+        assert connected.wait(10), "the probe never connected"
+        return conns[0]
+
     threading.Thread(target=accept, daemon=True).start()
-    yield sock.getsockname()[1], conns
+    yield sock.getsockname()[1], first
     sock.close()
     for c in conns:
         c.close()
@@ -58,14 +65,12 @@ def test_a_silent_peer_is_refused_at_the_timeout_not_later(listener):
 
 
 def test_a_peer_that_answers_something_else_is_not_a_store(listener):
-    port, conns = listener
+    port, first = listener
 
     def answer_wrong():
-        deadline = time.monotonic() + 10
-        while not conns and time.monotonic() < deadline:
-            time.sleep(0.01)
-        conns[0].recv(64)
-        conns[0].sendall(b"HTTP")  # 4 bytes, not the nonce
+        conn = first()
+        conn.recv(64)
+        conn.sendall(b"HTTP")  # 4 bytes, not the nonce
 
     threading.Thread(target=answer_wrong, daemon=True).start()
     with pytest.raises(ConnectionError, match="not a torch TCPStore"):
@@ -73,19 +78,9 @@ def test_a_peer_that_answers_something_else_is_not_a_store(listener):
 
 
 def test_a_peer_that_closes_the_connection_or_is_not_there_fails_at_once(listener):
-    port, conns = listener
-
-    def close_first():
-        deadline = time.monotonic() + 10
-        while not conns and time.monotonic() < deadline:
-            time.sleep(0.01)
-        conns[0].close()
-
-    threading.Thread(target=close_first, daemon=True).start()
+    port, first = listener
+    threading.Thread(target=lambda: first().close(), daemon=True).start()
     with pytest.raises(ConnectionError):  # reset, or closed before an answer
         _probe(port, timeout_s=60)
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
     with pytest.raises(OSError):
-        _probe(free, timeout_s=60)
+        _probe(free_port("127.0.0.1"), timeout_s=60)  # a port nothing listens on
