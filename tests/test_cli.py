@@ -66,6 +66,22 @@ def test_serve_drains_on_sigterm_unless_told_otherwise():
         assert args.shutdown_timeout == want, argv
 
 
+def test_serve_turns_vllms_aot_compile_cache_off_on_cpu_unless_told_otherwise(monkeypatch):
+    """vLLM 0.32 cannot load on CPU the AOT artifact it saves (each restart compiled again after a load-failure
+    warning); the default leaves the variable alone when it is set, and off CPU."""
+    import vllm.platforms
+
+    from grpo_async.generation.vllm_backends import default_cpu_aot_compile
+
+    environ = {}
+    assert default_cpu_aot_compile(environ) and environ == {"VLLM_USE_AOT_COMPILE": "0"}
+    environ = {"VLLM_USE_AOT_COMPILE": "1"}
+    assert not default_cpu_aot_compile(environ) and environ == {"VLLM_USE_AOT_COMPILE": "1"}
+    monkeypatch.setattr(vllm.platforms, "current_platform", type("Gpu", (), {"is_cpu": staticmethod(lambda: False)})())
+    environ = {}
+    assert not default_cpu_aot_compile(environ) and environ == {}
+
+
 def _live_group_members(pgid: int) -> list[str]:
     """`pid name` of the processes in group `pgid` that are still running (zombies, already dead, left out)."""
     members = []

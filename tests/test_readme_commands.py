@@ -8,13 +8,16 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import requests
+
+from grpo_async.generation.http_client import free_port
+from grpo_async.generation.server_process import wait_ready
+from grpo_async.testing.warm_launch import start_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -171,35 +174,28 @@ def test_two_cpu_processes_with_the_in_process_vllm_engine(tmp_path):
     assert time.monotonic() - start < 420
 
 
-def _serve(readme_line: str, model: str, port: int) -> subprocess.Popen:
+def _serve(readme_line: str, model: str, port: int):
+    """The README's `grpo-async serve ...` line with only the model and the port substituted, run as the console script
+    runs it (`grpo_async.cli.main` with the line's arguments: `python -m grpo_async.cli serve ...`), its API process
+    forked from the warm interpreter (`warm_launch.start_server_command`) with this test's environment. What a fresh
+    process adds (the script's start, vLLM's spawned engine) is `test_cli`'s subject: its servers start as real
+    processes, and `test_console_script_runs_the_cli` runs the installed script."""
     argv = shlex.split(readme_line)
-    argv[0] = os.path.join(BIN, "grpo-async")
+    assert argv[:2] == ["grpo-async", "serve"], argv
     argv[2] = model
     argv[argv.index("--port") + 1] = str(port)
-    return subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=_env(), start_new_session=True
-    )
+    args = [sys.executable, "-m", "grpo_async.cli", *argv[1:]]
+    return start_server_command(args, _env(), port=port, api_key=argv[argv.index("--api-key") + 1])
 
 
-def _free_port() -> int:
-    import socket
+def test_console_script_runs_the_cli():
+    """The installed `grpo-async` script is `grpo_async.cli:main` (what the README's `grpo-async serve` lines run)."""
+    from importlib.metadata import entry_points
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc, url, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"grpo-async serve exited with {proc.returncode}"
-        try:
-            if requests.get(url + "/health", headers={"Authorization": "Bearer SECRET"}, timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
+    (script,) = entry_points(group="console_scripts", name="grpo-async")
+    assert script.value == "grpo_async.cli:main", script
+    proc = _run([os.path.join(BIN, "grpo-async"), "--help"], 120)
+    assert proc.stdout.startswith("usage: grpo-async ") and "\n    serve " in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
@@ -208,12 +204,11 @@ def test_serve_commands_as_written(tiny_model_path):
     """Both `grpo-async serve` commands of the README, as written (only the model and a free port substituted): the
     policy server answers a completion; the frozen reference server answers logprobs and refuses weight updates."""
     policy_line, ref_line = (c for c in readme_commands() if c.startswith("grpo-async serve"))
-    ports = _free_port(), _free_port()
-    procs = [_serve(policy_line, tiny_model_path, ports[0]), _serve(ref_line, tiny_model_path, ports[1])]
+    servers = []
     try:
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for proc, url in zip(procs, urls, strict=True):
-            _wait_healthy(proc, url)
+        for line in (policy_line, ref_line):  # one after the other: the second start compiles from the first's cache
+            servers.append(wait_ready(_serve(line, tiny_model_path, free_port()), timeout=300))
+        urls = [server.url for server in servers]
         auth = {"Authorization": "Bearer SECRET"}
         r = requests.post(
             urls[0] + "/v1/completions",
@@ -223,13 +218,16 @@ def test_serve_commands_as_written(tiny_model_path):
         )
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
         assert requests.get(urls[0] + "/health", timeout=5).status_code == 401  # the key is required
+        body = {"sequences": [{"prompt_ids": [7, 8, 9], "completion_ids": [10, 11]}]}
+        r = requests.post(urls[1] + "/ws/logprobs", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        (logprobs,) = r.json()["logprobs"]  # one per completion token, each a log-probability
+        assert len(logprobs) == 2 and all(-100 < lp < 0 for lp in logprobs), logprobs
         r = requests.post(urls[1] + "/ws/update", json={"version": 1}, headers=auth, timeout=30)
         assert r.status_code == 403, r.text  # --frozen
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        for server in servers:
+            server.stop()
+    for server in servers:  # vLLM's AOT compile cache does not load on CPU: `grpo-async serve` turns it off there
+        log = open(server.log_path, errors="replace").read()
+        assert "grpo-async serve: VLLM_USE_AOT_COMPILE=0" in log and "due to a load failure" not in log, log[-3000:]

@@ -646,6 +646,15 @@ def main(argv: list[str] | None = None) -> None:
         _default_cpu_memory(args, argv)
     _default_cpu_chunked_prefill(args, argv)
     _default_shutdown_timeout(args, argv)
+    if not args.enforce_eager:
+        from grpo_async.generation.vllm_backends import default_cpu_aot_compile
+
+        if default_cpu_aot_compile(os.environ):
+            print(
+                "grpo-async serve: VLLM_USE_AOT_COMPILE=0 (vLLM's AOT compile cache does not load on CPU; "
+                "torch inductor's cache serves a restart); set the variable to choose",
+                flush=True,
+            )
     if args.worker_extension_cls != WORKER_EXTENSION and not _is_subclass_path(args.worker_extension_cls):
         raise SystemExit(
             f"grpo-async serve needs --worker-extension-cls {WORKER_EXTENSION} or a subclass of it "

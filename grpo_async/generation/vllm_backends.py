@@ -270,6 +270,8 @@ class VLLMColocateBackend:
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
         if _cpu_platform():  # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # not use offset"); whole prefills are as fast here
+        if not enforce_eager and default_cpu_aot_compile(os.environ):  # the next start reuses inductor's cache
+            logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -430,6 +432,19 @@ def _cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def default_cpu_aot_compile(environ) -> bool:
+    """On CPU, unless `VLLM_USE_AOT_COMPILE` is set, turn vLLM's AOT compile cache off in `environ` (the processes an
+    engine starts inherit it); returns whether it did. vLLM 0.32 saves an AOT artifact of the compiled model at every
+    start on CPU that the next start cannot load (`'function' object has no attribute 'finalize_loading'`): each
+    restart logged "Compiling model again due to a load failure" and compiled anew. Without it, torch inductor's own
+    cache serves a restart (`tests/test_readme_commands.py` asserts no load failure on a second start). vLLM turns it
+    off itself the same way for batch-invariant runs."""
+    if "VLLM_USE_AOT_COMPILE" in environ or not _cpu_platform():
+        return False
+    environ["VLLM_USE_AOT_COMPILE"] = "0"
+    return True
 
 
 class _EngineRpc:

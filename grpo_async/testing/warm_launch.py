@@ -29,8 +29,8 @@ threads first, after which a forked child's OpenMP can hang (unless the caller k
 `fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
 environment (`test_security`: no `--host`, the key in `VLLM_API_KEY`; `test_stock_server`: vLLM's own
 `vllm.entrypoints.openai.api_server`, whose routes and refusals are the subject). The servers that start as real
-commands (`test_cli`, `test_readme_commands`, `test_hardening`, ...: how the process starts, stops or dies is their
-subject) keep vLLM's `spawn`: tried with `test_hardening`'s server, the engine core of a forked server outlived its
+commands (`test_cli`, `test_hardening`, ...: how the process starts, stops or dies is their subject) keep vLLM's
+`spawn`: tried with `test_hardening`'s server, the engine core of a forked server outlived its
 SIGKILLed API process by more than 60 s, where a real one exits within seconds.
 
 Every forked process takes its command line as its title (`setproctitle`, as vLLM names its own processes): `ps`
@@ -45,7 +45,8 @@ finalization and the C library's `exit`, as a fresh `python script` does, so a t
 it (`terminate called without an active exception`) as it aborts a fresh interpreter
 (`tests/test_warm_launch.py` runs both); they save the ~8 CPU-s of imports each such process paid.
 
-What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`), the launch configs
+What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`; its two `grpo-async
+serve` lines start here, `python -m grpo_async.cli serve ...` with the line's arguments), the launch configs
 (`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), `accelerate launch`'s own agent
 (`tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`), and the servers whose start or stop is the
 subject (above).
@@ -470,12 +471,14 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
 
 
 def start_server_command(args: list[str], env: dict[str, str], *, port: int, api_key: str | None):
-    """`python -m MODULE ...` (`args`: `grpo-async serve` as `server_command` makes it or one of a test's own, or a
-    stock `python -m vllm.entrypoints.openai.api_server ...`) with exactly the environment `env`, its API process
-    forked from the warm interpreter; a `ServerProcess` (call `wait_ready`)."""
+    """`python -m MODULE ...` (`args`: `grpo-async serve` as `server_command` makes it or one of a test's own, the
+    console script's `python -m grpo_async.cli serve ...`, or a stock `python -m vllm.entrypoints.openai.api_server
+    ...`) with exactly the environment `env`, its API process forked from the warm interpreter; a `ServerProcess`
+    (call `wait_ready`)."""
     from grpo_async.generation.server_process import ServerProcess, _shm_names, server_log_path
 
-    assert args[1] == "-m" and args[2] in ("grpo_async.generation.serve", "vllm.entrypoints.openai.api_server"), args
+    modules = ("grpo_async.generation.serve", "grpo_async.cli", "vllm.entrypoints.openai.api_server")
+    assert args[1] == "-m" and args[2] in modules and (args[2] != "grpo_async.cli" or args[3] == "serve"), args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
     options = dict(module=True, cwd=os.getcwd(), fork_engine=True)
