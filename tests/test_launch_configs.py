@@ -1,5 +1,7 @@
-"""recipes/accelerate_configs: every config loads and names its launch command; the CPU variants really launch
-`recipes/demo.py` on 2 processes (gloo) for 2 steps: DDP, DeepSpeed ZeRO-2 and ZeRO-3.
+"""recipes/accelerate_configs: every config loads and names its launch command; the CPU variants run
+`recipes/demo.py` on 2 processes (gloo) for 2 steps: DDP, DeepSpeed ZeRO-2 and ZeRO-3. ZeRO-3's (the README's command)
+goes through `accelerate launch --config_file`; DDP's and ZeRO-2's ranks are forks of a warm interpreter given the
+environment accelerate's launch code makes of their config file (`warm_launch.config_file_env`).
 
 FSDP2 has no CPU variant: accelerate enables FSDP only on accelerator process groups (MULTI_GPU, ...); with
 `use_cpu` its state is MULTI_CPU and the FSDP plugin is ignored, so a "CPU FSDP" run would silently be DDP. FSDP2's
@@ -69,6 +71,10 @@ def test_cpu_configs_mirror_their_gpu_config(name):
     assert (cfg.deepspeed_config or {}).get("zero_stage") == (gpu.deepspeed_config or {}).get("zero_stage")
 
 
+DEMO_ARGS = ["--backend", "hf", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4"]
+DEMO_ARGS += ["--max_completion_length", "8"]
+
+
 def launch_demo(config: str, out: str, *extra: str, timeout: int = 420) -> str:
     """`accelerate launch --config_file <config> recipes/demo.py` for 2 steps on the HF backend; returns stdout."""
     cmd = [
@@ -80,23 +86,29 @@ def launch_demo(config: str, out: str, *extra: str, timeout: int = 420) -> str:
         "--config_file",
         os.path.join(CONFIGS, f"{config}.yaml"),
         os.path.join(ROOT, "recipes", "demo.py"),
-        "--backend",
-        "hf",
         "--output_dir",
         out,
-        "--max_steps",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--num_generations",
-        "4",
-        "--max_completion_length",
-        "8",
+        *DEMO_ARGS,
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def run_demo_forked(config: str, out: str) -> str:
+    """`launch_demo`'s run with its 2 ranks forked from the warm interpreter (`warm_launch.run_2cpu`), each given the
+    environment `accelerate launch --config_file <config>` gives its ranks, computed by accelerate's own code
+    (`warm_launch.config_file_env`): what the config makes of a run, without the launcher's start-up. The launcher
+    itself reads a config file in `test_deepspeed_cpu_config_trains_two_steps[3]` (the README's command)."""
+    from grpo_async.testing.warm_launch import config_file_env, run_2cpu
+
+    launch_env = config_file_env(os.path.join(CONFIGS, f"{config}.yaml"))
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    script = os.path.join(ROOT, "recipes", "demo.py")
+    proc = run_2cpu(script, ["--output_dir", out, *DEMO_ARGS], env=env, launch_env=launch_env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return proc.stdout
 
 
@@ -119,10 +131,20 @@ def check_run(out: str, stdout: str, distributed_type: str) -> None:
     assert "GRPO" in open(os.path.join(out, "README.md")).read()
 
 
+def test_config_file_env_is_what_the_launcher_gives_the_ranks():
+    """`config_file_env` reads a config as `accelerate launch` does: the CPU DDP config gives the ranks what the README's
+    `--multi_gpu ... --mixed_precision no --dynamo_backend no` flags give them; ZeRO-2's, DeepSpeed's variables."""
+    from grpo_async.testing.warm_launch import _accelerate_env, config_file_env
+
+    assert config_file_env(os.path.join(CONFIGS, "multi_cpu.yaml")) == _accelerate_env()
+    zero2 = config_file_env(os.path.join(CONFIGS, "deepspeed_zero2_cpu.yaml"))
+    assert zero2["ACCELERATE_USE_DEEPSPEED"] == "true" and zero2["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2", zero2
+
+
 @pytest.mark.multiprocess
 def test_ddp_cpu_config_trains_two_steps(tmp_path):
     out = str(tmp_path / "out")
-    check_run(out, launch_demo("multi_cpu", out), "MULTI_CPU")  # MULTI_GPU + use_cpu runs as DDP over gloo
+    check_run(out, run_demo_forked("multi_cpu", out), "MULTI_CPU")  # MULTI_GPU + use_cpu runs as DDP over gloo
 
 
 @pytest.mark.multiprocess
@@ -131,7 +153,8 @@ def test_ddp_cpu_config_trains_two_steps(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_cpu_config_trains_two_steps(tmp_path, stage):
     out = str(tmp_path / "out")
-    check_run(out, launch_demo(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
+    launch = launch_demo if stage == 3 else run_demo_forked  # ZeRO-3's is the README's command: the real launcher
+    check_run(out, launch(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
 
 
 def _multi_node_flags() -> dict[str, list[str]]:

@@ -46,8 +46,9 @@ it (`terminate called without an active exception`) as it aborts a fresh interpr
 (`tests/test_warm_launch.py` runs both); they save the ~8 CPU-s of imports each such process paid.
 
 What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`; its two `grpo-async
-serve` lines start here, `python -m grpo_async.cli serve ...` with the line's arguments), the launch configs
-(`tests/test_launch_configs.py`), multi-node (`tests/test_multinode.py`), `accelerate launch`'s own agent
+serve` lines start here, `python -m grpo_async.cli serve ...` with the line's arguments), the README's ZeRO-3
+launch config (`tests/test_launch_configs.py`; its DDP and ZeRO-2 configs run here, with the environment accelerate
+makes of them: `config_file_env`), multi-node (`tests/test_multinode.py`), `accelerate launch`'s own agent
 (`tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`), and the servers whose start or stop is the
 subject (above).
 """
@@ -87,6 +88,8 @@ PRELOAD = [
     "vllm.v1.engine.core",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.sample.rejection_sampler",
+    # TRL's trainer (~3.4 CPU-s after the above), which the TRL runs of `bench/vs_trl.py`'s smoke import in each rank
+    "trl.trainer.grpo_trainer",
     # inductor's check of the CPU's vector ISAs, which every forked engine core would run again (see the module)
     "grpo_async.testing.cpu_isa",
     # last: the preloaded heap into the collector's permanent generation (see the module)
@@ -136,6 +139,27 @@ def _accelerate_env() -> dict[str, str]:
     env = prepare_multi_gpu_env(args)
     # the thread count is the caller's (`run_2cpu`: 1 per rank unless `env` says otherwise), as the tests' launches
     # always set it; without `--num_cpu_threads_per_process` this function would write "None"
+    return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
+
+
+def config_file_env(config_file: str) -> dict[str, str]:
+    """The variables `accelerate launch --config_file CONFIG_FILE script.py` adds for its ranks, from accelerate's own
+    code: the config file read into the launcher's arguments as `launch_command` reads it, then the environment of the
+    launcher that `launch_command` picks for it (`prepare_deepspeed_cmd_env` for a DeepSpeed config,
+    `prepare_multi_gpu_env` for a multi-process one); for `run_2cpu(..., launch_env=...)`."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", config_file, "--main_process_port", "0", "script.py"])
+    args, defaults, mp_from_config_flag = _validate_launch_command(args)
+    before = dict(os.environ)
+    if args.use_deepspeed:  # as `launch_command` prepares a DeepSpeed launch
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config_flag else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    else:
+        assert args.multi_gpu, f"{config_file}: not a multi-process config"
+        env = prepare_multi_gpu_env(args)
     return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
 
 
@@ -300,14 +324,26 @@ def run_script(
     )
 
 
-def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: float = 420.0, nprocs: int = 2):
+def run_2cpu(
+    script: str,
+    args: list[str],
+    *,
+    env: dict | None = None,
+    timeout: float = 420.0,
+    nprocs: int = 2,
+    launch_env: dict[str, str] | None = None,
+    cwd: str | None = None,
+):
     """Run `script args` on `nprocs` ranks (gloo on CPU) as `accelerate launch --multi_gpu ... --num_processes 2`
-    would; a `subprocess.CompletedProcess` whose `stdout` holds every rank's output (rank 0 first) and whose
-    `returncode` is the first non-zero rank status (0 when all ended well). A rank that fails ends the others (as
-    torchelastic's agent does); past `timeout` seconds every rank is killed and `subprocess.TimeoutExpired` raised."""
+    would (as `accelerate launch --config_file ...` would with `launch_env=config_file_env(...)`); a
+    `subprocess.CompletedProcess` whose `stdout` holds every rank's output (rank 0 first) and whose `returncode` is the
+    first non-zero rank status (0 when all ended well). A rank that fails ends the others (as torchelastic's agent
+    does); past `timeout` seconds every rank is killed and `subprocess.TimeoutExpired` raised."""
     base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
-    base.setdefault("ACCELERATE_USE_CPU", "true")
-    base.update(_accelerate_env())
+    if launch_env is None:
+        base.setdefault("ACCELERATE_USE_CPU", "true")
+        launch_env = _accelerate_env()
+    base.update(launch_env)
     port = str(free_port("127.0.0.1"))
     envs = []
     for rank in range(nprocs):
@@ -325,7 +361,7 @@ def run_2cpu(script: str, args: list[str], *, env: dict | None = None, timeout: 
             "TORCHELASTIC_RUN_ID": "none",
         }
         envs.append(rank_env)
-    return _run_forked(script, args, envs, timeout, fork_engine=True)
+    return _run_forked(script, args, envs, timeout, cwd, fork_engine=True)
 
 
 def _run_forked(
