@@ -15,7 +15,6 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PIP_FAST := --retries 1 --timeout 30
 # extra flags of the torch step only (tests: --dry-run --ignore-installed --no-deps)
 TORCH_PIP_FLAGS ?=
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1

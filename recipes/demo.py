@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process engine starts in seconds
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch

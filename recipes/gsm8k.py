@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass, field
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: no extra process per rank
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU only: GiB of KV cache (vLLM's RAM share check is skipped)
 
 import torch
 

@@ -35,7 +35,7 @@ def _run(mode: str, model: str, out, timeout: float = 240, allow=(), **spec) -> 
     already done) and ends through the interpreter's whole finalization (`real_exit`: `Py_Exit`, as a fresh `python
     test_clean_exit.py` ends), so an abort at exit shows here as it would there (`tests/test_warm_launch.py`)."""
     env = {"PYTHONUNBUFFERED": "1"}
-    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1")):
         env[k] = os.environ.get(k, v)
     spec = {"model": str(model), "output_dir": str(out), **spec}
     args = [mode, json.dumps(spec)]

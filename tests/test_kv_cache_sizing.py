@@ -20,7 +20,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_sizes_follow_the_model_and_stay_within_the_floor_and_cap():
-    from grpo_async.generation.serve import KV_CAP_BYTES, KV_FLOOR_BYTES, cpu_kv_cache_bytes
+    from grpo_async.generation.cpu_kv_cache import KV_CAP_BYTES, KV_FLOOR_BYTES, cpu_kv_cache_bytes
 
     tiny = 2 * 2 * 2 * 32 * 4  # K and V x 2 layers x 2 KV heads x head_dim 32 x float32
     assert cpu_kv_cache_bytes(tiny, 256, 4, 16 * GiB) == KV_FLOOR_BYTES  # 1 KiB/token x 1,024 tokens: the floor
@@ -128,3 +128,40 @@ def test_two_servers_started_at_once_both_come_up(tiny_model_path):
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.vllm
+def test_the_colocated_engine_sizes_its_kv_cache_for_the_rounds_it_generates(tiny_model_path, tmp_path, monkeypatch):
+    """The trainer's in-process engine on CPU: its KV cache holds a round's rows and those generated ahead of it
+    (`generation_batch_size` x (`num_batches_ahead` + 1) requests of `max_model_len` tokens), not vLLM's share of the
+    RAM (~6 GiB at `vllm_gpu_memory_utilization=0.3` on 24 GiB); `VLLM_CPU_KVCACHE_SPACE`, when set, wins."""
+    from grpo_async import GRPOTrainer
+    from grpo_async.demo_task import letter_reward, make_dataset
+    from grpo_async.generation.cpu_kv_cache import cpu_kv_cache_bytes
+    from grpo_async.testing import tiny_config
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    for space, ahead in ((None, 3), ("1", 0)):
+        if space:
+            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
+        # rounds of 40 x 2 = 80 rows (20 prompts x G = 4), 3 rounds ahead: 320 requests of 256 tokens
+        args = tiny_config(
+            tmp_path / str(ahead),
+            generation_backend="vllm",
+            per_device_train_batch_size=40,
+            num_batches_ahead=ahead,
+            vllm_max_model_length=256,
+        )
+        trainer = GRPOTrainer(tiny_model_path, letter_reward, args=args, train_dataset=make_dataset(20))
+        try:
+            trainer.sync_weights()  # starts the engine, as the first round does
+            config = trainer.backend.llm.llm_engine.vllm_config
+            size = config.cache_config.kv_cache_memory_bytes
+            if space is None:
+                assert args.generation_batch_size == 80
+                # 1 KiB a token (K and V x 2 layers x 2 heads x 32 floats) x 256 x 320 x 1.1 = 88 MiB
+                assert size == cpu_kv_cache_bytes(1024, 256, 320, psutil.virtual_memory().total) == 88 * MiB, size
+            else:
+                assert size == GiB
+        finally:
+            trainer.close()

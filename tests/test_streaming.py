@@ -260,7 +260,7 @@ def test_a_hung_reward_in_stream_mode_fails_within_its_timeout(tiny_model_path, 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_in_stream_mode_train_no_row_twice(tiny_model_path, tmp_path):
-    env = {"GRPO_TEST_BACKEND": "vllm", "GRPO_TEST_ASYNC_MODE": "stream", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {"GRPO_TEST_BACKEND": "vllm", "GRPO_TEST_ASYNC_MODE": "stream"}
     ranks = launch([tiny_model_path, str(tmp_path), "1", "1"], str(tmp_path), env=env)
     rows = [(rnd, row) for r in ranks for b in r["seen"] for rnd, row in zip(b["round"], b["row"], strict=True)]
     assert len(rows) == len(set(rows)), "a row was trained twice"

@@ -18,7 +18,7 @@ from grpo_async.testing.warm_launch import start_server
 
 API_KEY = "test-key"
 #: the tiny model's 16 requests of 256 tokens need 4 MiB of KV cache: 64 MiB (`grpo-async serve`'s own floor) instead
-#: of the 1 GiB `VLLM_CPU_KVCACHE_SPACE` of conftest.py, which a server would spend ~0.5 CPU-s zeroing as it starts
+#: of the 1 GiB `VLLM_CPU_KVCACHE_SPACE` of `server_process.CPU_ENV`, which a server would spend ~0.5 CPU-s zeroing
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]
 SERVER_ARGS += ["--kv-cache-memory-bytes", str(64 * 2**20)]
 PROMPTS = [[7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33]]

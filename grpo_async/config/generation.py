@@ -108,7 +108,14 @@ class GenerationFields:
     vllm_server_port: int = field(default=8000, metadata={"help": "TRL-style server port (see vllm_server_host)."})
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for a server to answer."})
     vllm_api_key: str | None = field(default=None, metadata={"help": "API key of the servers / OpenAI endpoint."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocated vLLM's memory share."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Colocated vLLM's share of the GPU's memory. On CPU its KV cache is sized instead to hold "
+            "generation_batch_size x (num_batches_ahead + 1) requests of its max_model_len tokens (x 1.1, within 64 "
+            "MiB and 4 GiB), unless VLLM_CPU_KVCACHE_SPACE (GiB) is set."
+        },
+    )
     vllm_max_model_length: int | None = field(
         default=None, metadata={"help": "vLLM max_model_len. Default: max_prompt_length + max_completion_length."}
     )

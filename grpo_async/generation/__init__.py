@@ -72,6 +72,8 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_proces
         enforce_eager=args.vllm_enforce_eager,
         lora_rank=_lora_rank(args, model),  # adapter sync: the engine serves base + LoRA
         separate_process=separate_process,
+        # on CPU the KV cache holds a round's rows and those generated ahead of it (more wait in vLLM's scheduler)
+        kv_cache_seqs=args.generation_batch_size * (args.num_batches_ahead + 1),
     )
 
 

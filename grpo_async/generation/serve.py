@@ -54,6 +54,7 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from grpo_async.generation.cpu_kv_cache import DEFAULT_MAX_NUM_SEQS, cpu_kv_cache_bytes, kv_bytes_per_token
 from grpo_async.generation.server_process import flag_passed
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
@@ -468,52 +469,6 @@ def _default_cpu_memory(args, argv: list[str]) -> None:
     )
 
 
-#: the CPU KV cache `grpo-async serve` sizes is at most this (or a quarter of the RAM) and at least `KV_FLOOR_BYTES`
-KV_CAP_BYTES = 4 * 2**30
-KV_FLOOR_BYTES = 64 * 2**20
-#: `--max-num-seqs` assumed for sizing when not given (the cap bounds the result)
-DEFAULT_MAX_NUM_SEQS = 256
-
-
-def cpu_kv_cache_bytes(
-    bytes_per_token: int, max_model_len: int, max_num_seqs: int, total_ram: int, cap: int = KV_CAP_BYTES
-) -> int:
-    """Bytes of CPU KV cache for `max_num_seqs` requests of `max_model_len` tokens (+10%), within
-    [max(`KV_FLOOR_BYTES`, one full-length request), min(`cap`, `total_ram` / 4)], rounded up to MiB.
-
-    >>> cpu_kv_cache_bytes(2 * 2 * 2 * 32 * 4, 256, 4, 16 * 2**30) == KV_FLOOR_BYTES  # tiny model: the floor
-    True
-    >>> cpu_kv_cache_bytes(2 * 30 * 3 * 64 * 4, 8192, 256, 64 * 2**30) == KV_CAP_BYTES  # SmolLM2, fp32: the cap
-    True
-    """
-    one = int(bytes_per_token * max_model_len * 1.1)  # vLLM refuses a cache that cannot hold one full request
-    want = int(bytes_per_token * max_model_len * max_num_seqs * 1.1)
-    size = max(KV_FLOOR_BYTES, one, min(want, cap, total_ram // 4))
-    return -(-size // 2**20) * 2**20
-
-
-def _kv_bytes_per_token(args) -> tuple[int, int]:
-    """`(bytes of K and V per token over all layers, max_model_len)` from the model's config."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(
-        args.model, trust_remote_code=bool(args.trust_remote_code), revision=getattr(args, "revision", None)
-    )
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_dtype, dtype = str(getattr(args, "kv_cache_dtype", "auto")), str(args.dtype)
-    if kv_dtype.startswith("fp8"):
-        nbytes = 1
-    elif dtype in ("float32", "float") or (dtype == "auto" and str(getattr(text, "dtype", None)) == "torch.float32"):
-        nbytes = 4
-    else:
-        nbytes = 2
-    max_len = args.max_model_len or getattr(text, "max_position_embeddings", None) or 4096
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * nbytes, int(max_len)
-
-
 def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
     """On CPU, unless the user chose (`VLLM_CPU_KVCACHE_SPACE`, `--kv-cache-memory-bytes`,
     `--gpu-memory-utilization`), set `--kv-cache-memory-bytes` to `cpu_kv_cache_bytes` of the model and say so.
@@ -535,7 +490,14 @@ def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
     import psutil
 
     try:
-        per_token, max_len = _kv_bytes_per_token(args)
+        per_token, max_len = kv_bytes_per_token(
+            args.model,
+            str(args.dtype),
+            str(getattr(args, "kv_cache_dtype", "auto")),
+            args.max_model_len,
+            trust_remote_code=bool(args.trust_remote_code),
+            revision=getattr(args, "revision", None),
+        )
     except Exception as e:  # noqa: BLE001 - an unusual config: vLLM's share of the RAM instead
         print(f"grpo-async serve: CPU KV cache not sized from the model config ({e}): vLLM's RAM share", flush=True)
         return False

@@ -216,8 +216,10 @@ class VLLMColocateBackend:
     its (one-rank) groups from the trainer's process group with collectives every rank enters. Where one rank alone
     builds an engine (the main process generating for all), those collectives would wait for the others forever:
     `separate_process=True` then runs the engine core in a child process of this rank (plus its worker process:
-    vLLM's multiprocess executor) and weights travel through shared memory. On CPU also set `VLLM_CPU_KVCACHE_SPACE`
-    (GiB of KV cache, e.g. `1`).
+    vLLM's multiprocess executor) and weights travel through shared memory. On CPU the KV cache holds
+    `kv_cache_seqs` requests of `max_model_len` tokens (`cpu_kv_cache.cpu_kv_cache_bytes`: +10%, within [64 MiB, 4 GiB
+    or a quarter of the RAM]) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) or `kv_cache_memory_bytes` says otherwise; vLLM's
+    own CPU default would reserve `gpu_memory_utilization` of the RAM (~6 GiB per engine at 0.3 on 24 GiB).
 
     Args:
         model_path (`str`): model folder (HF format).
@@ -229,6 +231,8 @@ class VLLMColocateBackend:
         enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
         separate_process (`bool`, *optional*, defaults to `False`): run the engine core in a child process (when
             this rank alone builds an engine in a run of several processes).
+        kv_cache_seqs (`int`, *optional*): on CPU, the requests of `max_model_len` tokens the KV cache is sized for
+            (default: `max_num_seqs` if given, else 256); more at once wait for room in vLLM's scheduler.
         lora_rank (`int`, *optional*): serve the policy as the base model plus a LoRA adapter of at most this rank
             (vLLM `enable_lora`); the trainer then sends only the adapter (`load_adapter`), and every `generate` uses
             the adapter last loaded (none before the first load: the base model).
@@ -248,6 +252,7 @@ class VLLMColocateBackend:
         bucket_mb: float = 64.0,
         enforce_eager: bool = True,
         separate_process: bool = False,
+        kv_cache_seqs: int | None = None,
         lora_rank: int | None = None,
         **llm_kwargs,
     ):
@@ -270,6 +275,11 @@ class VLLMColocateBackend:
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
         if _cpu_platform():  # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does
             llm_kwargs.setdefault("enable_chunked_prefill", False)  # not use offset"); whole prefills are as fast here
+        sized = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes") is not None
+        if _cpu_platform() and not sized:
+            seqs = kv_cache_seqs or llm_kwargs.get("max_num_seqs")
+            size = _cpu_kv_cache_size(model_path, dtype, max_model_len, seqs, llm_kwargs)
+            llm_kwargs["kv_cache_memory_bytes"] = size
         if not enforce_eager and default_cpu_aot_compile(os.environ):  # the next start reuses inductor's cache
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         self.llm = LLM(
@@ -432,6 +442,33 @@ def _cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: int | None, llm_kwargs: dict) -> int:
+    """`VLLMColocateBackend`'s KV cache on CPU: `seqs` requests of `max_model_len` tokens (see the class)."""
+    import psutil
+
+    from .cpu_kv_cache import DEFAULT_MAX_NUM_SEQS, cpu_kv_cache_bytes, kv_bytes_per_token
+
+    per_token, _ = kv_bytes_per_token(
+        model_path,
+        dtype,
+        str(llm_kwargs.get("kv_cache_dtype", "auto")),
+        max_model_len,
+        trust_remote_code=bool(llm_kwargs.get("trust_remote_code", False)),
+        revision=llm_kwargs.get("revision"),
+    )
+    seqs = seqs or DEFAULT_MAX_NUM_SEQS
+    size = cpu_kv_cache_bytes(per_token, max_model_len, seqs, psutil.virtual_memory().total)
+    logger.info(
+        "vLLM on CPU: KV cache %d MiB (%d requests x %d tokens at %d bytes/token +10%%, within [64 MiB, 4 GiB]); set "
+        "VLLM_CPU_KVCACHE_SPACE or pass kv_cache_memory_bytes to choose",
+        size // 2**20,
+        seqs,
+        max_model_len,
+        per_token,
+    )
+    return size
 
 
 def default_cpu_aot_compile(environ) -> bool:

@@ -1,0 +1,61 @@
+"""The KV cache of a vLLM engine on CPU, sized from what it will hold instead of a share of the machine's RAM.
+
+vLLM's CPU worker reserves `gpu_memory_utilization` × the RAM (minus what the process already uses) for its KV cache
+unless told a size (`VLLM_CPU_KVCACHE_SPACE` in GiB, or `kv_cache_memory_bytes`): ~6 GiB per engine at the default
+0.3 on a 24 GiB machine, and ~9 GB for a 2-layer model behind `vllm serve`'s default. `grpo-async serve` and the
+colocated engine (`VLLMColocateBackend`) size it instead: the K and V of every layer for the tokens their requests
+can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
+"""
+
+from __future__ import annotations
+
+#: the CPU KV cache sized here is at most this (or a quarter of the RAM) and at least `KV_FLOOR_BYTES`
+KV_CAP_BYTES = 4 * 2**30
+KV_FLOOR_BYTES = 64 * 2**20
+#: `--max-num-seqs` assumed for sizing when not given (the cap bounds the result)
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def cpu_kv_cache_bytes(
+    bytes_per_token: int, max_model_len: int, max_num_seqs: int, total_ram: int, cap: int = KV_CAP_BYTES
+) -> int:
+    """Bytes of CPU KV cache for `max_num_seqs` requests of `max_model_len` tokens (+10%), within
+    [max(`KV_FLOOR_BYTES`, one full-length request), min(`cap`, `total_ram` / 4)], rounded up to MiB.
+
+    >>> cpu_kv_cache_bytes(2 * 2 * 2 * 32 * 4, 256, 4, 16 * 2**30) == KV_FLOOR_BYTES  # tiny model: the floor
+    True
+    >>> cpu_kv_cache_bytes(2 * 30 * 3 * 64 * 4, 8192, 256, 64 * 2**30) == KV_CAP_BYTES  # SmolLM2, fp32: the cap
+    True
+    """
+    one = int(bytes_per_token * max_model_len * 1.1)  # vLLM refuses a cache that cannot hold one full request
+    want = int(bytes_per_token * max_model_len * max_num_seqs * 1.1)
+    size = max(KV_FLOOR_BYTES, one, min(want, cap, total_ram // 4))
+    return -(-size // 2**20) * 2**20
+
+
+def kv_bytes_per_token(
+    model: str,
+    dtype: str,
+    kv_cache_dtype: str = "auto",
+    max_model_len: int | None = None,
+    *,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> tuple[int, int]:
+    """`(bytes of K and V per token over all layers, max_model_len)` of `model` (a folder or hub id) from its config,
+    for vLLM weights in `dtype` (`"auto"`: the config's); `max_model_len` defaults to the model's context."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if str(kv_cache_dtype).startswith("fp8"):
+        nbytes = 1
+    elif dtype in ("float32", "float") or (dtype == "auto" and str(getattr(text, "dtype", None)) == "torch.float32"):
+        nbytes = 4
+    else:
+        nbytes = 2
+    max_len = max_model_len or getattr(text, "max_position_embeddings", None) or 4096
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * nbytes, int(max_len)
