@@ -134,7 +134,7 @@ def test_two_servers_started_at_once_both_come_up(tiny_model_path):
 def test_the_colocated_engine_sizes_its_kv_cache_for_the_rounds_it_generates(tiny_model_path, tmp_path, monkeypatch):
     """The trainer's in-process engine on CPU: its KV cache holds a round's rows and those generated ahead of it
     (`generation_batch_size` x (`num_batches_ahead` + 1) requests of `max_model_len` tokens), not vLLM's share of the
-    RAM (~6 GiB at `vllm_gpu_memory_utilization=0.3` on 24 GiB); `VLLM_CPU_KVCACHE_SPACE`, when set, wins."""
+    RAM (5.4 GiB at `vllm_gpu_memory_utilization=0.3` on 20 GiB); `VLLM_CPU_KVCACHE_SPACE`, when set, wins."""
     from grpo_async import GRPOTrainer
     from grpo_async.demo_task import letter_reward, make_dataset
     from grpo_async.generation.cpu_kv_cache import cpu_kv_cache_bytes

@@ -1,10 +1,10 @@
 """The KV cache of a vLLM engine on CPU, sized from what it will hold instead of a share of the machine's RAM.
 
 vLLM's CPU worker reserves `gpu_memory_utilization` × the RAM (minus what the process already uses) for its KV cache
-unless told a size (`VLLM_CPU_KVCACHE_SPACE` in GiB, or `kv_cache_memory_bytes`): ~6 GiB per engine at the default
-0.3 on a 24 GiB machine, and ~9 GB for a 2-layer model behind `vllm serve`'s default. `grpo-async serve` and the
-colocated engine (`VLLMColocateBackend`) size it instead: the K and V of every layer for the tokens their requests
-can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
+unless told a size (`VLLM_CPU_KVCACHE_SPACE` in GiB, or `kv_cache_memory_bytes`): 5.4 GiB for a 2-layer model at
+the default 0.3 on a 20 GiB machine (9.1 GB behind `grpo-async serve`'s former default, half the free RAM).
+`grpo-async serve` and the colocated engine (`VLLMColocateBackend`) size it instead: the K and V of every layer for
+the tokens their requests can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
 """
 
 from __future__ import annotations
