@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 
@@ -23,7 +22,7 @@ import torch
 from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, wait_ready
 from grpo_async.testing import push_state_dict
-from grpo_async.testing.warm_launch import start_server_command
+from grpo_async.testing.warm_launch import run_script, start_server_command
 
 KEY = "hardening-test-key"
 HEADER_TIMEOUT_S = 3
@@ -259,13 +258,10 @@ def test_disk_full_while_saving_names_the_folder_and_errno_and_keeps_the_last_ch
     # below the weights file (but above the metrics and state files), or between it and the optimizer's (2x: Adam)
     limit = 64 * 1024 if fails_at == "model.safetensors" else weights + 64 * 1024
     assert weights > 64 * 1024
-    proc = subprocess.run(
-        [sys.executable, "-c", DISK_FULL_SCRIPT, str(tiny_model_path), str(out), str(limit)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **CPU_ENV},
-    )
+    script = tmp_path / "disk_full.py"
+    script.write_text(DISK_FULL_SCRIPT)
+    # a fork of the warm interpreter (its own process: the file-size limit and SIGXFSZ are its own)
+    proc = run_script(str(script), [tiny_model_path, out, limit], env=CPU_ENV, timeout=600, stderr_apart=True)
     assert proc.returncode != 0, proc.stdout[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "OSError" in last and "checkpoint-2" in last and "errno 27 EFBIG" in last, proc.stderr[-3000:]

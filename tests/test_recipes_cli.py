@@ -38,6 +38,16 @@ def _cli(*args, cwd=ROOT, timeout=300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
+def _cli_forked(*args, cwd):
+    """`_cli`'s `python -m grpo_async.cli ARGS` in `cwd`, forked from the warm interpreter (`warm_launch.run_script`,
+    with `python -m`'s path: the working directory first): the command's work is the subject, not an interpreter's
+    start (`tests/test_cli.py` runs the console script fresh)."""
+    from grpo_async.testing.warm_launch import run_script
+
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return run_script("grpo_async.cli", list(args), env=env, timeout=300, cwd=str(cwd), module=True, stderr_apart=True)
+
+
 # ---- the demo ------------------------------------------------------------------------------------------------------
 def test_demo_defaults_are_what_make_demo_trained_with():
     """No flags: the values the demo passed to GRPOConfig by hand before it took every field (hand-copied)."""
@@ -146,7 +156,7 @@ def test_grpo_trains_two_steps_on_a_local_dataset(tiny_model_path, tmp_path):
         "reward_funcs: [math_reward, my_rewards.short]\nlearning_rate: 1.0e-5\nnum_generations: 4\nseed: 3\n"
     )
     out = tmp_path / "out"
-    proc = _cli(
+    proc = _cli_forked(
         "grpo", "--config", "run.yaml", "--model_name_or_path", tiny_model_path, "--dataset_name", "data.jsonl",
         "--output_dir", str(out), "--generation_backend", "hf", "--use_cpu", "true", "--per_device_train_batch_size",
         "8", "--max_prompt_length", "64", "--max_completion_length", "8", "--max_steps", "2", "--save_strategy",

@@ -212,8 +212,8 @@ def _rank_main(
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *argv]
-    if not module:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # what `python script` / `python -m module` put first on the path: the script's folder / the working directory
+    sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(script)))
     code = 0
     interrupted = False
     try:
@@ -310,18 +310,19 @@ def run_script(
     fork_engine: bool = False,
     real_exit: bool = False,
     stderr_apart: bool = False,
+    module: bool = False,
 ):
-    """`python script args` in one process forked from the warm interpreter (its environment: this process's updated
-    with `env`; in `cwd`, default this process's); a `subprocess.CompletedProcess` with the script's exit status and
+    """`python script args` (`python -m script args` with `module`) in one process forked from the warm interpreter
+    (its environment: this process's updated with `env`; in `cwd`, default this process's); a
+    `subprocess.CompletedProcess` with the script's exit status and
     its output in `stdout` (its standard error in `stderr` with `stderr_apart`, else in `stdout` too). `fork_engine`:
     the vLLM engine cores the script starts (`separate_process`) are forks of it, as a `run_2cpu` rank's are, instead
     of fresh interpreters; only for a script that runs one OpenMP thread (the environment's `OMP_NUM_THREADS=1`),
     after which a fork is safe. `real_exit`: the process ends through the interpreter's whole finalization, as a fresh
     `python script` does (`_rank_main`), for the tests whose subject is how a process exits."""
     envs = [{**os.environ, **(env or {})}]
-    return _run_forked(
-        script, args, envs, timeout, cwd, fork_engine=fork_engine, real_exit=real_exit, stderr_apart=stderr_apart
-    )
+    options = dict(fork_engine=fork_engine, real_exit=real_exit, stderr_apart=stderr_apart, module=module)
+    return _run_forked(script, args, envs, timeout, cwd, **options)
 
 
 def run_2cpu(
@@ -373,6 +374,7 @@ def _run_forked(
     fork_engine: bool = False,
     real_exit: bool = False,
     stderr_apart: bool = False,
+    module: bool = False,
 ):
     """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu` and
     `run_script`."""
@@ -390,7 +392,7 @@ def _run_forked(
         fd, log = tempfile.mkstemp(prefix=f"warm_rank{rank}_", suffix=".log")
         os.close(fd)
         argv = [str(a) for a in args]
-        options = dict(cwd=cwd, fork_engine=fork_engine, real_exit=real_exit, err_path=err_log)
+        options = dict(cwd=cwd, fork_engine=fork_engine, real_exit=real_exit, err_path=err_log, module=module)
         p = ctx.Process(target=_rank_main, args=(script, argv, env, log), kwargs=options, daemon=False)
         p.start()
         logs.append(log)
