@@ -71,7 +71,7 @@ def test_serve_turns_vllms_aot_compile_cache_off_on_cpu_unless_told_otherwise(mo
     warning); the default leaves the variable alone when it is set, and off CPU."""
     import vllm.platforms
 
-    from grpo_async.generation.vllm_backends import default_cpu_aot_compile
+    from grpo_async.generation.vllm_cpu import default_cpu_aot_compile
 
     environ = {}
     assert default_cpu_aot_compile(environ) and environ == {"VLLM_USE_AOT_COMPILE": "0"}

@@ -20,7 +20,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_sizes_follow_the_model_and_stay_within_the_floor_and_cap():
-    from grpo_async.generation.cpu_kv_cache import KV_CAP_BYTES, KV_FLOOR_BYTES, cpu_kv_cache_bytes
+    from grpo_async.generation.vllm_cpu import KV_CAP_BYTES, KV_FLOOR_BYTES, cpu_kv_cache_bytes
 
     tiny = 2 * 2 * 2 * 32 * 4  # K and V x 2 layers x 2 KV heads x head_dim 32 x float32
     assert cpu_kv_cache_bytes(tiny, 256, 4, 16 * GiB) == KV_FLOOR_BYTES  # 1 KiB/token x 1,024 tokens: the floor
@@ -137,7 +137,7 @@ def test_the_colocated_engine_sizes_its_kv_cache_for_the_rounds_it_generates(tin
     RAM (5.4 GiB at `vllm_gpu_memory_utilization=0.3` on 20 GiB); `VLLM_CPU_KVCACHE_SPACE`, when set, wins."""
     from grpo_async import GRPOTrainer
     from grpo_async.demo_task import letter_reward, make_dataset
-    from grpo_async.generation.cpu_kv_cache import cpu_kv_cache_bytes
+    from grpo_async.generation.vllm_cpu import cpu_kv_cache_bytes
     from grpo_async.testing import tiny_config
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)

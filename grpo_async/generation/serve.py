@@ -54,8 +54,13 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from grpo_async.generation.cpu_kv_cache import DEFAULT_MAX_NUM_SEQS, cpu_kv_cache_bytes, kv_bytes_per_token
 from grpo_async.generation.server_process import flag_passed
+from grpo_async.generation.vllm_cpu import (
+    DEFAULT_MAX_NUM_SEQS,
+    cpu_kv_cache_bytes,
+    default_cpu_aot_compile,
+    kv_bytes_per_token,
+)
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
 
@@ -609,8 +614,6 @@ def main(argv: list[str] | None = None) -> None:
     _default_cpu_chunked_prefill(args, argv)
     _default_shutdown_timeout(args, argv)
     if not args.enforce_eager:
-        from grpo_async.generation.vllm_backends import default_cpu_aot_compile
-
         if default_cpu_aot_compile(os.environ):
             print(
                 "grpo-async serve: VLLM_USE_AOT_COMPILE=0 (vLLM's AOT compile cache does not load on CPU; "

@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from grpo_async.generation import vllm_cpu
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
@@ -217,7 +218,7 @@ class VLLMColocateBackend:
     builds an engine (the main process generating for all), those collectives would wait for the others forever:
     `separate_process=True` then runs the engine core in a child process of this rank (plus its worker process:
     vLLM's multiprocess executor) and weights travel through shared memory. On CPU the KV cache holds
-    `kv_cache_seqs` requests of `max_model_len` tokens (`cpu_kv_cache.cpu_kv_cache_bytes`: +10%, within [64 MiB, 4 GiB
+    `kv_cache_seqs` requests of `max_model_len` tokens (`vllm_cpu.cpu_kv_cache_bytes`: +10%, within [64 MiB, 4 GiB
     or a quarter of the RAM]) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) or `kv_cache_memory_bytes` says otherwise; vLLM's
     own CPU default would reserve `gpu_memory_utilization` of the RAM (5.4 GiB for a 2-layer model at 0.3 on 20 GiB).
 
@@ -280,7 +281,7 @@ class VLLMColocateBackend:
             seqs = kv_cache_seqs or llm_kwargs.get("max_num_seqs")
             size = _cpu_kv_cache_size(model_path, dtype, max_model_len, seqs, llm_kwargs)
             llm_kwargs["kv_cache_memory_bytes"] = size
-        if not enforce_eager and default_cpu_aot_compile(os.environ):  # the next start reuses inductor's cache
+        if not enforce_eager and vllm_cpu.default_cpu_aot_compile(os.environ):  # a restart: inductor cache
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         self.llm = LLM(
             model=model_path,
@@ -439,18 +440,14 @@ class VLLMColocateBackend:
 
 
 def _cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
+    return vllm_cpu.is_cpu()
 
 
 def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: int | None, llm_kwargs: dict) -> int:
     """`VLLMColocateBackend`'s KV cache on CPU: `seqs` requests of `max_model_len` tokens (see the class)."""
     import psutil
 
-    from .cpu_kv_cache import DEFAULT_MAX_NUM_SEQS, cpu_kv_cache_bytes, kv_bytes_per_token
-
-    per_token, _ = kv_bytes_per_token(
+    per_token, _ = vllm_cpu.kv_bytes_per_token(
         model_path,
         dtype,
         str(llm_kwargs.get("kv_cache_dtype", "auto")),
@@ -458,8 +455,8 @@ def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: in
         trust_remote_code=bool(llm_kwargs.get("trust_remote_code", False)),
         revision=llm_kwargs.get("revision"),
     )
-    seqs = seqs or DEFAULT_MAX_NUM_SEQS
-    size = cpu_kv_cache_bytes(per_token, max_model_len, seqs, psutil.virtual_memory().total)
+    seqs = seqs or vllm_cpu.DEFAULT_MAX_NUM_SEQS
+    size = vllm_cpu.cpu_kv_cache_bytes(per_token, max_model_len, seqs, psutil.virtual_memory().total)
     logger.info(
         "vLLM on CPU: KV cache %d MiB (%d requests x %d tokens at %d bytes/token +10%%, within [64 MiB, 4 GiB]); set "
         "VLLM_CPU_KVCACHE_SPACE or pass kv_cache_memory_bytes to choose",
@@ -469,19 +466,6 @@ def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: in
         per_token,
     )
     return size
-
-
-def default_cpu_aot_compile(environ) -> bool:
-    """On CPU, unless `VLLM_USE_AOT_COMPILE` is set, turn vLLM's AOT compile cache off in `environ` (the processes an
-    engine starts inherit it); returns whether it did. vLLM 0.32 saves an AOT artifact of the compiled model at every
-    start on CPU that the next start cannot load (`'function' object has no attribute 'finalize_loading'`): each
-    restart logged "Compiling model again due to a load failure" and compiled anew. Without it, torch inductor's own
-    cache serves a restart (`tests/test_readme_commands.py` asserts no load failure on a second start). vLLM turns it
-    off itself the same way for batch-invariant runs."""
-    if "VLLM_USE_AOT_COMPILE" in environ or not _cpu_platform():
-        return False
-    environ["VLLM_USE_AOT_COMPILE"] = "0"
-    return True
 
 
 class _EngineRpc:

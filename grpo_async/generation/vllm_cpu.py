@@ -1,10 +1,12 @@
-"""The KV cache of a vLLM engine on CPU, sized from what it will hold instead of a share of the machine's RAM.
+"""vLLM's defaults on CPU that `grpo-async serve` and the colocated engine (`VLLMColocateBackend`) replace.
 
-vLLM's CPU worker reserves `gpu_memory_utilization` × the RAM (minus what the process already uses) for its KV cache
-unless told a size (`VLLM_CPU_KVCACHE_SPACE` in GiB, or `kv_cache_memory_bytes`): 5.4 GiB for a 2-layer model at
-the default 0.3 on a 20 GiB machine (9.1 GB behind `grpo-async serve`'s former default, half the free RAM).
-`grpo-async serve` and the colocated engine (`VLLMColocateBackend`) size it instead: the K and V of every layer for
-the tokens their requests can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
+- **KV cache size.** vLLM's CPU worker reserves `gpu_memory_utilization` × the RAM (minus what the process already
+  uses) for its KV cache unless told a size (`VLLM_CPU_KVCACHE_SPACE` in GiB, or `kv_cache_memory_bytes`): 5.4 GiB
+  for a 2-layer model at the default 0.3 on a 20 GiB machine (9.1 GB behind `grpo-async serve`'s former default, half
+  the free RAM). Both size it instead (`cpu_kv_cache_bytes`): the K and V of every layer for the tokens their requests
+  can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
+- **AOT compile cache.** vLLM 0.32 saves an AOT artifact of a compiled model at every start on CPU that the next start
+  cannot load (`default_cpu_aot_compile`).
 """
 
 from __future__ import annotations
@@ -59,3 +61,22 @@ def kv_bytes_per_token(
         nbytes = 2
     max_len = max_model_len or getattr(text, "max_position_embeddings", None) or 4096
     return 2 * text.num_hidden_layers * kv_heads * head_dim * nbytes, int(max_len)
+
+
+def is_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def default_cpu_aot_compile(environ) -> bool:
+    """On CPU, unless `VLLM_USE_AOT_COMPILE` is set, turn vLLM's AOT compile cache off in `environ` (the processes an
+    engine starts inherit it); returns whether it did. vLLM 0.32 saves an AOT artifact of the compiled model at every
+    start on CPU that the next start cannot load (`'function' object has no attribute 'finalize_loading'`): each
+    restart logged "Compiling model again due to a load failure" and compiled anew. Without it, torch inductor's own
+    cache serves a restart. vLLM turns it off itself the same way for batch-invariant runs."""
+    if "VLLM_USE_AOT_COMPILE" in environ or not is_cpu():
+        return False
+    environ["VLLM_USE_AOT_COMPILE"] = "0"
+    return True
