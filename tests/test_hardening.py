@@ -11,7 +11,9 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 
 import psutil
@@ -20,9 +22,9 @@ import requests
 import torch
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
 from grpo_async.testing import push_state_dict
-from grpo_async.testing.warm_launch import run_script, start_server_command
+from grpo_async.testing.warm_launch import run_script
 
 KEY = "hardening-test-key"
 HEADER_TIMEOUT_S = 3
@@ -40,10 +42,12 @@ def server(tiny_model_path, tmp_path_factory):
     env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     env.pop("VLLM_API_KEY", None)
-    # the API process is a fork of the warm interpreter (this command line and environment, a session of its own);
-    # its engine's worker starts as in a real server (vLLM's `spawn`, a child of the API process): how it ends when
-    # the API process is killed is the last test's subject
-    s = start_server_command(args, env, port=port, api_key=KEY, fork_engine=False)
+    fd, log_path = tempfile.mkstemp(prefix="grpo_hardening_", suffix=".log")
+    before = frozenset(_shm_names())
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    s = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, api_key=KEY, args=args)
+    s.shm_before = before
     try:
         wait_ready(s, timeout=300)
         yield s

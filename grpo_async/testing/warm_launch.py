@@ -508,21 +508,18 @@ def start_server(model: str, *, api_key: str | None, extra_args=(), env: dict | 
     return start_server_command(args, full_env, port=port, api_key=api_key)
 
 
-def start_server_command(
-    args: list[str], env: dict[str, str], *, port: int, api_key: str | None, fork_engine: bool = True
-):
+def start_server_command(args: list[str], env: dict[str, str], *, port: int, api_key: str | None):
     """`python -m MODULE ...` (`args`: `grpo-async serve` as `server_command` makes it or one of a test's own, the
     console script's `python -m grpo_async.cli serve ...`, or a stock `python -m vllm.entrypoints.openai.api_server
     ...`) with exactly the environment `env`, its API process forked from the warm interpreter; a `ServerProcess`
-    (call `wait_ready`). `fork_engine=False`: vLLM starts the engine's processes as it does in a real server (`spawn`:
-    fresh interpreters, children of the API process), for a test whose subject is how they end."""
+    (call `wait_ready`)."""
     from grpo_async.generation.server_process import ServerProcess, _shm_names, server_log_path
 
     modules = ("grpo_async.generation.serve", "grpo_async.cli", "vllm.entrypoints.openai.api_server")
     assert args[1] == "-m" and args[2] in modules and (args[2] != "grpo_async.cli" or args[3] == "serve"), args
     log_path = server_log_path(port)
     shm_before = frozenset(_shm_names())
-    options = dict(module=True, cwd=os.getcwd(), fork_engine=fork_engine)
+    options = dict(module=True, cwd=os.getcwd(), fork_engine=True)
     p = _context().Process(target=_rank_main, args=(args[2], args[3:], env, log_path), kwargs=options, daemon=False)
     p.start()
     server = ServerProcess(
