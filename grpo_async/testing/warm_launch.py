@@ -314,8 +314,8 @@ def run_script(
 ):
     """`python script args` (`python -m script args` with `module`) in one process forked from the warm interpreter
     (its environment: this process's updated with `env`; in `cwd`, default this process's); a
-    `subprocess.CompletedProcess` with the script's exit status and
-    its output in `stdout` (its standard error in `stderr` with `stderr_apart`, else in `stdout` too). `fork_engine`:
+    `subprocess.CompletedProcess` with the script's exit status and its output in `stdout` (its standard error in
+    `stderr` with `stderr_apart`, else in `stdout` too). `fork_engine`:
     the vLLM engine cores the script starts (`separate_process`) are forks of it, as a `run_2cpu` rank's are, instead
     of fresh interpreters; only for a script that runs one OpenMP thread (the environment's `OMP_NUM_THREADS=1`),
     after which a fork is safe. `real_exit`: the process ends through the interpreter's whole finalization, as a fresh
