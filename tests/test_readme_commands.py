@@ -231,5 +231,6 @@ def test_serve_commands_as_written(tiny_model_path):
         for server in servers:
             server.stop()
     for server in servers:  # vLLM's AOT compile cache does not load on CPU: `grpo-async serve` turns it off there
-        log = open(server.log_path, errors="replace").read()
+        with open(server.log_path, errors="replace") as f:
+            log = f.read()
         assert "grpo-async serve: VLLM_USE_AOT_COMPILE=0" in log and "due to a load failure" not in log, log[-3000:]
