@@ -274,13 +274,15 @@ class VLLMColocateBackend:
             lora = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": 1}
             llm_kwargs = {**lora, "max_cpu_loras": 2, **llm_kwargs}
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
-        if _cpu_platform():  # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does
-            llm_kwargs.setdefault("enable_chunked_prefill", False)  # not use offset"); whole prefills are as fast here
-        sized = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes") is not None
-        if _cpu_platform() and not sized:
-            seqs = kv_cache_seqs or llm_kwargs.get("max_num_seqs")
-            size = _cpu_kv_cache_size(model_path, dtype, max_model_len, seqs, llm_kwargs)
-            llm_kwargs["kv_cache_memory_bytes"] = size
+        if vllm_cpu.is_cpu():
+            # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does not use offset");
+            # whole prefills are as fast here
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            sized = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes") is not None
+            if not sized:
+                seqs = kv_cache_seqs or llm_kwargs.get("max_num_seqs")
+                size = _cpu_kv_cache_size(model_path, dtype, max_model_len, seqs, llm_kwargs)
+                llm_kwargs["kv_cache_memory_bytes"] = size
         if not enforce_eager and vllm_cpu.default_cpu_aot_compile(os.environ):  # a restart: inductor cache
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         self.llm = LLM(
@@ -437,10 +439,6 @@ class VLLMColocateBackend:
                 llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # noqa: BLE001 - best effort
                 logger.warning("VLLMColocateBackend.close: engine shutdown failed: %r", e)
-
-
-def _cpu_platform() -> bool:
-    return vllm_cpu.is_cpu()
 
 
 def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: int | None, llm_kwargs: dict) -> int:
