@@ -117,7 +117,12 @@ def main(argv=None) -> float:
     if a.smoke:
         a.rows, a.micro, a.prompt_len, a.completion_len, a.repeats = 16, 2, 8, 8, 1
 
-    tmp = tempfile.mkdtemp(prefix="grpo_bench_lcm_")
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_lcm_") as tmp:  # the model, the trainers' output folders
+        return measure(a, tmp)
+
+
+def measure(a: argparse.Namespace, tmp: str) -> float:
+    """The bench itself, its scratch files in `tmp`; the 4× / 1× stage micro-batch speedup."""
     model_dir = build_tiny_model(os.path.join(tmp, "model"), SPEC)
     trainers = {
         k: make_trainer(model_dir, os.path.join(tmp, f"out{k}"), a.micro, a.rows, k, a.prompt_len, a.completion_len)

@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_async.generation.base import SamplingConfig  # noqa: E402
 from grpo_async.generation.shared import SharedBackend  # noqa: E402
 from grpo_async.pipeline.publisher import PolicyPublisher  # noqa: E402
-from grpo_async.testing import build_smollm2  # noqa: E402
+from grpo_async.testing import build_smollm2, build_tiny_model  # noqa: E402
 from grpo_async.weight_sync.lora import adapter_max_rank  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,19 +91,18 @@ def main(argv=None) -> dict:
     load_before = uptime()
     print(f"load before: {load_before}", flush=True)
 
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_lora_") as tmp:  # the smoke's tiny model, while engines run
+        path = build_tiny_model(os.path.join(tmp, "model")) if args.smoke else build_smollm2()
+        return measure(args, path, load_before)
+
+
+def measure(args: argparse.Namespace, path: str, load_before: str) -> dict:
+    """The bench itself on the model in `path`; its results (also written to `args.out`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from grpo_async.generation.vllm_backends import VLLMColocateBackend
 
-    if args.smoke:
-        import tempfile
-
-        from grpo_async.testing import build_tiny_model
-
-        path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo_bench_lora_"), "model"))
-    else:
-        path = build_smollm2()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
     model = get_peft_model(model, lora).eval()

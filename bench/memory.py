@@ -305,12 +305,17 @@ def main(argv=None) -> float:
         print("RUN " + json.dumps(children(a)), flush=True)
         return 0.0
 
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_memory_") as a.tmp:  # the models, the children's outputs
+        return measure(a)
+
+
+def measure(a: argparse.Namespace) -> float:
+    """The bench itself, its scratch files in `a.tmp`; the packed / padded step-peak ratio."""
     from _runs import launch_bench_server
 
     from grpo_async.generation.server_process import TWO_PROCESS_ENV
     from grpo_async.testing import TinyModelSpec, build_tiny_model
 
-    a.tmp = tempfile.mkdtemp(prefix="grpo_bench_memory_")
     pos = {"max_position_embeddings": 2 * max(a.long, a.tb_long), "seed": 0}
     model = build_tiny_model(os.path.join(a.tmp, "model"), TinyModelSpec(**SPEC, **pos))
     ref_model = build_tiny_model(os.path.join(a.tmp, "ref_model"), TinyModelSpec(**REF_SPEC, **pos))

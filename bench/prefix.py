@@ -195,17 +195,17 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(0)
     if a.smoke:
         from grpo_async.testing import build_tiny_model
 
-        path = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo_bench_prefix_"), "model"))
         a.G, a.prompt_len, a.completion_len, a.repeats, a.step_repeats, a.steps = 4, 48, 8, 1, 1, 2
+        with tempfile.TemporaryDirectory(prefix="grpo_bench_prefix_") as tmp:
+            model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp + "/model"), dtype=torch.float32)
     else:
         from grpo_async.testing import build_smollm2
 
-        path = build_smollm2()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(build_smollm2(), dtype=torch.float32)
     model.train()  # SmolLM2 has no dropout: train mode changes nothing but what compute_loss would see
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     n_params = sum(x.numel() for x in model.parameters()) / 1e6

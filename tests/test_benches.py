@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,18 @@ def test_bench_smoke(name):
     # forked from a warm interpreter (`warm_launch.run_script`): the bench's own imports once per worker, not per
     # bench; so are the engine cores it starts in child processes (`lora_sync`'s two), its OpenMP running one thread
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    proc = run_script(str(BENCH / name), ["--smoke"], env=env, timeout=600, fork_engine=True)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()  # where it was: the compile cache is not the bench's to clean
+    with tempfile.TemporaryDirectory(prefix="bench_tmp_") as tmp:  # short: vLLM's sockets go there too
+        proc = run_script(str(BENCH / name), ["--smoke"], env={**env, "TMPDIR": tmp}, timeout=600, fork_engine=True)
+        # a bench cleans up after itself (memory.py once left 305 MB per run in /tmp): no folder of its scratch files
+        # is left, only the model caches of fixed name that its next run reuses (`grpo_async_bench_*`); files may be
+        # (a server's log, a vLLM socket)
+        left = sorted(p.name for p in Path(tmp).iterdir() if p.is_dir() and not p.name.startswith("grpo_async_bench_"))
     out = proc.stdout
     assert proc.returncode == 0, f"bench/{name} --smoke failed (exit {proc.returncode}):\n{out[-4000:]}"
+    assert not left, f"bench/{name} --smoke left folders in its temporary directory: {left}"
     printed = dict(RESULT.findall(proc.stdout))
     assert printed, f"bench/{name} --smoke printed no RESULT line:\n{out[-3000:]}"
     for metric, value in printed.items():

@@ -134,9 +134,9 @@ def check_run(out: str, stdout: str, distributed_type: str) -> None:
 def test_config_file_env_is_what_the_launcher_gives_the_ranks():
     """`config_file_env` reads a config as `accelerate launch` does: the CPU DDP config gives the ranks what the
     README's `--multi_gpu ... --mixed_precision no --dynamo_backend no` flags give them; ZeRO-2's, DeepSpeed's."""
-    from grpo_async.testing.warm_launch import _accelerate_env, config_file_env
+    from grpo_async.testing.warm_launch import CPU_FLAGS, accelerate_env, config_file_env
 
-    assert config_file_env(os.path.join(CONFIGS, "multi_cpu.yaml")) == _accelerate_env()
+    assert config_file_env(os.path.join(CONFIGS, "multi_cpu.yaml")) == accelerate_env(CPU_FLAGS)
     zero2 = config_file_env(os.path.join(CONFIGS, "deepspeed_zero2_cpu.yaml"))
     assert zero2["ACCELERATE_USE_DEEPSPEED"] == "true" and zero2["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2", zero2
 

@@ -10,14 +10,13 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
 from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import wait_ready
-from grpo_async.testing.warm_launch import run_script, start_server_command
+from grpo_async.testing.warm_launch import CPU_FLAGS, accelerate_env, run_2cpu, run_script, start_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -164,16 +163,32 @@ def test_make_demo(tmp_path):
 @pytest.mark.multiprocess
 def test_two_cpu_processes_with_the_in_process_vllm_engine(tmp_path):
     """The README's CPU command (the demo's default backend: vLLM in the trainer's process). It used to deadlock:
-    vLLM's start-up joined the trainer's process group on rank 0 while rank 1 waited in a gather."""
+    vLLM's start-up joined the trainer's process group on rank 0 while rank 1 waited in a gather.
+
+    Its ranks are forks of the warm interpreter (`warm_launch.run_2cpu`) with the environment accelerate's own launch
+    code makes of the line's flags (`warm_launch.accelerate_env`), running the line's script with the line's arguments:
+    what the ranks do is the subject. The launcher itself starts for real in `test_launch_configs.py` (the README's
+    ZeRO-3 command) and `test_clean_exit.py::test_two_processes_agree_on_the_horizon` (its agent)."""
     readme = next(c for c in readme_commands() if "--dynamo_backend no" in c and c.startswith("accelerate launch"))
     argv = shlex.split(readme)
-    argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
-    argv[argv.index("--output_dir") + 1] = str(tmp_path / "out-ddp")
-    start = time.monotonic()
-    proc = _run([*argv, "--max_steps", "2"], 420)
+    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))  # accelerate launch FLAGS SCRIPT ARGS
+    flags, script, args = argv[2:at], argv[at], argv[at + 1 :]
+    assert flags == CPU_FLAGS, flags  # `run_2cpu`'s default launch: what the other 2-process tests run
+    args[args.index("--output_dir") + 1] = str(tmp_path / "out-ddp")
+    nprocs = int(flags[flags.index("--num_processes") + 1])
+    proc = run_2cpu(
+        os.path.join(ROOT, script),
+        [*args, "--max_steps", "2"],
+        env=_env(),
+        nprocs=nprocs,
+        launch_env=accelerate_env(flags),
+        cwd=ROOT,
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
     assert "distributed_type=MULTI_CPU" in proc.stdout and "2 process(es)" in proc.stdout, proc.stdout[-2000:]
     assert "backend=vllm" in proc.stdout
-    assert time.monotonic() - start < 420
+    assert os.path.exists(tmp_path / "out-ddp" / "model.safetensors"), proc.stdout[-2000:]
 
 
 def _serve(readme_line: str, model: str, port: int):

@@ -45,12 +45,13 @@ finalization and the C library's `exit`, as a fresh `python script` does, so a t
 it (`terminate called without an active exception`) as it aborts a fresh interpreter
 (`tests/test_warm_launch.py` runs both); they save the ~8 CPU-s of imports each such process paid.
 
-What stays on the real launcher: every command a document shows (`tests/test_readme_commands.py`; its two `grpo-async
-serve` lines start here, `python -m grpo_async.cli serve ...` with the line's arguments), the README's ZeRO-3
-launch config (`tests/test_launch_configs.py`; its DDP and ZeRO-2 configs run here, with the environment accelerate
-makes of them: `config_file_env`), multi-node (`tests/test_multinode.py`), `accelerate launch`'s own agent
+What stays on the real launcher: the README's ZeRO-3 launch config (`tests/test_launch_configs.py`; its DDP and ZeRO-2
+configs run here, with the environment accelerate makes of them: `config_file_env`), `make demo`, multi-node
+(`tests/test_multinode.py`), `accelerate launch`'s own agent
 (`tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`), and the servers whose start or stop is the
-subject (above).
+subject (above). The other commands the documents show run here with what the line says
+(`tests/test_readme_commands.py`): the README's 2-process CPU command on ranks given the environment of its flags
+(`accelerate_env`), its two `grpo-async serve` lines as `python -m grpo_async.cli serve ...` with the line's arguments.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -124,33 +126,31 @@ def _use_the_parent_fork_server() -> None:
     server.ensure_running = resource_tracker.ensure_running
 
 
-def _accelerate_env() -> dict[str, str]:
-    """The variables `accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
-    --dynamo_backend no` adds for its ranks, from accelerate's own code."""
-    from accelerate.commands.launch import launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    parser = launch_command_parser()
-    args = parser.parse_args(
-        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-        + ["--dynamo_backend", "no", "--main_process_port", "0", "script.py"]
-    )
-    before = dict(os.environ)
-    env = prepare_multi_gpu_env(args)
-    # the thread count is the caller's (`run_2cpu`: 1 per rank unless `env` says otherwise), as the tests' launches
-    # always set it; without `--num_cpu_threads_per_process` this function would write "None"
-    return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
+#: the flags of the README's 2-process CPU command: `accelerate launch CPU_FLAGS script.py`
+CPU_FLAGS = [
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
-def config_file_env(config_file: str) -> dict[str, str]:
-    """The variables `accelerate launch --config_file CONFIG_FILE script.py` adds for its ranks, from accelerate's own
-    code: the config file read into the launcher's arguments as `launch_command` reads it, then the environment of the
-    launcher that `launch_command` picks for it (`prepare_deepspeed_cmd_env` for a DeepSpeed config,
-    `prepare_multi_gpu_env` for a multi-process one); for `run_2cpu(..., launch_env=...)`."""
+def accelerate_env(flags: list[str]) -> dict[str, str]:
+    """The variables `accelerate launch FLAGS script.py` adds for its ranks, from accelerate's own code: the flags (a
+    `--config_file` read as `launch_command` reads it) into the launcher's arguments, then the environment of the
+    launcher that `launch_command` picks for them (`prepare_deepspeed_cmd_env` for DeepSpeed, `prepare_multi_gpu_env`
+    for a multi-process run); for `run_2cpu(..., launch_env=...)`. `OMP_NUM_THREADS` is the caller's (`run_2cpu`: 1 per
+    rank unless its `env` says otherwise, as the tests' launches always set it; without `--num_cpu_threads_per_process`
+    accelerate would write "None")."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", config_file, "--main_process_port", "0", "script.py"])
+    args = launch_command_parser().parse_args([*flags, "--main_process_port", "0", "script.py"])
     args, defaults, mp_from_config_flag = _validate_launch_command(args)
     before = dict(os.environ)
     if args.use_deepspeed:  # as `launch_command` prepares a DeepSpeed launch
@@ -158,9 +158,14 @@ def config_file_env(config_file: str) -> dict[str, str]:
         args.deepspeed_fields_from_accelerate_config = ",".join(fields)
         _, env = prepare_deepspeed_cmd_env(args)
     else:
-        assert args.multi_gpu, f"{config_file}: not a multi-process config"
+        assert args.multi_gpu, f"accelerate launch {' '.join(flags)}: not a multi-process launch"
         env = prepare_multi_gpu_env(args)
     return {k: v for k, v in env.items() if before.get(k) != v and k != "OMP_NUM_THREADS"}
+
+
+def config_file_env(config_file: str) -> dict[str, str]:
+    """The variables `accelerate launch --config_file CONFIG_FILE script.py` adds for its ranks (`accelerate_env`)."""
+    return accelerate_env(["--config_file", config_file])
 
 
 def _rank_main(
@@ -205,6 +210,7 @@ def _rank_main(
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # as in a fresh interpreter: the first temporary file reads TMPDIR of this environment
     if cwd:  # the caller's, as `subprocess` would give it (the fork server's is wherever the first caller was)
         os.chdir(cwd)
     if env.get("OMP_NUM_THREADS"):  # the fork server's OpenMP read its own environment at start
@@ -293,6 +299,7 @@ def _run_inherited(env: dict, streams: _StdStreamsInChild, target, args: tuple, 
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None
     if env.get("OMP_NUM_THREADS"):  # the fork server's OpenMP read its own environment at start
         import torch
 
@@ -343,7 +350,7 @@ def run_2cpu(
     base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
     if launch_env is None:
         base.setdefault("ACCELERATE_USE_CPU", "true")
-        launch_env = _accelerate_env()
+        launch_env = accelerate_env(CPU_FLAGS)
     base.update(launch_env)
     port = str(free_port("127.0.0.1"))
     envs = []
@@ -378,8 +385,6 @@ def _run_forked(
 ):
     """One forked process per environment of `envs`, each running `script args` in `cwd`; see `run_2cpu` and
     `run_script`."""
-    import tempfile
-
     assert not stderr_apart or len(envs) == 1, "stderr_apart: one process"
     ctx = _context()
     cwd = cwd or os.getcwd()
