@@ -53,6 +53,7 @@ def server(tiny_model_path, tmp_path_factory):
         yield s
     finally:
         s.stop()
+        os.unlink(log_path)
 
 
 def _complete(server, timeout: float = 60.0) -> requests.Response:
