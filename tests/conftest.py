@@ -1,5 +1,7 @@
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 import suite_plan
@@ -21,8 +23,22 @@ if _WORKER and (os.cpu_count() or 1) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# vLLM names its engines' ZeroMQ sockets `$VLLM_RPC_BASE_PATH/<uuid>` (default: the temporary folder), and a process
+# that ends without closing them (a SIGKILLed server, a warm fork's `os._exit`) leaves the socket file behind: ~110 in
+# /tmp after each run of the suite. The session's go to one folder that the process which made it removes at the end;
+# the workers inherit it from the controller.
+_RPC_DIR = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    _RPC_DIR = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="grpo_test_rpc_")
+
+
 def pytest_configure(config):
     suite_plan.register_recorder(config)
+
+
+def pytest_unconfigure(config):
+    if _RPC_DIR is not None:
+        shutil.rmtree(_RPC_DIR, ignore_errors=True)
 
 
 _unfrozen = False  # whether something unfroze the heap since this worker froze it (`_unfreeze`)
