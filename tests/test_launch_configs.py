@@ -1,7 +1,7 @@
 """recipes/accelerate_configs: every config loads and names its launch command; the CPU variants run
-`recipes/demo.py` on 2 processes (gloo) for 2 steps: DDP, DeepSpeed ZeRO-2 and ZeRO-3. ZeRO-3's (the README's command)
-goes through `accelerate launch --config_file`; DDP's and ZeRO-2's ranks are forks of a warm interpreter given the
-environment accelerate's launch code makes of their config file (`warm_launch.config_file_env`).
+`recipes/demo.py` on 2 processes (gloo) for 2 steps: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (ZeRO-3's is the README's
+command), their ranks forks of a warm interpreter given the environment accelerate's launch code makes of their config
+file (`warm_launch.config_file_env`).
 
 FSDP2 has no CPU variant: accelerate enables FSDP only on accelerator process groups (MULTI_GPU, ...); with
 `use_cpu` its state is MULTI_CPU and the FSDP plugin is ignored, so a "CPU FSDP" run would silently be DDP. FSDP2's
@@ -75,33 +75,13 @@ DEMO_ARGS = ["--backend", "hf", "--max_steps", "2", "--per_device_train_batch_si
 DEMO_ARGS += ["--max_completion_length", "8"]
 
 
-def launch_demo(config: str, out: str, *extra: str, timeout: int = 420) -> str:
-    """`accelerate launch --config_file <config> recipes/demo.py` for 2 steps on the HF backend; returns stdout."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--main_process_port",
-        "0",  # a free port: another test may be launching beside this one (pytest-xdist)
-        "--config_file",
-        os.path.join(CONFIGS, f"{config}.yaml"),
-        os.path.join(ROOT, "recipes", "demo.py"),
-        "--output_dir",
-        out,
-        *DEMO_ARGS,
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
-
-
 def run_demo_forked(config: str, out: str) -> str:
-    """`launch_demo`'s run with its 2 ranks forked from the warm interpreter (`warm_launch.run_2cpu`), each given the
-    environment `accelerate launch --config_file <config>` gives its ranks, computed by accelerate's own code
-    (`warm_launch.config_file_env`): what the config makes of a run, without the launcher's start-up. The launcher
-    itself reads a config file in `test_deepspeed_cpu_config_trains_two_steps[3]` (the README's command)."""
+    """`accelerate launch --config_file <config> recipes/demo.py` for 2 steps on the HF backend, its 2 ranks forked
+    from the warm interpreter (`warm_launch.run_2cpu`), each given the environment `accelerate launch --config_file
+    <config>` gives its ranks, computed by accelerate's own code (`warm_launch.config_file_env`): what the config makes
+    of a run, without the launcher's start-up; returns the ranks' output. The launcher itself reads a config file in
+    `tests/test_multinode.py` (the shipped 2-machine config) and runs its agent in
+    `tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`."""
     from grpo_async.testing.warm_launch import config_file_env, run_2cpu
 
     launch_env = config_file_env(os.path.join(CONFIGS, f"{config}.yaml"))
@@ -133,12 +113,14 @@ def check_run(out: str, stdout: str, distributed_type: str) -> None:
 
 def test_config_file_env_is_what_the_launcher_gives_the_ranks():
     """`config_file_env` reads a config as `accelerate launch` does: the CPU DDP config gives the ranks what the
-    README's `--multi_gpu ... --mixed_precision no --dynamo_backend no` flags give them; ZeRO-2's, DeepSpeed's."""
+    README's `--multi_gpu ... --mixed_precision no --dynamo_backend no` flags give them; ZeRO-2's and ZeRO-3's,
+    DeepSpeed at their stage."""
     from grpo_async.testing.warm_launch import CPU_FLAGS, accelerate_env, config_file_env
 
     assert config_file_env(os.path.join(CONFIGS, "multi_cpu.yaml")) == accelerate_env(CPU_FLAGS)
-    zero2 = config_file_env(os.path.join(CONFIGS, "deepspeed_zero2_cpu.yaml"))
-    assert zero2["ACCELERATE_USE_DEEPSPEED"] == "true" and zero2["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2", zero2
+    for stage in (2, 3):
+        env = config_file_env(os.path.join(CONFIGS, f"deepspeed_zero{stage}_cpu.yaml"))
+        assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == str(stage), env
 
 
 @pytest.mark.multiprocess
@@ -153,8 +135,7 @@ def test_ddp_cpu_config_trains_two_steps(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_cpu_config_trains_two_steps(tmp_path, stage):
     out = str(tmp_path / "out")
-    launch = launch_demo if stage == 3 else run_demo_forked  # ZeRO-3's is the README's command: the real launcher
-    check_run(out, launch(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
+    check_run(out, run_demo_forked(f"deepspeed_zero{stage}_cpu", out), "DEEPSPEED")
 
 
 def _multi_node_flags() -> dict[str, list[str]]:

@@ -167,8 +167,8 @@ def test_two_cpu_processes_with_the_in_process_vllm_engine(tmp_path):
 
     Its ranks are forks of the warm interpreter (`warm_launch.run_2cpu`) with the environment accelerate's own launch
     code makes of the line's flags (`warm_launch.accelerate_env`), running the line's script with the line's arguments:
-    what the ranks do is the subject. The launcher itself starts for real in `test_launch_configs.py` (the README's
-    ZeRO-3 command) and `test_clean_exit.py::test_two_processes_agree_on_the_horizon` (its agent)."""
+    what the ranks do is the subject. The launcher itself starts for real in `test_multinode.py` (reading the shipped
+    2-machine config) and `test_clean_exit.py::test_two_processes_agree_on_the_horizon` (its agent)."""
     readme = next(c for c in readme_commands() if "--dynamo_backend no" in c and c.startswith("accelerate launch"))
     argv = shlex.split(readme)
     at = next(i for i, a in enumerate(argv) if a.endswith(".py"))  # accelerate launch FLAGS SCRIPT ARGS

@@ -45,13 +45,14 @@ finalization and the C library's `exit`, as a fresh `python script` does, so a t
 it (`terminate called without an active exception`) as it aborts a fresh interpreter
 (`tests/test_warm_launch.py` runs both); they save the ~8 CPU-s of imports each such process paid.
 
-What stays on the real launcher: the README's ZeRO-3 launch config (`tests/test_launch_configs.py`; its DDP and ZeRO-2
-configs run here, with the environment accelerate makes of them: `config_file_env`), `make demo`, multi-node
-(`tests/test_multinode.py`), `accelerate launch`'s own agent
+What stays on the real launcher: `make demo`, multi-node (`tests/test_multinode.py`: the launcher reads the shipped
+2-machine config), `accelerate launch`'s own agent
 (`tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`), and the servers whose start or stop is the
-subject (above). The other commands the documents show run here with what the line says
-(`tests/test_readme_commands.py`): the README's 2-process CPU command on ranks given the environment of its flags
-(`accelerate_env`), its two `grpo-async serve` lines as `python -m grpo_async.cli serve ...` with the line's arguments.
+subject (above). The other commands the documents show run here with what the line says: the README's 2-process CPU
+command on ranks given the environment of its flags (`accelerate_env`; `tests/test_readme_commands.py`), its ZeRO-3
+command (and the DDP and ZeRO-2 configs) on ranks given the environment accelerate makes of the config file
+(`config_file_env`; `tests/test_launch_configs.py`), its two `grpo-async serve` lines as `python -m grpo_async.cli
+serve ...` with the line's arguments.
 """
 
 from __future__ import annotations
