@@ -173,7 +173,8 @@ def test_two_cpu_processes_with_the_in_process_vllm_engine(tmp_path):
     argv = shlex.split(readme)
     at = next(i for i, a in enumerate(argv) if a.endswith(".py"))  # accelerate launch FLAGS SCRIPT ARGS
     flags, script, args = argv[2:at], argv[at], argv[at + 1 :]
-    assert flags == CPU_FLAGS, flags  # `run_2cpu`'s default launch: what the other 2-process tests run
+    # `run_2cpu`'s default launch, what the other 2-process tests run, is the README's
+    assert flags == CPU_FLAGS, f"the README's CPU launch flags changed: {flags}; update warm_launch.CPU_FLAGS"
     args[args.index("--output_dir") + 1] = str(tmp_path / "out-ddp")
     nprocs = int(flags[flags.index("--num_processes") + 1])
     proc = run_2cpu(
