@@ -59,6 +59,7 @@ BENCHES = [
     "stream_real.py",
     "vs_trl.py",
     "vs_trl_2proc.py",
+    "learning.py",  # 12 SmolLM2 runs: ~50-60 min
 ]
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
 

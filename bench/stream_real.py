@@ -104,12 +104,16 @@ def child(spec: dict) -> dict:
     holder["trainer"] = trainer
     max_tokens = args.max_completion_length
     model = trainer.accelerator.unwrap_model(trainer.model)
-    copies[0] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # scored like the others: a check
+    score_initial = spec.get("score_initial", True)  # False: a bench that scores the initial weights once elsewhere
+    if score_initial:
+        copies[0] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # scored like the others: a check
     # a server still holds what the previous run pushed last (a run publishes its version 0 only inside train()):
     # push the initial weights first (an in-process engine already has them; this builds it, outside the clock)
     trainer.sync_weights()
-    before, _ = real_math.greedy_accuracy(trainer, held_out, max_tokens)
-    print(f"[{args.async_mode}] greedy accuracy before training: {before:.3f}", flush=True)
+    before = None
+    if score_initial:
+        before, _ = real_math.greedy_accuracy(trainer, held_out, max_tokens)
+        print(f"[{args.async_mode}] greedy accuracy before training: {before:.3f}", flush=True)
     clock["t0"] = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - clock["t0"]
@@ -122,8 +126,9 @@ def child(spec: dict) -> dict:
         acc, _ = real_math.greedy_accuracy(trainer, held_out, max_tokens)
         curve.append({"step": step, "seconds": ends[step], "accuracy": acc})
         print(f"[{args.async_mode}] step {step:3d} at {ends[step]:7.1f} s: accuracy {acc:.3f}", flush=True)
-    reload_ok = curve[0]["accuracy"] == before  # the initial weights copied, loaded back, pushed: the same score
-    if not reload_ok:
+    # the initial weights copied, loaded back, pushed: the same score
+    reload_ok = curve[0]["accuracy"] == before if score_initial else None
+    if reload_ok is False:
         print(
             f"WARNING [{args.async_mode}] scoring path: the initial weights scored {before:.4f} directly but "
             f"{curve[0]['accuracy']:.4f} after a copy, load_state_dict and sync_weights",

@@ -519,6 +519,8 @@ def scheduler_settings(a: GRPOConfig):
     )
 
 
+        staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
+        staleness_policy=a.staleness_policy,
 class ProducerAttribute:
     """A trainer attribute (TRL's name: `reward_funcs`, ...) that reads and writes `trainer.producer.<name>`."""
 

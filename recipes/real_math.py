@@ -112,6 +112,13 @@ class RealMathArguments:
     eval_problems: int = field(
         default=128, metadata={"help": "Held-out problems for greedy accuracy before and after training."}
     )
+    eval_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the held-out problems (default: --seed + 1). Fixed, runs of different seeds are scored "
+            "on the same problems (`bench/learning.py`)."
+        },
+    )
 
 
 def real_math_defaults() -> dict:
@@ -162,7 +169,8 @@ def make_trainer(
         args.model_init_kwargs = {**model_args.model_init_kwargs(), **(args.model_init_kwargs or {})}
     else:
         model_path = build_smollm2()  # ~40 s the first time, cached afterwards
-    held_out = make_problems(script.eval_problems, seed=args.seed + 1)
+    eval_seed = args.seed + 1 if script.eval_seed is None else script.eval_seed
+    held_out = make_problems(script.eval_problems, seed=eval_seed)
     train = make_problems(script.train_problems, seed=args.seed, exclude=set(held_out))
     from datasets import Dataset
 

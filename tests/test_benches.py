@@ -32,6 +32,8 @@ SMOKE = {
     "streaming.py": [pytest.mark.vllm, pytest.mark.multiprocess],  # trainer processes (warm forks), one server
     # real_math.py's training on the tiny model, rounds then stream, each its own process (a warm fork), one server
     "stream_real.py": [pytest.mark.vllm, pytest.mark.slow],
+    # real_math.py's training on the tiny model in the 4 modes (sync, async, async2, stream), one server, warm forks
+    "learning.py": [pytest.mark.vllm, pytest.mark.slow],
     "vs_trl.py": [pytest.mark.vllm],
     # 2 processes × 4 trainers, two of them starting a vLLM engine per rank (warm forks): ~40 s alone
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
