@@ -46,6 +46,12 @@ VIOLATIONS = {
         "ref_server_url": "http://s:1/",
     },
     "staleness_needs_a_weight_sync": {"weight_sync_transport": "none", "max_staleness": 2},
+    "stream_pacing_fits_a_round": {  # one optimizer step a round: a stream round's groups lag at least 1
+        "async_mode": "stream",
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "max_staleness": 0,
+    },
     "eval_batch_holds_whole_groups": {"num_generations_eval": 3, "eval_strategy": "steps", "eval_steps": 1},
     "ref_sync_needs_beta": {"sync_ref_model": True},
     "ref_sync_needs_a_local_reference": {"sync_ref_model": True, "beta": 0.1, "ref_server_url": "http://ref:1"},

@@ -129,8 +129,9 @@ def test_importance_sampling_correction(tiny_model_path, tmp_path):
 
 def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_path, caplog):
     # 2 rounds ahead but max_staleness = 1 (one optimizer step per round here): round r ≥ 2 was sampled with the
-    # weights of round r − 2 and is trained at version r → dropped (loss mask zeroed, counted); rounds 0, 1 are not
-    args = _args(tmp_path, num_batches_ahead=2, max_staleness=1, max_steps=4)
+    # weights of round r − 2 and is trained at version r → dropped (loss mask zeroed, counted); rounds 0, 1 are not.
+    # staleness_policy="drop": the default, "pace", never generates those rounds that early (tests/test_pacing.py)
+    args = _args(tmp_path, num_batches_ahead=2, max_staleness=1, max_steps=4, staleness_policy="drop")
     t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     for b in t.seen:

@@ -93,6 +93,21 @@ class PipelineFields:
             "is no limit and it must stay unset.",
         },
     )
+    staleness_policy: Literal["pace", "drop"] = field(
+        default="pace",
+        metadata={
+            "help": "What max_staleness does when it is set (or, in rounds mode, its default). 'pace' (default): "
+            "the generator does not start a round (rounds mode) or a prompt group (stream mode) whose rows would "
+            "lag more than max_staleness versions when their round starts training; it waits for the trainer's "
+            "next weights instead (async/pace_wait_s), so rows are not generated only to be dropped. Only a group "
+            "already running can still go stale (a straggler overtaken by groups started after it): the drop "
+            "stays as a guard (async/dropped_stale). 'drop': generate as far ahead as num_batches_ahead / "
+            "max_inflight_groups allow and drop the stale rows when their round is trained. Default 'pace': "
+            "dropping discards the long completions (they are the ones that go stale), so the trained rows are "
+            "shorter than the generated ones (bench/streaming.py, 'staleness' rows of bench/RESULTS.md: trained "
+            "÷ generated mean length under both policies); pacing trains what it generates.",
+        },
+    )
     async_mode: Literal["rounds", "stream"] = field(
         default="rounds",
         metadata={

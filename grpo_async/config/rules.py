@@ -201,6 +201,22 @@ def _staleness_needs_a_weight_sync(c) -> str | None:
     )
 
 
+def _stream_pacing_fits_a_round(c) -> str | None:
+    if c.async_mode != "stream" or c.staleness_policy != "pace" or c.max_staleness is None:
+        return None
+    spr = -(-c.steps_per_generation * c.num_iterations // c.gradient_accumulation_steps)  # ceil(steps_per_round)
+    if c.max_staleness >= spr:
+        return None
+    return (
+        f"is {c.max_staleness} with async_mode='stream' and staleness_policy='pace', below the {spr} optimizer "
+        "step(s) of one round (ceil(steps_per_generation × num_iterations / gradient_accumulation_steps)): stream "
+        "mode always generates ahead, so a round's groups start on the weights of the round before it at the newest "
+        "and lag at least that much; pacing could start none "
+        f"of them in time (each would be started late and dropped). Set max_staleness >= {spr}, or "
+        "staleness_policy='drop'"
+    )
+
+
 def _stream_needs_a_streaming_backend(c) -> str | None:
     if c.async_mode != "stream" or c.generation_backend in STREAMING_BACKENDS:
         return None
@@ -391,6 +407,11 @@ RULES: tuple[Rule, ...] = (
         "staleness_needs_a_weight_sync",
         ("max_staleness", "generation_backend", "weight_sync_transport"),
         _staleness_needs_a_weight_sync,
+    ),
+    Rule(
+        "stream_pacing_fits_a_round",
+        ("max_staleness", "staleness_policy", "async_mode", "steps_per_generation", "gradient_accumulation_steps"),
+        _stream_pacing_fits_a_round,
     ),
     Rule(
         "eval_batch_holds_whole_groups",

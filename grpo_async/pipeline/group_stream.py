@@ -28,6 +28,38 @@ A publish that must not run under generating groups (no in-flight updates) holds
 starts, the running ones finish, the weights load, the stream goes on. With in-flight updates the engine loads between
 two steps instead and every token records its version (`generation/engine_loop.py`).
 
+Staleness pacing (`pacer`, `staleness_policy="pace"` with a limit M; the clock is the scheduler's
+`StalenessPacer`): a worker does not start the next group if the round it would be trained in would make its rows
+lag more than M policy versions; it waits for the trainer's next weights instead. What is knowable when a group
+starts:
+
+- its version v: the weights the sampler holds now, `published` (a group starts on them; with in-flight updates its
+  first token may be sampled on newer ones: v only grows, so the bound errs on the safe side);
+- its turn: rounds take groups in order of readiness, `R / G` each. The groups ready and those running were started
+  before it; if they finish first it is trained in round `j = next + ⌊(ready + running) / (R / G)⌋`, `next` the next
+  round to assemble. It is trained earlier only if it overtakes a running straggler (then fresher), later only if
+  it straggles itself;
+- the step round j starts training at, s_j (the trainer's clock: `StalenessPacer.step_at`).
+
+It starts iff `s_j − v ≤ M`. Worked example (G = 4, R = 16: 4 groups a round, one optimizer step per round, M = 1,
+num_batches_ahead = 1 so 8 groups in flight; group a is 10× longer than the others):
+
+```txt
+step 0, v0 published, next = 0: groups a b c d (round 0), e f g h (round 1) start: turns 0, 0, 0, 0, 1, 1, 1, 1;
+       round 2's groups: ready + running = 8 → j = 2, s_2 − v0 = 2 > 1: held (the generator waits)
+round 0 = [b c d e] (ready first) trains; next = 1, ready f g h + running a = 4 → j = 2: still held
+step 1: round 1 waits for a (the trainer waits for the straggler) = [f g h a], staleness 1 − 0 = 1: trained;
+       v1 published → j = 2, s_2 − v1 = 1: round 2's groups start        drop policy: they started at step 0 on
+                                                                          v0; a lands in round 2: 2 − 0 > 1, dropped
+```
+Only starts are paced: a group already running when it becomes a straggler (with in-flight weight updates, or when
+groups started after it on the same weights fill its round) can still lag more than M; the consumer's guard drops
+its rows and counts them (`async/dropped_stale`). Never a deadlock: when the trainer waits (`get`) for the round a
+held group would be trained in, no newer weights can come before that round is ready, so the group starts anyway
+(a warning says its rows will be dropped: only a max_staleness below one round's steps does this); and no group is
+held longer than `generation_timeout`. `pace_seconds` counts the wall time a start was held back
+(`async/pace_wait_s`).
+
 Same bounded waits, error propagation and shutdown as `RoundQueue` (`job_queue.py`): `get`, `submit` and `held` wait
 at most `generation_timeout`; a failed group fails the round that takes it (`RuntimeError("Async generation failed:
 ...")` chained from the error); `stop` interrupts the running groups (`interrupt`: the producer's abort) and joins
@@ -77,6 +109,8 @@ class GroupStream:
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
         name (`str`, *optional*): thread-name prefix, also the prefix of log lines.
         interrupt (`Callable[[], None]`, *optional*): called by `stop` while groups run (the producer's abort).
+        pacer (`StalenessPacer`, *optional*): staleness pacing (`scheduler.StalenessPacer`, the trainer's clock);
+            `None`: groups start whenever a worker is free.
     """
 
     def __init__(
@@ -90,6 +124,7 @@ class GroupStream:
         generation_timeout: float = 600.0,
         name: str = "grpo-async-stream",
         interrupt: Callable[[], None] | None = None,
+        pacer=None,
     ):
         if not isinstance(max_inflight_groups, int) or max_inflight_groups < 1:
             raise ValueError(f"GroupStream: max_inflight_groups must be an int >= 1, got {max_inflight_groups!r}")
@@ -121,6 +156,11 @@ class GroupStream:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fatal: BaseException | None = None
+        self.pacer = pacer
+        self._wanted: int | None = None  # the round the trainer waits for in `get` (pacing never holds its groups)
+        self._pace_since: float | None = None  # perf_counter() since which a start is held back
+        self._pace_total = 0.0  # seconds starts were held back, holds that ended
+        self._forced: int | None = None  # the last round whose groups started despite the pacer (warned once)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> GroupStream:
@@ -222,15 +262,20 @@ class GroupStream:
             need = self._groups_per_round
             if need is None:
                 raise KeyError(f"get({round_id}): nothing was submitted")
-            self._wait(
-                lambda: len(self._ready) >= need,
-                deadline,
-                lambda: (
-                    f"Async generation timed out: round {round_id}: {len(self._ready)} of {need} groups ready after "
-                    f"{timeout:.1f}s ({self._running} running, {len(self._waiting)} waiting); raise "
-                    "`async_generation_timeout` if groups are slow"
-                ),
-            )
+            self._wanted = round_id
+            self._cond.notify_all()  # a worker held by the pacer re-checks: the trainer now waits for this round
+            try:
+                self._wait(
+                    lambda: len(self._ready) >= need,
+                    deadline,
+                    lambda: (
+                        f"Async generation timed out: round {round_id}: {len(self._ready)} of {need} groups ready "
+                        f"after {timeout:.1f}s ({self._running} running, {len(self._waiting)} waiting); raise "
+                        "`async_generation_timeout` if groups are slow"
+                    ),
+                )
+            finally:
+                self._wanted = None
             taken = [self._ready.popleft() for _ in range(need)]
             self._last_round = round_id
             now, since = time.perf_counter(), self._last_take
@@ -302,6 +347,77 @@ class GroupStream:
             since = self._busy_since
             return self._busy + (time.perf_counter() - since if since is not None else 0.0)
 
+    def wake(self) -> None:
+        """The pacer's clock moved (the trainer's new weights): held workers check again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def pace_seconds(self) -> float:
+        """Wall seconds during which a group was waiting, a worker free and the pacer refused its start, counted up
+        to now."""
+        with self._cond:
+            since = self._pace_since
+            return self._pace_total + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _pace_refuses(self) -> bool:
+        """With `_cond` held and a group waiting: whether the pacer holds its start back (the module docstring)."""
+        pacer = self.pacer
+        clock = pacer.clock if pacer is not None else None
+        if clock is None or not self._groups_per_round:
+            return False
+        nxt = clock.next_round if self._last_round is None else max(clock.next_round, self._last_round + 1)
+        turn = nxt + (len(self._ready) + self._running) // self._groups_per_round
+        if pacer.allows(turn):
+            return False
+        lag = pacer.lag(turn)
+        if self._wanted is not None and turn <= self._wanted:  # the trainer cannot move before this round: start
+            if self._forced != turn:
+                self._forced = turn
+                logger.warning(
+                    "[%s] pacing: the trainer waits for round %d, whose next group would lag %d policy versions "
+                    "(max_staleness %d, weights v%d); started anyway (the consumer drops the rows beyond the limit)",
+                    self.name,
+                    turn,
+                    lag,
+                    pacer.limit,
+                    clock.published,
+                )
+            return False
+        now = time.perf_counter()
+        if self._pace_since is None:
+            logger.info(
+                "[%s] pacing: holding the groups of round %d: trained in round %d at step %d they would lag %d "
+                "policy versions behind the weights they would start on (v%d; max_staleness %d)",
+                self.name,
+                self._waiting[0].round_id,
+                turn,
+                pacer.step_at(turn, clock),
+                lag,
+                clock.published,
+                pacer.limit,
+            )
+            self._pace_since = now
+        elif now - self._pace_since > self.generation_timeout:  # bounded: start rather than wait any longer
+            logger.warning(
+                "[%s] pacing: a group held for %.1fs (async_generation_timeout); started anyway (lag %d > "
+                "max_staleness %d: the consumer drops its rows)",
+                self.name,
+                now - self._pace_since,
+                lag,
+                pacer.limit,
+            )
+            return False
+        return True
+
+    def _end_pacing(self) -> None:
+        """With `_cond` held: no start is held back (any more)."""
+        if self._pace_since is not None:
+            held = time.perf_counter() - self._pace_since
+            self._pace_total += held
+            self._pace_since = None
+            clock = self.pacer.clock
+            logger.info("[%s] pacing: released after %.3fs (weights v%d)", self.name, held, clock.published)
+
     def _held_groups(self) -> int:
         return len(self._waiting) + self._running + len(self._ready)
 
@@ -313,10 +429,13 @@ class GroupStream:
         try:
             while True:
                 with self._cond:
-                    while not self._stop.is_set() and (self._held or not self._waiting):
+                    while not self._stop.is_set() and (self._held or not self._waiting or self._pace_refuses()):
+                        if not self._waiting:  # nothing held back (a publish's hold keeps a pacing hold on)
+                            self._end_pacing()
                         self._cond.wait(0.5)
                     if self._stop.is_set():
                         return
+                    self._end_pacing()
                     request = self._waiting.popleft()
                     start = time.perf_counter()
                     if self._running == 0:

@@ -30,6 +30,21 @@ gathers of `_submit` stay matched.
 
 Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
 
+Staleness pacing (`staleness_policy="pace"`, with a staleness limit `M`: `GRPOConfig.staleness_limit`): the generator
+does not start work whose rows would lag more than `M` policy versions when their round starts training; it waits for
+the trainer's next weights instead ([`StalenessPacer`] holds the clock). Rounds mode paces here, at submission: round
+`j` submitted at the boundary of round `r` is generated from the weights published there, `s_r` (a publish waits until
+no round runs, so a round never starts on other weights), and trained from `s_j`; it is submitted only if
+`s_j − s_r ≤ M`, else at a later boundary (at the latest at its own, synchronously: staleness 0), so rounds mode never
+drops a row under pacing and cannot deadlock (the round the trainer waits for is always submitted):
+
+```txt
+num_batches_ahead = 2, one optimizer step per round, M = 1
+boundary 0 (s = 0): submit r0, r1 (s_1 − 0 = 1 ≤ 1); r2 held (s_2 − 0 = 2 > 1)   drop policy: r2 submitted here,
+boundary 1 (s = 1): submit r2 (2 − 1 = 1); r3 held                                  trained at 2 from v0: dropped
+```
+Stream mode paces each prompt group's start (`GroupStream`: its docstring works the bound out).
+
 Two ways to spread a round over N processes:
 
 ```txt
@@ -80,6 +95,68 @@ class SchedulerSettings:
     async_mode: str = "rounds"  # "rounds": RoundQueue, a round at a time; "stream": GroupStream, group by group
     num_generations: int = 1  # G (stream mode splits requests into prompt groups)
     max_inflight_groups: int = 1  # stream mode: groups generating or being scored at once
+    staleness_limit: int | None = None  # policy versions a trained row may lag (`GRPOConfig.staleness_limit`)
+    staleness_policy: str = "drop"  # "pace": hold back starts that would exceed the limit; "drop": the consumer drops
+
+
+@dataclass(frozen=True)
+class PaceClock:
+    """The trainer's clock as the pacer last saw it (replaced whole at each round boundary: readers in other threads
+    see one consistent snapshot)."""
+
+    round: int  # the round that started training at `step` (the anchor)
+    next_round: int  # the next round the generator assembles (the anchor, or later if it was fetched already)
+    step: int  # its policy version: `Trainer.state.global_step` when it started
+    micro_step: int  # its first epoch micro-step
+    published: int  # the version the sampler holds (published at that boundary)
+
+
+class StalenessPacer:
+    """The staleness clock of the pipeline: which rows may start generating now without lagging more than `limit`
+    policy versions when their round starts training.
+
+    One owner: the scheduler (trainer thread) `advance`s it at every round boundary, after the publish, with the
+    trainer's own step (`Trainer.state.global_step`, the policy version) and the version the sampler now holds; the
+    generator threads only read it (`lag`, `allows`).
+
+    The step round `j` starts training at is known from the anchor round `r` (started at step `s_r`, epoch
+    micro-step `m_r`): a round is `E = steps_per_generation × num_iterations` micro-steps, an optimizer step ends
+    every `GA` micro-steps, so `s_j = s_r + ⌊(m_r + (j − r)·E) / GA⌋ − ⌊m_r / GA⌋`. Exact within an epoch; across
+    an epoch's end a shorter last accumulation window is one step more than this counts (the bound is then one
+    version permissive; the consumer's drop guard catches what that makes stale).
+
+    Args:
+        limit (`int`): most policy versions a row may lag when its round starts training.
+        micro_steps_per_round (`int`): E.
+        gradient_accumulation_steps (`int`): GA.
+    """
+
+    def __init__(self, limit: int, micro_steps_per_round: int, gradient_accumulation_steps: int):
+        self.limit = limit
+        self.E, self.GA = micro_steps_per_round, gradient_accumulation_steps
+        self.clock: PaceClock | None = None  # None until the first boundary: nothing is generated before it
+
+    def advance(self, round_id: int, next_round: int, step: int, micro_step: int, published: int) -> None:
+        """Round `round_id` starts training at `step` (epoch micro-step `micro_step`); the sampler holds `published`;
+        the generator's next round to assemble is `next_round`."""
+        self.clock = PaceClock(round_id, next_round, step, micro_step, published)
+
+    def step_at(self, round_id: int, clock: PaceClock | None = None) -> int:
+        """The policy version round `round_id` (≥ the anchor) starts training at."""
+        c = clock or self.clock
+        m = c.micro_step
+        return c.step + (m + (round_id - c.round) * self.E) // self.GA - m // self.GA
+
+    def lag(self, round_id: int) -> int:
+        """Policy versions rows started now would lag when trained in round `round_id`: `s_j − published` (rows
+        started now sample from `published` or newer weights, so this is their staleness at most)."""
+        c = self.clock
+        return self.step_at(round_id, c) - c.published
+
+    def allows(self, round_id: int) -> bool:
+        """Whether rows started now may be trained in round `round_id` within the limit (always, before the first
+        boundary)."""
+        return self.clock is None or self.lag(round_id) <= self.limit
 
 
 class RoundScheduler:
@@ -146,6 +223,15 @@ class RoundScheduler:
         # or restored from a checkpoint, on every rank alike
         self._joined: dict[int, Round | BaseException] = {}
         self._busy_mark = (0.0, 0.0)  # (perf_counter(), generator.busy_seconds()) at the previous fetch
+        # staleness pacing (`staleness_policy="pace"` with a limit): the clock, and the time starts were held back
+        self.pacer: StalenessPacer | None = None
+        if settings.staleness_policy == "pace" and settings.staleness_limit is not None:
+            self.pacer = StalenessPacer(
+                settings.staleness_limit, self.generate_every, settings.gradient_accumulation_steps
+            )
+        self._pace_hold: tuple[int, float, float] | None = None  # rounds mode: (round held, perf_counter, busy s)
+        self._pace_waited = 0.0  # rounds mode: generator seconds idle while a round was held, not yet logged
+        self._pace_mark = 0.0  # stream mode: `GroupStream.pace_seconds()` at the previous fetch
 
     @property
     def generates(self) -> bool:
@@ -244,6 +330,7 @@ class RoundScheduler:
             if not busy:
                 self.producer.resume()  # the backend serves again (evaluation, the next train())
         self._window.reset()  # the next `train()` opens a new one
+        self._pace_hold, self._pace_waited = None, 0.0
         self.submitted.clear()
         self._ready.clear()
         self._joined.clear()
@@ -340,12 +427,28 @@ class RoundScheduler:
             self.generator = self._start_generator()
         rnd = self._fetch() if self.round in self.submitted else None
         self.publish(policy, version)  # the weights of this step, for the rounds submitted next
+        if self.pacer is not None:
+            self._advance_clock(version, fetched=rnd is not None)
         self._submit(generation_batch)
         if rnd is None:
             rnd = self._fetch()
         self.submitted.discard(self.round)
         self.round += 1
         return self.consumer(rnd, version)
+
+    def _advance_clock(self, version: int, fetched: bool) -> None:
+        """The pacer's clock at this boundary: round `self.round` starts training at `version` (its first epoch
+        micro-step), the sampler holds the version just published; the generator next assembles the first round
+        after it (this one if not `fetched` yet) that is not already held whole (restored from a checkpoint, or
+        assembled early for one)."""
+        nxt = self.round + 1 if fetched else self.round
+        while nxt in self._ready or nxt in self._joined:
+            nxt += 1
+        published = self.publisher.published if self.publisher.published is not None else version
+        first = self._epoch_call - self._epoch_call % self.generate_every
+        self.pacer.advance(self.round, nxt, version, first, published)
+        if isinstance(self.generator, GroupStream):
+            self.generator.wake()  # held groups check the new clock
 
     def _start_generator(self) -> RoundQueue | GroupStream:
         """The job queue of this `train()`: rounds (`RoundQueue`) or prompt groups (`GroupStream`, stream mode: the
@@ -362,8 +465,10 @@ class RoundScheduler:
                 max_queue_size=self.s.max_queue_size,
                 generation_timeout=self.s.generation_timeout,
                 interrupt=self.producer.abort,
+                pacer=self.pacer,
             )
             self._busy_mark = (time.perf_counter(), 0.0)
+            self._pace_mark = 0.0
             return stream.start()
         queue = RoundQueue(
             self.producer,
@@ -388,11 +493,15 @@ class RoundScheduler:
         todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
         horizon = self.horizon()
         first = self._epoch_call - self._epoch_call % self.generate_every  # this round's first epoch micro-step
+        held = None
         for j in range(1, self.s.rounds_ahead + 1):
             if self.round + j in self.submitted:
                 continue
             start = first + j * self.generate_every  # the epoch micro-step round + j starts at
             if start >= horizon:  # past the last step: never trained, so never generated
+                break
+            if self._paces_rounds and not self.pacer.allows(self.round + j):  # too stale by its turn: later
+                held = self.round + j
                 break
             future = self.loader.batch_at(start) if self.loader else None
             if future is None:  # end of the epoch: that round is generated when its epoch starts
@@ -411,6 +520,53 @@ class RoundScheduler:
                     self.generator.submit(request)
                 finally:
                     self._add_wait(time.perf_counter() - start)
+        if self._paces_rounds:
+            self._hold_round(held)
+
+    @property
+    def _paces_rounds(self) -> bool:
+        """Rounds mode paces whole rounds here, at submission (stream mode paces groups in `GroupStream`)."""
+        return self.pacer is not None and self.s.async_mode != "stream"
+
+    def _hold_round(self, round_id: int | None) -> None:
+        """Rounds mode: round `round_id` was held back at this boundary (`None`: none was). Counts the generator's
+        idle seconds while a round is held (wall time minus its busy seconds), for `async/pace_wait_s`."""
+        self._flush_pace_hold()
+        if round_id is None or self.generator is None:
+            self._pace_hold = None
+            return
+        if self._pace_hold is None or self._pace_hold[0] != round_id:
+            c = self.pacer.clock
+            logger.info(
+                "pacing: round %d held back at step %d: generated now (weights v%d) it would start training at "
+                "step %d, %d versions later (max_staleness %d); it is submitted at a later round boundary",
+                round_id,
+                c.step,
+                c.published,
+                self.pacer.step_at(round_id),
+                self.pacer.lag(round_id),
+                self.pacer.limit,
+            )
+            self._pace_hold = (round_id, time.perf_counter(), self.generator.busy_seconds())
+
+    def _flush_pace_hold(self) -> None:
+        if self._pace_hold is not None and self.generator is not None:
+            round_id, then, busy_then = self._pace_hold
+            now, busy = time.perf_counter(), self.generator.busy_seconds()
+            self._pace_waited += max(0.0, (now - then) - (busy - busy_then))
+            self._pace_hold = (round_id, now, busy)
+
+    def _take_pace_wait(self) -> float:
+        """Seconds the generator was held back by pacing since the previous call: stream mode, wall seconds with a
+        group waiting, a worker free and its start refused (`GroupStream.pace_seconds`); rounds mode, the
+        generator's idle seconds while a round was held back."""
+        if isinstance(self.generator, GroupStream):
+            total = self.generator.pace_seconds()
+            waited, self._pace_mark = total - self._pace_mark, total
+            return waited
+        self._flush_pace_hold()
+        waited, self._pace_waited = self._pace_waited, 0.0
+        return waited
 
     def _fetch(self) -> Round:
         """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
@@ -453,5 +609,7 @@ class RoundScheduler:
             (then, busy_then), self._busy_mark = self._busy_mark, (now, busy)
             if now > then:  # share of the wall time since the previous fetch the generator had work
                 self.log("async/engine_busy", min(1.0, (busy - busy_then) / (now - then)))
+            if self.pacer is not None:
+                self.log("async/pace_wait_s", self._take_pace_wait())
         self.last_samples = rnd.samples
         return rnd
