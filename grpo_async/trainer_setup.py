@@ -516,11 +516,11 @@ def scheduler_settings(a: GRPOConfig):
         async_mode=a.async_mode,
         num_generations=a.num_generations,
         max_inflight_groups=a.max_inflight_groups,
+        staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
+        staleness_policy=a.staleness_policy,
     )
 
 
-        staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
-        staleness_policy=a.staleness_policy,
 class ProducerAttribute:
     """A trainer attribute (TRL's name: `reward_funcs`, ...) that reads and writes `trainer.producer.<name>`."""
 
