@@ -451,6 +451,7 @@ def eval_chunk_prompts(a: GRPOConfig) -> int:
 
 
 def consumer_settings(a: GRPOConfig):
+    from .algo.sampling_support import TruncationFilter
     from .pipeline.consumer import ConsumerSettings
 
     return ConsumerSettings(
@@ -465,6 +466,8 @@ def consumer_settings(a: GRPOConfig):
         seed=a.seed,  # the shuffle within a round: its own generator, whatever else draws from torch's global RNG
         token_budget=a.token_budget,  # algo/token_budget.py
         keep_groups=keep_groups_together(a),  # the training forward shares each group's prompt
+        support_replay=a.importance_sampling_support_replay,
+        truncation=TruncationFilter(top_k=a.top_k or 0, top_p=a.top_p, min_p=a.min_p or 0.0),  # servers' rows
     )
 
 

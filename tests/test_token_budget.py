@@ -140,7 +140,8 @@ def _consumer(settings_budget, scorer, logged, steps_per_generation=1, old_size=
         token_budget=settings_budget,
     )
     log = lambda k, v: logged.setdefault(k, []).append(v)  # noqa: E731
-    return RoundConsumer(settings, collectives=SingleProcess(), old_logps=scorer, ref_logps=scorer, log=log)
+    old = lambda ids, mask, T, support: (scorer(ids, mask, T), None)  # noqa: E731 - no kept sets: nothing was cut
+    return RoundConsumer(settings, collectives=SingleProcess(), old_logps=old, ref_logps=scorer, log=log)
 
 
 def test_every_forward_pass_holds_at_most_the_budget_positions(trainer):

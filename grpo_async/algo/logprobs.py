@@ -12,6 +12,7 @@ import torch
 from .logits import entropy_from_logits, selective_log_softmax
 from .packing import pack_rows, packed_token_scores, unpack_completion
 from .prefix_sharing import SharingCost, pack_shared, sharing_cost, sharing_supported
+from .sampling_support import log_kept_mass
 
 
 @dataclass
@@ -23,11 +24,14 @@ class TokenScores:
         entropies (`[B, T]` float32, *optional*): entropy of each completion position's next-token distribution
             (temperature applied), 0 at padded positions; differentiable when asked for with `entropy_grad`.
         aux_loss (`[]`, *optional*): the MoE load-balancing loss over the real tokens (mean over chunks).
+        log_kept_mass (`[B, T]` float32, *optional*): log of π's mass on the sampler's kept set at each position
+            (`algo.sampling_support`; 0 where nothing was cut), when `score_tokens` was given a `support`.
     """
 
     logps: torch.Tensor
     entropies: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    log_kept_mass: torch.Tensor | None = None
 
 
 def score_tokens(
@@ -43,6 +47,7 @@ def score_tokens(
     router: tuple[int, int] | None = None,
     share_prefix: bool | SharingCost = False,
     max_positions: int | None = None,
+    support=None,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
     optionally each position's entropy and the MoE load-balancing loss.
@@ -61,6 +66,8 @@ def score_tokens(
             (`algo.prefix_sharing`) where the cost model says it is cheaper; same values as unshared. Falls back to
             unshared rows, with one warning, where the model cannot do it exactly. A `SharingCost` instead of
             `True` replaces the model's cost model (benchmarks: force one tree per group).
+        support (*optional*): the sampler's kept sets `[B, T, K]` (`MicroBatch.sampling_mask`) or a
+            `TruncationFilter`: also return `log_kept_mass` (no gradient), π's log-mass on them.
         max_positions (`int`, *optional*): with `padding_free`, the most token positions (filler included) a
             chunk's packed `[K, W]` may hold (`GRPOConfig.token_budget`; `algo.packing.fit_bins`). The chunk's real
             tokens must fit in it; the padded path ignores it.
@@ -69,20 +76,25 @@ def score_tokens(
     cost = None
     if share_prefix and sharing_supported(model, router):
         cost = share_prefix if isinstance(share_prefix, SharingCost) else sharing_cost(model)
-    logps, entropies, aux = [], [], []
+    logps, entropies, aux, kept = [], [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         ids = input_ids[start : start + batch_size]  # [b, P+T]
         am = attention_mask[start : start + batch_size]  # [b, P+T]
+        sets = support[start : start + batch_size] if isinstance(support, torch.Tensor) else support  # [b, T, K]
         packed = None
         if cost is not None:
             packed = pack_shared(ids, am, logits_to_keep, cost, padding_free, max_positions)
         if packed is None and padding_free:
             packed = pack_rows(ids, am, logits_to_keep, max_positions=max_positions)
         if packed is not None:
-            lp, ent, aux_loss = packed_token_scores(model, packed, temperature, entropy, entropy_grad, router)
+            lp, ent, aux_loss, mass = packed_token_scores(
+                model, packed, temperature, entropy, entropy_grad, router, support=sets
+            )
             logps.append(unpack_completion(lp, packed))  # [b, T]
             if ent is not None:
                 entropies.append(unpack_completion(ent, packed))  # [b, T]
+            if mass is not None:
+                kept.append(unpack_completion(mass, packed))  # [b, T]
             aux.append(aux_loss)
             continue
         # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
@@ -97,11 +109,17 @@ def score_tokens(
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy_from_logits(raw, temperature)  # [b, T]
             entropies.append(ent.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))
+        if support is not None:
+            flat = (raw / temperature).detach().reshape(-1, raw.size(-1))  # [b·T, V]
+            per_pos = sets.reshape(-1, sets.size(-1)) if isinstance(sets, torch.Tensor) else sets  # [b·T, K]
+            mass = log_kept_mass(flat, per_pos).view(raw.shape[:2])  # [b, T]
+            kept.append(mass.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))
         aux.append(out.aux_loss if router is not None else None)
     return TokenScores(
         logps=torch.cat(logps, dim=0),  # [B, T]
         entropies=torch.cat(entropies, dim=0) if entropy else None,  # [B, T]
         aux_loss=torch.stack(aux).mean() if router is not None else None,
+        log_kept_mass=torch.cat(kept, dim=0) if support is not None else None,  # [B, T]
     )
 
 
@@ -154,12 +172,21 @@ class LogpsScorer:
         self.share_prefix = share_prefix
         self.max_positions = max_positions  # GRPOConfig.token_budget: positions of a packed pass, filler included
 
-    @torch.no_grad()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+        return self.scores(ids, mask, T)[0]  # [b, T]
+
+    @torch.no_grad()
+    def scores(
+        self, ids: torch.Tensor, mask: torch.Tensor, T: int, support=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(logps [b, T], log_kept_mass [b, T] or None)` on CPU: with `support` (the sampler's kept sets `[b, T, K]`
+        or a `TruncationFilter`) also the model's log-mass on them, from the same forward pass."""
         import contextlib
 
+        if isinstance(support, torch.Tensor):
+            support = support.to(self.device)
         with self.context() if self.context is not None else contextlib.nullcontext():
-            logps = completion_logps(
+            out = score_tokens(
                 self.model(),
                 ids.to(self.device),
                 mask.to(self.device),
@@ -168,5 +195,7 @@ class LogpsScorer:
                 padding_free=self.padding_free,
                 share_prefix=self.share_prefix,
                 max_positions=self.max_positions,
+                support=support,
             )
-        return logps.cpu()  # [b, T]
+        mass = None if out.log_kept_mass is None else out.log_kept_mass.cpu()
+        return out.logps.cpu(), mass  # [b, T], [b, T]

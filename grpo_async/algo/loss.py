@@ -407,3 +407,17 @@ def importance_sampling_weights(
     diff = torch.nan_to_num(diff, nan=0.0)
     level, bound = IS_MODES[mode]
     return bound(torch.exp(level(diff)), clip_min, clip_max), diff
+
+
+def importance_sampling_outside(
+    diff: torch.Tensor, mode: str, clip_min: float | None = None, clip_max: float | None = 3.0
+) -> torch.Tensor:
+    """Where the importance ratio of `diff` (`importance_sampling_weights`' second output `[B, T]`) falls outside
+    `[clip_min, clip_max]`: the tokens (`[B, T]`) or completions (`[B, 1]`) that `*_mask` modes zero and
+    `*_truncate` modes clip. Example: d = [[0.1, 0.2]], clip_max = 1.2 → token modes [[False, False]], sequence
+    modes [[True]] (exp(0.3) = 1.35)."""
+    level, _ = IS_MODES[mode]
+    ratio = torch.exp(level(diff))  # [B, T] or [B, 1]
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return (ratio < low) | (ratio > high)

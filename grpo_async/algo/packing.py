@@ -221,10 +221,13 @@ def packed_token_scores(
     entropy: bool = False,
     entropy_grad: bool = False,
     router: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    support=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Log π(completion token | its row's prefix) for the `N` completion tokens of a packed batch `[N]`, their
-    entropies `[N]` (float32, with `entropy`; differentiable with `entropy_grad`) and, with `router =
-    (num_experts, top_k)`, the MoE load-balancing loss `[]` over the real tokens (filler left out)."""
+    entropies `[N]` (float32, with `entropy`; differentiable with `entropy_grad`), with `router =
+    (num_experts, top_k)` the MoE load-balancing loss `[]` over the real tokens (filler left out), and with `support`
+    (the sampler's sets `[B, T, K]` of the unpacked rows, or a `TruncationFilter`) the log of π's mass on them `[N]`
+    (`algo.sampling_support.log_kept_mass`)."""
     device = packed.input_ids.device
     mask = None  # None + restarting position ids: transformers builds the block-diagonal mask
     if packed.attention is not None:  # a custom mask: [K, 1, W, W], as the model's attention implementation takes it
@@ -250,7 +253,13 @@ def packed_token_scores(
 
         num_experts, top_k = router
         aux_loss = load_balancing_loss_func(out.router_logits, num_experts, top_k, packed.real.to(device))
-    return logps, entropies, aux_loss
+    kept = None
+    if support is not None:
+        from .sampling_support import log_kept_mass
+
+        sets = support if not isinstance(support, torch.Tensor) else support[packed.rows, packed.cols]  # [N, K]
+        kept = log_kept_mass((raw / temperature).detach(), sets)  # [N]
+    return logps, entropies, aux_loss, kept
 
 
 def attention_mask_4d(allowed: torch.Tensor, model) -> torch.Tensor:

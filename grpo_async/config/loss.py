@@ -91,6 +91,18 @@ class LossFields:
             "vllm_importance_sampling_clip_max.",
         },
     )
+    importance_sampling_support_replay: bool = field(
+        default=True,
+        metadata={
+            "help": "Where top_k / top_p / min_p (or a suppressed token) cut the sampler's vocabulary, its log-probs "
+            "are normalised over the tokens it kept and the trainer's over all of them, which biases the IS ratio by "
+            "the kept mass (top_p=0.8: a ratio mean of 0.24 with identical weights). True: the ratio compares the "
+            "sampler with π_old renormalised over the sampler's kept set at each position (the sets the hf and "
+            "in-process vLLM backends record; for servers, which cannot report them, the same top_k / top_p / "
+            "min_p filter applied to π_old, with a warning; metric sampling/support_exact). False: full-vocabulary "
+            "π_old, TRL 1.16's behaviour.",
+        },
+    )
     use_bias_correction_kl: bool = field(
         default=True,
         metadata={

@@ -93,6 +93,10 @@ class Completion:
     #: per token (the in-process vLLM engine loop loads weights between two steps of a running request); None: the
     #: version the backend held when the call started, for every token
     versions: list[int] | None = None
+    #: `sampling_mask[i]`: the set the sampler drew `completion_ids[i]` from where it cut the vocabulary (top-k,
+    #: top-p, min-p, suppressed tokens), encoded by `algo.sampling_support.encode_support`; `None` at a position with
+    #: no cut. The whole list `None`: the backend cannot tell (the trainer then applies the sampler's filter itself)
+    sampling_mask: list[list[int] | None] | None = None
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from ..algo.sampling_support import encode_support
 from .base import Completion, GenerationAborted, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,15 @@ class SeededSampling:
     records its log-probability, and returns scores that keep only that token, so greedy selection takes it.
 
     `logps` holds one `[b]` tensor per step: the sampled token's log-probability under the warped distribution (what
-    `output_scores` would give), so the scores need not be kept.
+    `output_scores` would give), so the scores need not be kept; `kept` one list per step: each row's kept set
+    (`algo.sampling_support.encode_support`, `None` where nothing was cut).
     """
 
     def __init__(self, warpers, seeds: list[int]):
         self.warpers = warpers
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         self.logps: list[torch.Tensor] = []
+        self.kept: list[list[list[int] | None]] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.generators):
@@ -77,6 +80,7 @@ class SeededSampling:
         target = ((1.0 - u).to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # [b, 1] in (0, total]: never a 0-prob token
         tokens = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1)  # [b, 1]
         self.logps.append(logp.gather(1, tokens).squeeze(1))
+        self.kept.append(encode_support(torch.isfinite(logp)))
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, tokens, 0.0)
 
@@ -221,16 +225,19 @@ class HFBackend:
         sequences = gen if isinstance(gen, torch.Tensor) else gen.sequences  # a custom generate may return a tensor
         seqs = sequences[:, P:].cpu()  # [b*n, T]
         scores = None if isinstance(gen, torch.Tensor) else getattr(gen, "scores", None)
+        kept = None  # per step, per row: the sampler's kept set (None: the sampler is unknown, e.g. beam search)
         if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
             token_logps = torch.stack(sampler.logps[: seqs.shape[1]], dim=1).cpu()  # [b*n, T]
+            kept = sampler.kept[: seqs.shape[1]]
         elif scores and scores[0].shape[0] == seqs.shape[0] and kwargs.get("num_beams") in (None, 1):
             # scores: processed (temperature / top-k / top-p) logits of each step, [b*n, V] per step
             logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in scores], dim=1).cpu()
             token_logps = logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [b*n, T]
+            kept = [encode_support(torch.isfinite(sc)) for sc in scores]
         else:  # beam search, or no per-row scores: the copy scores its own sequences (temperature applied)
             token_logps = self._score(sequences, attention_mask.to(device), P, s.temperature)  # [b*n, T]
         completions = []
-        for row, lp in zip(seqs.tolist(), token_logps.tolist(), strict=True):
+        for k, (row, lp) in enumerate(zip(seqs.tolist(), token_logps.tolist(), strict=True)):
             end = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), None)
             reason = "stop" if end is not None else "length"
             if end is None:
@@ -240,7 +247,10 @@ class HFBackend:
                     end -= 1
                 if end < s.max_tokens:
                     reason = "stop"
-            completions.append(Completion(completion_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
+            mask = None if kept is None else [step[k] for step in kept[:end]]  # [T_k] the row's kept sets
+            completions.append(
+                Completion(completion_ids=row[:end], logprobs=lp[:end], finish_reason=reason, sampling_mask=mask)
+            )
         return completions
 
     def _score(self, sequences: torch.Tensor, prompt_mask: torch.Tensor, P: int, temperature: float) -> torch.Tensor:

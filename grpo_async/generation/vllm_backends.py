@@ -40,6 +40,7 @@ from grpo_async.generation import vllm_cpu
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
 from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
+from grpo_async.generation.sampling_mask import SamplingMaskRecorder
 from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
@@ -297,10 +298,14 @@ class VLLMColocateBackend:
             **llm_kwargs,
         )
         self.separate_process = separate_process
+        #: the sampler's kept sets (`generation.sampling_mask`): recorded in the worker, which must be in this process
+        self.sampling_masks: SamplingMaskRecorder | None = None
         if separate_process:
             self.transport = ShmTransport(_EngineRpc(self.llm), bucket_mb)
         else:
             self.transport = ColocateTransport(self.llm, bucket_mb)
+            self.sampling_masks = SamplingMaskRecorder()
+            self.llm.collective_rpc(self.sampling_masks.install)
         self.version: int | None = None
         self._aborted = threading.Event()
         self._loop: EngineLoop | None = None  # stream mode: the thread that steps the engine (`start_streaming`)
@@ -322,16 +327,19 @@ class VLLMColocateBackend:
             params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
         outputs = self._run(prompt_ids, params)
         completions = []
+        masks = self.sampling_masks
         for req in outputs:  # vLLM returns requests in submission order
             for o in sorted(req.outputs, key=lambda o: o.index):
                 ids = list(o.token_ids)
                 lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs is not None else []
+                index = o.index if sampling.n > 1 else None  # vLLM's child request of sample `index`
                 completions.append(
                     Completion(
                         completion_ids=ids,
                         logprobs=lps,
                         finish_reason="length" if o.finish_reason == "length" else "stop",
                         text=o.text,
+                        sampling_mask=None if masks is None else masks.take(req.request_id, ids, index),
                     )
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
@@ -349,13 +357,20 @@ class VLLMColocateBackend:
                 params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
                 prompts.append(p)
         requests = self._loop.submit(prompts, params, self.lora_request)
-        self._loop.wait(requests, self._aborted)
+        masks = self.sampling_masks
+        try:
+            self._loop.wait(requests, self._aborted)
+        except BaseException:
+            if masks is not None:
+                masks.discard([r.request_id for r in requests])
+            raise
         completions = [
             Completion(
                 completion_ids=r.token_ids,
                 logprobs=r.logprobs,
                 finish_reason=r.finish_reason or "stop",
                 versions=[v if v is not None else 0 for v in r.versions],  # None: the weights it was built with
+                sampling_mask=None if masks is None else masks.take(r.request_id, r.token_ids),
             )
             for r in requests
         ]
@@ -371,6 +386,8 @@ class VLLMColocateBackend:
         llm = self.llm
         while llm.llm_engine.has_unfinished_requests():  # left by an aborted call (vLLM aborts a request with n > 1
             llm.llm_engine.step()  # by its children's ids, which enqueue does not return): finished, discarded
+        if self.sampling_masks is not None:
+            self.sampling_masks.clear()  # what those sampled, and what an aborted call's requests did
         ids = llm.enqueue(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
         )

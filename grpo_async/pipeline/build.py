@@ -209,7 +209,7 @@ def build_pipeline(
     consumer = RoundConsumer(
         consumer_settings(config),
         collectives=collectives,
-        old_logps=LogpsScorer(link.policy, **scoring) if old_logps else None,
+        old_logps=LogpsScorer(link.policy, **scoring).scores if old_logps else None,
         ref_logps=ref_logps,
         log=link.record,
     )

@@ -2,9 +2,16 @@
 
 ```txt
 Round [R rows, every process] ─▶ slice [L = R / N, this rank] ─▶ stale rows: loss mask zeroed (counted)
-   ─▶ old logps (chunks of old_logps_micro_batch_size), ref logps (chunks of ref_logps_micro_batch_size)
-   ─▶ IS weights π_old / π_sampler ─▶ shuffle ─▶ steps_per_generation micro-batches [B = L / steps], trimmed
+   ─▶ old logps (chunks of old_logps_micro_batch_size) and π_old's mass on the sampler's kept sets, ref logps
+   (chunks of ref_logps_micro_batch_size) ─▶ IS weights π_old / π_sampler ─▶ shuffle ─▶ steps_per_generation
+   micro-batches [B = L / steps], trimmed
 ```
+Truncated sampling (top-k / top-p / min-p): the sampler's log-probs are normalised over the tokens it kept, the
+trainer's over the whole vocabulary. With `support_replay` the consumer puts the sampler's log-probs on the trainer's
+support, `rollout_logps += log Σ_{v ∈ S} π_old(v)` (`algo.sampling_support`), before the IS weights, their metrics
+and the off-policy mask read them: the kept sets `S` the backend recorded (`MicroBatch.sampling_mask`), or, for rows
+whose backend could not report them, the sampler's filter applied to π_old (`ConsumerSettings.truncation`; one
+warning says so).
 The shuffle deals rows, or with `keep_groups` whole groups (rows of one prompt stay consecutive, so a micro-batch's
 forward pass shares their prompt: `algo.prefix_sharing.group_permutation`).
 Every stage runs only full chunks of exactly its size (the config checks that each size divides L). Example:
@@ -25,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algo.loss import importance_sampling_weights
+from ..algo.loss import importance_sampling_outside, importance_sampling_weights
 from ..algo.prefix_sharing import group_permutation
+from ..algo.sampling_support import TruncationFilter
 from ..algo.throughput import generated_tokens_per_second
 from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
@@ -37,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: `fn(ids [b, P+T], mask [b, P+T], T) -> logps [b, T]`
 LogpsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+#: `fn(ids [b, P+T], mask [b, P+T], T, support) -> (logps [b, T], log_kept_mass [b, T] or None)`: `support` the
+#: sampler's kept sets `[b, T, K]`, a `TruncationFilter` or None (`algo.logprobs.LogpsScorer.scores`)
+ScoresFn = Callable[[torch.Tensor, torch.Tensor, int, object], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -52,6 +63,10 @@ class ConsumerSettings:
     seed: int | None = None  # the shuffle within a round: a generator seeded from (seed, round); None: torch's global
     token_budget: int | None = None  # tokens per logps forward pass instead of the stages' row counts (per device)
     keep_groups: bool = False  # shuffle whole groups, not rows (trainer_setup.keep_groups_together says when)
+    #: put the sampler's log-probs on the trainer's support where it cut the vocabulary (module docstring)
+    support_replay: bool = True
+    #: the sampler's cut, applied by the trainer to π_old for rows whose kept sets the backend did not report
+    truncation: TruncationFilter | None = None
 
 
 class RoundConsumer:
@@ -62,8 +77,8 @@ class RoundConsumer:
         collectives (`AcceleratorCollectives`, or `algo.objective.SingleProcess()` for one process): this process's
             place (`num_processes`, `process_index`), the sum (`reduce_sum`) and concatenation (`gather_tensor`) over
             the processes.
-        old_logps (`LogpsFn`, *optional*): the policy's logps (no grad); `None` when the policy cannot move before the
-            round is trained (then π_old = the policy itself).
+        old_logps (`ScoresFn`, *optional*): the policy's logps (no grad) and its log-mass on the sampler's kept sets;
+            `None` when the policy cannot move before the round is trained (then π_old = the policy itself).
         ref_logps (`LogpsFn`, *optional*): the reference model's logps; `None` when β = 0.
         log (`Callable[[str, float], None]`): records a metric.
     """
@@ -73,7 +88,7 @@ class RoundConsumer:
         settings: ConsumerSettings,
         *,
         collectives,
-        old_logps: LogpsFn | None,
+        old_logps: ScoresFn | None,
         ref_logps: LogpsFn | None,
         log: Callable[[str, float], None],
     ):
@@ -82,6 +97,7 @@ class RoundConsumer:
         self.num_processes, self.process_index = collectives.num_processes, collectives.process_index
         self.old_logps, self.ref_logps = old_logps, ref_logps
         self.log = log
+        self._warned_filter = False
 
     def __call__(self, rnd: Round, step: int) -> list[MicroBatch]:
         """`step`: the policy version (optimizer step) this round starts training at."""
@@ -91,7 +107,7 @@ class RoundConsumer:
             self.log("perf/generated_tokens_per_second", rate)
         local = rnd.batch.select(process_slice(R, self.num_processes, self.process_index))  # [L]
         local = self._drop_stale(local, rnd.round_id, step)
-        local = self._add_logps(local)
+        local = self._add_logps(local, self._support(local))
         if self.s.importance_sampling_correction:
             local = self._add_importance_weights(local)
         shuffler = self._shuffler(rnd.round_id)
@@ -130,23 +146,55 @@ class RoundConsumer:
             return _replace(local, loss_mask=loss_mask, num_items_in_batch=items)
         return local
 
+    def _support(self, local: MicroBatch):
+        """What π_old's mass is measured on (`score_tokens`' `support`): the recorded kept sets `[L, T, K]` when the
+        backend reported every row's, else the sampler's filter (when it cuts), else None (nothing was cut)."""
+        s = self.s
+        if not (s.support_replay and s.importance_sampling_correction and self.old_logps is not None):
+            return None
+        known = local.support_known
+        if known is not None and bool(known.all()):
+            self.log("sampling/support_exact", 1.0)
+            return local.sampling_mask  # None: the sampler cut nothing
+        if s.truncation is None or not s.truncation.cuts:
+            return None
+        self.log("sampling/support_exact", 0.0)
+        if not self._warned_filter:
+            self._warned_filter = True
+            logger.warning(
+                "the generation backend does not report the tokens its sampler kept (%s): the importance-sampling "
+                "ratio renormalises pi_old over the trainer's own filter of pi_old instead (exact while pi_old and "
+                "the sampler agree, approximate where they drift; sampling/support_exact = 0)",
+                s.truncation,
+            )
+        return s.truncation
+
     @torch.no_grad()
-    def _add_logps(self, local: MicroBatch) -> MicroBatch:
-        stages = {"old_logps": (self.s.old_logps_micro_batch_size, self.old_logps)}
-        stages["ref_logps"] = (self.s.ref_logps_micro_batch_size, self.ref_logps)
+    def _add_logps(self, local: MicroBatch, support) -> MicroBatch:
+        """π_old (with `support`, also its log-mass there, which moves `rollout_logps` onto the trainer's support)
+        and π_ref, each in chunks of its stage's size."""
         T = local.completion_ids.size(1)
         ids = torch.cat([local.prompt_ids, local.completion_ids], 1)  # [L, P+T]
         mask = torch.cat([local.prompt_mask, local.completion_mask], 1)  # [L, P+T]
         out = {}
-        for name, (size, fn) in stages.items():
-            if fn is None:
-                continue
+        if self.old_logps is not None:
             t0 = time.perf_counter()
-            parts = self._chunks(ids.size(0), size, mask)
-            chunks = [fn(ids[part], mask[part], T) for part in parts]  # each [rows of the part, T]
-            out[name] = torch.cat(chunks)  # [L, T]
-            self.log(f"timing/{name}", time.perf_counter() - t0)
-            self.log(f"chunks/{name}", float(len(chunks)))
+            parts = self._chunks(ids.size(0), self.s.old_logps_micro_batch_size, mask)
+            sets = lambda part: support[part] if isinstance(support, torch.Tensor) else support  # noqa: E731
+            chunks = [self.old_logps(ids[part], mask[part], T, sets(part)) for part in parts]  # each [rows, T] × 2
+            out["old_logps"] = torch.cat([logps for logps, _ in chunks])  # [L, T]
+            if support is not None:
+                log_kept = torch.cat([mass for _, mass in chunks])  # [L, T] ≤ 0
+                out["rollout_logps"] = local.rollout_logps + log_kept * local.completion_mask
+            self.log("timing/old_logps", time.perf_counter() - t0)
+            self.log("chunks/old_logps", float(len(chunks)))
+        if self.ref_logps is not None:
+            t0 = time.perf_counter()
+            parts = self._chunks(ids.size(0), self.s.ref_logps_micro_batch_size, mask)
+            chunks = [self.ref_logps(ids[part], mask[part], T) for part in parts]  # each [rows of the part, T]
+            out["ref_logps"] = torch.cat(chunks)  # [L, T]
+            self.log("timing/ref_logps", time.perf_counter() - t0)
+            self.log("chunks/ref_logps", float(len(chunks)))
         return _replace(local, **out)
 
     def _chunks(self, L: int, size: int, mask: torch.Tensor) -> list[slice]:
@@ -157,7 +205,11 @@ class RoundConsumer:
         return [slice(i, i + size) for i in range(0, L, size)]
 
     def _add_importance_weights(self, local: MicroBatch) -> MicroBatch:
-        """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens."""
+        """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens:
+        TRL's `sampling/importance_sampling_ratio/{min,mean,max}` and `sampling/logp_diff/{mean,max}`, with
+        `sampling/kl` (k3 estimate of KL(sampler ‖ π_old) over the sampled tokens: `exp(d) − 1 − d`, d = log π_old −
+        log π_sampler) and `sampling/masked_fraction` (the tokens, or completions in sequence modes, whose ratio
+        fell outside [clip_min, clip_max]: zeroed by `*_mask` modes, clipped by `*_truncate` ones)."""
         s = self.s
         mask = local.loss_mask  # [L, T]
         old = local.old_logps if local.old_logps is not None else local.rollout_logps
@@ -169,15 +221,24 @@ class RoundConsumer:
             s.importance_sampling_clip_min,
             s.importance_sampling_clip_max,
         )
+        outside = importance_sampling_outside(
+            diff, s.importance_sampling_mode, s.importance_sampling_clip_min, s.importance_sampling_clip_max
+        )  # [L, T] or [L, 1]
         on = mask.bool() if weights.size(1) > 1 else mask.any(1, keepdim=True)  # tokens / completions that count
-        d, w = diff[mask.bool()].abs().float(), weights[on].float()
+        tokens = mask.bool()
+        d, w = diff[tokens].float(), weights[on].float()
         empty = w.numel() == 0  # every token of this process's rows is masked
-        stats = torch.tensor([d.sum(), d.numel(), d.max() if d.numel() else 0.0])
+        k3 = torch.expm1(d) - d  # [n] ≥ 0
+        stats = torch.tensor([d.abs().sum(), d.numel(), d.abs().max() if d.numel() else 0.0, k3.sum()])
+        stats = torch.cat([stats, torch.tensor([float(outside[on].sum()), float(on.sum())])])
         ratios = torch.tensor([math.inf, 0.0, 0.0, -math.inf] if empty else [w.min(), w.sum(), w.numel(), w.max()])
-        stats = self.collectives.gather_tensor(stats).view(-1, 3)  # [N, 3]
+        stats = self.collectives.gather_tensor(stats).view(-1, 6)  # [N, 6]
         ratios = self.collectives.gather_tensor(ratios).view(-1, 4)  # [N, 4]
-        self.log("sampling/logp_diff/mean", (stats[:, 0].sum() / stats[:, 1].sum().clamp(min=1)).item())
+        n_tokens = stats[:, 1].sum().clamp(min=1)
+        self.log("sampling/logp_diff/mean", (stats[:, 0].sum() / n_tokens).item())
         self.log("sampling/logp_diff/max", stats[:, 2].max().item())
+        self.log("sampling/kl", (stats[:, 3].sum() / n_tokens).item())
+        self.log("sampling/masked_fraction", (stats[:, 4].sum() / stats[:, 5].sum().clamp(min=1)).item())
         self.log("sampling/importance_sampling_ratio/min", ratios[:, 0].min().item())
         self.log("sampling/importance_sampling_ratio/mean", (ratios[:, 1].sum() / ratios[:, 2].sum()).item())
         self.log("sampling/importance_sampling_ratio/max", ratios[:, 3].max().item())

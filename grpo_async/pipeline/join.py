@@ -146,15 +146,23 @@ class RoundJoiner:
 
 def cat_batches(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
     """Rows of `batches` in order, one `MicroBatch`: prompts re-padded on the left, completions on the right (each
-    part is padded to its own widths). Per-row tensors `[b]` are concatenated; `num_items_in_batch` summed."""
+    part is padded to its own widths). Per-row tensors `[b]` are concatenated; `num_items_in_batch` summed. The
+    sampler's kept sets (`sampling_mask [b, T, K]`, `support_known [b]`) may be set in some parts only (a part
+    without a cut has none): the others count as "no cut" and "not reported"."""
     first = batches[0]
+    names = dict.fromkeys(name for b in batches for name in b.tensors())  # first's order, then any part's
     out = {}
-    for name, t in first.tensors().items():
+    for name in names:
         parts = [getattr(b, name) for b in batches]
         if any(p is None for p in parts):
-            raise ValueError(f"cat_batches: {name} is set in some parts only")
-        if t.dim() == 1:  # [b]
+            if name not in ("sampling_mask", "support_known"):
+                raise ValueError(f"cat_batches: {name} is set in some parts only")
+            parts = _fill_missing(name, parts, batches)
+        if parts[0].dim() == 1:  # [b]
             out[name] = torch.cat(parts)
+            continue
+        if parts[0].dim() == 3:  # sampling_mask [b, T, K]
+            out[name] = cat_batches_masks(parts)
             continue
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
         value = pad_token_id if name in ("prompt_ids", "completion_ids") else 0
@@ -164,3 +172,21 @@ def cat_batches(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
             [F.pad(p, (width - p.size(1), 0) if left else (0, width - p.size(1)), value=value) for p in parts]
         )  # [R, width]
     return dataclasses.replace(first, **out, num_items_in_batch=float(sum(b.num_items_in_batch for b in batches)))
+
+
+def _fill_missing(name: str, parts: list, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    """`parts` of an optional field with the unset ones filled: `sampling_mask` `[b, T, 0]` (no cut), `support_known`
+    all False (not reported)."""
+    out = []
+    for p, b in zip(parts, batches, strict=True):
+        if p is None:
+            shape = (len(b), b.completion_ids.size(1), 0) if name == "sampling_mask" else (len(b),)
+            p = torch.full(shape, -1, dtype=torch.int32) if name == "sampling_mask" else torch.zeros(shape, dtype=bool)
+        out.append(p)
+    return out
+
+
+def cat_batches_masks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`sampling_mask` parts `[b, T_i, K_i]` → `[Σb, max T, max K]`, −1 padded."""
+    T, K = max(p.size(1) for p in parts), max(p.size(2) for p in parts)
+    return torch.cat([F.pad(p, (0, K - p.size(2), 0, T - p.size(1)), value=-1) for p in parts])

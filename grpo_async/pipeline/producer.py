@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
+from ..algo.sampling_support import pad_kept_sets
 from ..envs.rollout import template_ids
 from ..generation.base import Completion, GenerationAborted, SamplingConfig, derive_seed
 from ..generation.shared import SharedBackend
@@ -390,6 +391,8 @@ class RoundProducer:
             round_id=torch.full((R,), round_id, dtype=torch.long),  # [R]
             row_index=first_row + torch.arange(R),  # [R]
             token_version=pad(versions, version, dtype=torch.long),  # [R, T]
+            sampling_mask=pad_kept_sets([c.sampling_mask for c in completions], completion_mask.size(1)),  # [R,T,K]
+            support_known=torch.tensor([c.sampling_mask is not None for c in completions], dtype=torch.bool),  # [R]
             num_items_in_batch=float(loss_mask.sum()),
         )
 

@@ -61,6 +61,10 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = None  # [B, T] reference model, when beta > 0
     is_weights: torch.Tensor | None = None  # [B, T] (token modes) or [B, 1] (sequence modes)
     token_version: torch.Tensor | None = None  # [B, T] optimizer step of the weights each token was sampled with
+    #: [B, T, K] int32: the sampler's kept set where it cut the vocabulary (top-k / top-p / min-p), encoded by
+    #: `algo.sampling_support.encode_support` (−1 padding; a position of padding only: no cut); None: no cut anywhere
+    sampling_mask: torch.Tensor | None = None
+    support_known: torch.Tensor | None = None  # [B] bool: the backend reported the row's kept sets (sampling_mask)
     num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
 
     # ---- rows ----------------------------------------------------------------------------------------------
@@ -96,6 +100,10 @@ class MicroBatch:
         for k, v in self.tensors().items():
             if k in _PER_TOKEN or (k == "is_weights" and v.size(1) > 1):
                 out[k] = v[:, :t_keep]
+        if self.sampling_mask is not None:  # [B, t_keep, K] → the widest kept set left
+            mask = out["sampling_mask"]
+            k_keep = int((mask != -1).sum(-1).max().item()) if mask.numel() else 0
+            out["sampling_mask"] = mask[..., :k_keep] if k_keep else None
         return dataclasses.replace(self, **out)
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -130,6 +138,7 @@ _PER_TOKEN = (
     "old_logps",
     "ref_logps",
     "token_version",
+    "sampling_mask",
 )
 
 
