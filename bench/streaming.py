@@ -24,6 +24,15 @@ change of load hits both modes alike; the first `--warmup` steps of each run are
 `RESULT stream_speedup` = stream ÷ rounds tokens/s on the long-tailed lengths (goal ≥ 1.5); `RESULT
 uniform_ratio` the same on uniform lengths (goal ≥ 0.95); `RESULT engine_busy_stream` (goal ≥ 0.9).
 
+Staleness policies (`GRPOConfig.staleness_policy`): on the long-tailed lengths, stream mode runs twice more per
+repeat with `max_staleness=--max-staleness` (2), once with `"pace"` and once with `"drop"` (alternated). Each run
+records every row it delivered to the trainer: its completion length and whether it was trained (a dropped row's
+loss mask is all zero). Per policy, over the rows of the steps after the warm-up: the mean and p90 completion length
+of the generated rows (every row delivered) and of the trained ones, and their ratio (trained ÷ generated: below 1
+when dropping discards the long completions); the fraction dropped; trained completion tokens per second;
+`async/pace_wait_s`. `RESULT staleness_<policy>_mean_ratio`, `..._p90_ratio`, `..._dropped`, and `RESULT
+staleness_pace_vs_drop_tokens` (trained tokens/s, pace ÷ drop). `--staleness-only` runs just these.
+
 Run: `python bench/streaming.py` (~10 min on 2 cores); `--smoke`: a 1-layer model, short runs, one repeat, each run a
 fork of one warm interpreter. Writes `bench/out/streaming.json` and `bench/plots/streaming.png`.
 """
@@ -56,7 +65,10 @@ KEYS = (
     "async/group_latency/p90",
     "async/staleness_max",
     "timing/wait_generation",
+    "async/dropped_stale",
+    "async/pace_wait_s",
 )
+POLICIES = ("pace", "drop")
 
 
 def draw_lengths(n: int, median_len: float, p99: float, cap: int, seed: int = 0) -> list[int]:
@@ -83,6 +95,17 @@ def child(spec: dict) -> dict:
     lengths = spec["lengths"]
     ds = make_dataset(len(lengths), seed=0)
     ds = ds.add_column("generation_kwargs", [{"min_tokens": L, "max_tokens": L, "ignore_eos": True} for L in lengths])
+    policy = spec.get("policy")  # staleness runs: "pace" or "drop" with max_staleness set
+    limits = {"max_staleness": spec["max_staleness"], "staleness_policy": policy} if policy else {}
+    rows: list[list[int]] = []  # [completion length, trained 0/1] of every row delivered to the trainer, by step
+
+    class RowRecorder(GRPOTrainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            lengths = inputs["completion_mask"].sum(1).tolist()  # [B]
+            trained = inputs["loss_mask"].any(1).tolist()  # [B] False: dropped as stale
+            rows.extend([self.state.global_step, int(n), int(t)] for n, t in zip(lengths, trained, strict=True))
+            return super().compute_loss(model, inputs, *a, **k)
+
     with tempfile.TemporaryDirectory(prefix="bench_streaming_") as workdir:
         args = GRPOConfig(
             output_dir=workdir,
@@ -108,15 +131,16 @@ def child(spec: dict) -> dict:
             report_to=[],
             seed=0,
             disable_tqdm=True,
+            **limits,
         )
         clock = StepClock()
-        trainer = GRPOTrainer(
+        trainer = RowRecorder(
             model=spec["model"], reward_funcs=[letter_reward], args=args, train_dataset=ds, callbacks=[clock.callback]
         )
         trainer.train()
         trainer.close()
     steps = [{k: log[k] for k in KEYS if k in log} for log in clock.logs if "loss" in log]
-    return {"step_times": clock.step_times(), "steps": steps, "rows_per_step": P * G}
+    return {"step_times": clock.step_times(), "steps": steps, "rows_per_step": P * G, "rows": rows}
 
 
 def launch(spec: dict, log, timeout: float = 1200.0, warm: bool = False) -> dict:
@@ -126,7 +150,7 @@ def launch(spec: dict, log, timeout: float = 1200.0, warm: bool = False) -> dict
     proc = run_python(os.path.abspath(__file__), ["--child", json.dumps(spec)], timeout=timeout, env=env, warm=warm)
     log.write(proc.stdout)
     log.flush()
-    return run_record(proc, spec["mode"])
+    return run_record(proc, spec.get("policy") or spec["mode"])
 
 
 # ---------------------------------------------------------------------------------------------- the numbers
@@ -155,6 +179,40 @@ def measure(runs: list[dict], warmup: int) -> dict:
     }
 
 
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)] if xs else float("nan")
+
+
+def measure_lengths(runs: list[dict], warmup: int) -> dict:
+    """Pooled over the runs of one staleness policy, rows of the steps after the warm-up: completion lengths of the
+    rows generated (delivered to the trainer) and of those trained, the fraction dropped, trained tokens/s."""
+    generated, trained, tokens, seconds, pace_wait = [], [], 0.0, 0.0, []
+    for run in runs:
+        for step, n, kept in run["rows"]:
+            if step >= warmup:  # the optimizer steps counted from 0: step `warmup` is the first one measured
+                generated.append(n)
+                if kept:
+                    trained.append(n)
+                    tokens += n
+        seconds += sum(run["step_times"][warmup:])
+        pace_wait += [s["async/pace_wait_s"] for s in run["steps"][warmup:] if "async/pace_wait_s" in s]
+    g_mean, t_mean = statistics.fmean(generated), statistics.fmean(trained) if trained else float("nan")
+    return {
+        "generated_rows": len(generated),
+        "trained_rows": len(trained),
+        "dropped": 1.0 - len(trained) / len(generated),
+        "generated_mean": g_mean,
+        "trained_mean": t_mean,
+        "mean_ratio": t_mean / g_mean,
+        "generated_p90": _p90(generated),
+        "trained_p90": _p90(trained),
+        "p90_ratio": _p90(trained) / _p90(generated),
+        "trained_tokens_per_s": tokens / seconds if seconds else float("nan"),
+        "pace_wait_s": statistics.fmean(pace_wait) if pace_wait else 0.0,
+    }
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -167,18 +225,19 @@ def plot(result: dict, path: str) -> None:
     ):
         xs, hs, colors = [], [], []
         for dist in ("longtail", "uniform"):
-            for mode in MODES:
+            for mode in MODES if dist in result else ():
                 xs.append(f"{dist}\n{mode}")
                 hs.append(result[dist][mode][key])
                 colors.append("tab:blue" if mode == "rounds" else "tab:green")
         ax.bar(xs, hs, color=colors)
         ax.set_title(label, fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.suptitle(
-        f"stream ÷ rounds: {result['stream_speedup']:.2f}× long-tailed, {result['uniform_ratio']:.2f}× uniform "
-        f"({result['device']})",
-        fontsize=9,
-    )
+    if "stream_speedup" in result:
+        fig.suptitle(
+            f"stream ÷ rounds: {result['stream_speedup']:.2f}× long-tailed, {result['uniform_ratio']:.2f}× uniform "
+            f"({result['device']})",
+            fontsize=9,
+        )
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -199,6 +258,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ahead", type=int, default=1, help="num_batches_ahead, both modes")
     ap.add_argument("--dists", nargs="+", default=["longtail", "uniform"], choices=["longtail", "uniform"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds/stream pairs per length distribution")
+    ap.add_argument("--max-staleness", type=int, default=2, help="max_staleness of the pace / drop runs")
+    ap.add_argument("--staleness-only", action="store_true", help="only the pace / drop runs (long-tailed lengths)")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "streaming.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "streaming.png"))
     ap.add_argument(
@@ -236,9 +297,10 @@ def main(argv=None) -> dict:
     longtail = draw_lengths(n, a.median, a.p99, a.cap)
     mean_len = round(statistics.fmean(longtail[: P * a.steps]))
     dists = {"longtail": longtail, "uniform": [mean_len] * n}
-    dists = {d: dists[d] for d in a.dists}
+    dists = {d: dists[d] for d in ([] if a.staleness_only else a.dists)}
     server, trainer_core = launch_pinned_server(model, SERVER_ARGS + ["--max-model-len", "512"], quick_start=a.smoke)
     runs: dict[str, dict[str, list]] = {d: {m: [] for m in MODES} for d in dists}
+    staleness_runs: dict[str, list] = {p: [] for p in POLICIES}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     started = time.time()
     try:
@@ -268,6 +330,30 @@ def main(argv=None) -> dict:
                             f"{m['trainer_wait']:.3f} s/step",
                             flush=True,
                         )
+                for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:  # stream, long-tailed, max_staleness
+                    spec = {
+                        "mode": "stream",
+                        "policy": policy,
+                        "max_staleness": a.max_staleness,
+                        "model": model,
+                        "url": server.url,
+                        "prompts": P,
+                        "G": G,
+                        "cap": a.cap,
+                        "steps": a.steps,
+                        "lengths": longtail,
+                        "trainer_core": trainer_core,
+                        "ahead": a.ahead,
+                    }
+                    run = launch(spec, log, warm=a.smoke)
+                    staleness_runs[policy].append(run)
+                    m = measure_lengths([run], a.warmup)
+                    print(
+                        f"[{r}] staleness {policy}: generated mean {m['generated_mean']:.1f} / p90 "
+                        f"{m['generated_p90']:g}, trained mean {m['trained_mean']:.1f} / p90 {m['trained_p90']:g}, "
+                        f"dropped {m['dropped']:.3f}, {m['trained_tokens_per_s']:.1f} trained tokens/s",
+                        flush=True,
+                    )
     finally:
         server.stop()
     result: dict = {
@@ -290,6 +376,31 @@ def main(argv=None) -> dict:
     }
     for dist in dists:
         result[dist] = {mode: measure(runs[dist][mode], a.warmup) for mode in MODES}
+    st = result["staleness"] = {p: measure_lengths(staleness_runs[p], a.warmup) for p in POLICIES}
+    st["max_staleness"] = a.max_staleness
+    st["pace_vs_drop_tokens"] = st["pace"]["trained_tokens_per_s"] / st["drop"]["trained_tokens_per_s"]
+    staleness_rows = [
+        {
+            "metric": f"trained ÷ generated mean completion length, stream, max_staleness={a.max_staleness}: pace",
+            "ours": st["pace"]["mean_ratio"],
+            "peer": st["drop"]["mean_ratio"],
+            "ratio": st["pace"]["mean_ratio"] / st["drop"]["mean_ratio"],
+            "peer_name": "staleness_policy='drop' (1 = no length bias)",
+        },
+        {
+            "metric": f"trained completion tokens/s, stream, max_staleness={a.max_staleness}: pace vs drop",
+            "ours": st["pace"]["trained_tokens_per_s"],
+            "peer": st["drop"]["trained_tokens_per_s"],
+            "ratio": st["pace_vs_drop_tokens"],
+            "peer_name": "staleness_policy='drop'",
+        },
+    ]
+    result["rows"] = []
+    if a.staleness_only:
+        result["runs"] = {"staleness": staleness_runs}
+        result["rows"] = staleness_rows
+        _report_staleness(result, a.out)
+        return result
     lt, un = result["longtail"], result["uniform"]
     result["stream_speedup"] = lt["stream"]["tokens_per_s"] / lt["rounds"]["tokens_per_s"]
     result["uniform_ratio"] = un["stream"]["tokens_per_s"] / un["rounds"]["tokens_per_s"]
@@ -316,7 +427,8 @@ def main(argv=None) -> dict:
             "peer_name": "rounds (goal ≥ 0.9 in stream)",
         },
     ]
-    result["runs"] = runs
+    result["rows"] += staleness_rows
+    result["runs"] = {**runs, "staleness": staleness_runs}
     print(
         f"model {a.layers} layers × hidden {a.hidden}; {P} prompts × G={G} per step; lengths lognormal median "
         f"{a.median:g}, p99 {a.p99:g}, cap {a.cap} (uniform: {mean_len}); {a.repeats} repeat(s) × {a.steps} steps"
@@ -340,7 +452,31 @@ def main(argv=None) -> dict:
     print(f"RESULT engine_busy_rounds={lt['rounds']['engine_busy']:.3f}")
     print(f"RESULT trainer_wait_stream={lt['stream']['trainer_wait']:.3f}")
     print(f"RESULT trainer_wait_rounds={lt['rounds']['trainer_wait']:.3f}")
+    _report_staleness(result, None)
     return result
+
+
+def _report_staleness(result: dict, out: str | None) -> None:
+    """The pace / drop table and its `RESULT` lines (and, with `out`, the JSON: `--staleness-only`)."""
+    st = result["staleness"]
+    print(f"stream, long-tailed lengths, max_staleness={st['max_staleness']}: rows delivered to the trainer")
+    print("policy | generated rows | mean / p90 length | trained rows | mean / p90 length | dropped | tokens/s | wait")
+    for p in POLICIES:
+        m = st[p]
+        print(
+            f"{p:6s} | {m['generated_rows']:14d} | {m['generated_mean']:6.1f} / {m['generated_p90']:5g}    | "
+            f"{m['trained_rows']:12d} | {m['trained_mean']:6.1f} / {m['trained_p90']:5g}    | {m['dropped']:.3f}   | "
+            f"{m['trained_tokens_per_s']:8.1f} | {m['pace_wait_s']:.3f} s"
+        )
+    if out is not None:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}")
+    for p in POLICIES:
+        print(f"RESULT staleness_{p}_mean_ratio={st[p]['mean_ratio']:.3f}")
+        print(f"RESULT staleness_{p}_p90_ratio={st[p]['p90_ratio']:.3f}")
+        print(f"RESULT staleness_{p}_dropped={st[p]['dropped']:.3f}")
+    print(f"RESULT staleness_pace_vs_drop_tokens={st['pace_vs_drop_tokens']:.3f}")
 
 
 if __name__ == "__main__":
