@@ -76,6 +76,18 @@ PANELS = (
         "seconds",
         [("async/group_latency/p50", "p50 (start → scored)"), ("async/group_latency/p90", "p90")],
     ),
+    (
+        "sampler vs trainer (mismatch)",
+        "ratio / nats / fraction",
+        [
+            ("sampling/importance_sampling_ratio/mean", "IS ratio, mean"),
+            ("sampling/importance_sampling_ratio/min", "IS ratio, min"),
+            ("sampling/importance_sampling_ratio/max", "IS ratio, max"),
+            ("sampling/kl", "KL(sampler ‖ π_old), k3"),
+            ("sampling/logp_diff/max", "|logp diff|, max"),
+            ("sampling/masked_fraction", "masked / truncated share"),
+        ],
+    ),
     ("training FLOPs per second", "FLOP/s (per device)", [("perf/flops_per_second", "FLOP/s")]),
     ("model FLOPs utilisation", "% of the device's peak", [("perf/mfu", "MFU")]),
 )
@@ -115,7 +127,12 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
     for ax, (panel_title, ylabel, series) in zip(axes.flat, panels, strict=False):
         for i, (key, label) in enumerate(series):
             # per-function rewards, min/max lengths, the bottleneck share
-            secondary = i > 0 and panel_title in ("reward", "completion length", "overlap of generation and training")
+            secondary = i > 0 and panel_title in (
+                "reward",
+                "completion length",
+                "overlap of generation and training",
+                "sampler vs trainer (mismatch)",
+            )
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             ax.plot(
                 [p[0] for p in pts],

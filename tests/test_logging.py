@@ -160,6 +160,14 @@ def test_plot_written_at_the_end_of_training(run):
     assert panels["time per step"] == ["timing/generation", "timing/train_step", "timing/wait_generation"]
     assert panels["overlap of generation and training"] == ["async/overlap", "async/bottleneck"]
     assert panels["idle time per step"] == ["async/trainer_wait", "async/generator_idle"]
+    assert panels["sampler vs trainer (mismatch)"] == [
+        "sampling/importance_sampling_ratio/mean",
+        "sampling/importance_sampling_ratio/min",
+        "sampling/importance_sampling_ratio/max",
+        "sampling/kl",
+        "sampling/logp_diff/max",
+        "sampling/masked_fraction",
+    ]
 
 
 def _png_size(path):
