@@ -259,6 +259,11 @@ def test_a_server_falls_back_to_the_trainers_filter(tiny_model_path, tiny_server
     warned = [r for r in caplog.records if "does not report the tokens its sampler kept" in r.getMessage()]
     assert len(warned) == 1
     _, biased = _train(
-        tiny_model_path, tmp_path / "plain", "vllm_server", top_p=0.8, importance_sampling_support_replay=False, **server
+        tiny_model_path,
+        tmp_path / "plain",
+        "vllm_server",
+        top_p=0.8,
+        importance_sampling_support_replay=False,
+        **server,
     )
     assert all(h[IS_MEAN] < 0.6 for h in biased), [h[IS_MEAN] for h in biased]
