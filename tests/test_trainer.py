@@ -347,9 +347,9 @@ def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_
     t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
 
     def counting(name, scorer):  # observes the rows of each forward pass the consumer asks for
-        def score(ids, mask, T):
+        def score(ids, mask, T, *support):  # the old-logps stage also passes the sampler's kept sets
             sizes[name].append(ids.size(0))
-            return scorer(ids, mask, T)
+            return scorer(ids, mask, T, *support)
 
         return score
 
