@@ -47,7 +47,9 @@ class SamplingMaskRecorder:
         """Wrap `worker.model_runner.sampler.sample` (run through `LLM.collective_rpc`, in the worker); returns the
         runner's class name."""
         runner = worker.model_runner
-        sampler = runner.sampler
+        sampler = getattr(runner, "sampler", None)
+        if not hasattr(sampler, "sample") or not hasattr(runner, "input_batch"):  # e.g. vLLM's Model Runner V2
+            return f"{type(runner).__name__} (no V1 sampler: nothing recorded)"
         original = sampler.sample
 
         def sample(logits, sampling_metadata, *args, **kwargs):

@@ -304,8 +304,11 @@ class VLLMColocateBackend:
             self.transport = ShmTransport(_EngineRpc(self.llm), bucket_mb)
         else:
             self.transport = ColocateTransport(self.llm, bucket_mb)
-            self.sampling_masks = SamplingMaskRecorder()
-            self.llm.collective_rpc(self.sampling_masks.install)
+            recorder = SamplingMaskRecorder()
+            runners = self.llm.collective_rpc(recorder.install)
+            self.sampling_masks = recorder if recorder.installed else None
+            if not recorder.installed:
+                logger.info("the sampler's kept sets are not recorded on this engine: %s", runners)
         self.version: int | None = None
         self._aborted = threading.Event()
         self._loop: EngineLoop | None = None  # stream mode: the thread that steps the engine (`start_streaming`)
