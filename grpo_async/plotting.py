@@ -77,15 +77,21 @@ PANELS = (
         [("async/group_latency/p50", "p50 (start → scored)"), ("async/group_latency/p90", "p90")],
     ),
     (
-        "sampler vs trainer (mismatch)",
-        "ratio / nats / fraction",
+        "importance-sampling ratio (π_old / π_sampler)",
+        "ratio",
         [
-            ("sampling/importance_sampling_ratio/mean", "IS ratio, mean"),
-            ("sampling/importance_sampling_ratio/min", "IS ratio, min"),
-            ("sampling/importance_sampling_ratio/max", "IS ratio, max"),
+            ("sampling/importance_sampling_ratio/mean", "mean"),
+            ("sampling/importance_sampling_ratio/min", "min"),
+            ("sampling/importance_sampling_ratio/max", "max"),
+        ],
+    ),
+    (
+        "sampler vs trainer (mismatch)",
+        "nats / fraction",
+        [
             ("sampling/kl", "KL(sampler ‖ π_old), k3"),
             ("sampling/logp_diff/max", "|logp diff|, max"),
-            ("sampling/masked_fraction", "masked / truncated share"),
+            ("sampling/masked_fraction", "share masked / truncated by the IS mode"),
         ],
     ),
     ("training FLOPs per second", "FLOP/s (per device)", [("perf/flops_per_second", "FLOP/s")]),
@@ -131,7 +137,7 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
                 "reward",
                 "completion length",
                 "overlap of generation and training",
-                "sampler vs trainer (mismatch)",
+                "importance-sampling ratio (π_old / π_sampler)",
             )
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             ax.plot(

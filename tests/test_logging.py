@@ -160,10 +160,12 @@ def test_plot_written_at_the_end_of_training(run):
     assert panels["time per step"] == ["timing/generation", "timing/train_step", "timing/wait_generation"]
     assert panels["overlap of generation and training"] == ["async/overlap", "async/bottleneck"]
     assert panels["idle time per step"] == ["async/trainer_wait", "async/generator_idle"]
-    assert panels["sampler vs trainer (mismatch)"] == [
+    assert panels["importance-sampling ratio (π_old / π_sampler)"] == [
         "sampling/importance_sampling_ratio/mean",
         "sampling/importance_sampling_ratio/min",
         "sampling/importance_sampling_ratio/max",
+    ]
+    assert panels["sampler vs trainer (mismatch)"] == [
         "sampling/kl",
         "sampling/logp_diff/max",
         "sampling/masked_fraction",
