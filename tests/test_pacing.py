@@ -199,3 +199,45 @@ def test_stream_mode_drop_policy_generates_then_drops(tiny_model_path, tmp_path)
     trainer, events, logs = _stream_run(tiny_model_path, tmp_path, "drop")
     assert sum(h["async/dropped_stale"] for h in logs) > 0
     assert not [e for e in events if e[0] in ("held", "released")]
+
+
+def _slow_engine(monkeypatch):
+    """Every engine step ≥ 10 ms (as tests/test_streaming.py's in-flight test): the straggler's 200 tokens outlast
+    several optimizer steps whatever the machine's speed."""
+    import time
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def slow_step(self):
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", ["pace", "drop"])
+def test_stream_mode_waits_for_a_straggler_on_its_last_chance(tiny_model_path, tmp_path, monkeypatch, policy):
+    """In-flight weight updates and max_staleness=2: no start is ever held (the stream's 2 rounds of groups never
+    reach 2 versions ahead), so only the assembly can keep the straggler (prompt 0, started on v0) within the bound:
+    round 2 is its last chance (s_3 − 0 = 3 > 2). Pace: round 2 waits for it and takes it; nothing is dropped, no
+    row trained beyond 2 versions. Drop: rounds 0..2 are assembled from the short groups and the straggler, trained
+    later, is dropped."""
+    _slow_engine(monkeypatch)
+    events: list = []
+    args = _args(tmp_path, max_staleness=2, staleness_policy=policy, weight_sync_inflight=True)
+    trainer = StepRecorder(
+        model=tiny_model_path, reward_funcs=_scored(events), args=args, train_dataset=_with_idx(_dataset())
+    )
+    logs = _run(trainer, events)
+    dropped = sum(h["async/dropped_stale"] for h in logs)
+    if policy == "drop":
+        assert dropped > 0
+        return
+    assert dropped == 0
+    assert max(_trained_staleness(trainer)) <= 2
+    straggler = [b["step"] for b in trainer.seen if any(r == (0, 0) for r in b["rows"])]
+    assert straggler and straggler[0] <= 2, "the straggler was trained after its last chance"
+    assert any(e[0] == "held" and "waits for 1 running group" in e[1] for e in events), events
