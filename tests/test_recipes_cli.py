@@ -114,7 +114,7 @@ def test_real_math_takes_grpo_config_flags():
     real = _recipe("real_math")
     script, args, _ = real.parse_args(["--seed", "5", "--beta", "0.04", "--eval_problems", "16"])
     assert (args.seed, args.beta, script.eval_problems) == (5, 0.04, 16)
-    assert (args.learning_rate, args.max_steps, args.vllm_max_model_length, args.temperature) == (2e-5, 20, 256, 0.7)
+    assert (args.learning_rate, args.max_steps, args.vllm_max_model_length, args.temperature) == (1e-5, 20, 256, 0.7)
 
 
 # ---- grpo-async grpo ------------------------------------------------------------------------------------------------
