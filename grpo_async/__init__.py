@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _EXPORTS = {
     "AsyncDataLoaderWrapper": ".data.async_loader",
+    "GRPOCallback": ".callbacks",
     "GRPOConfig": ".config",
     "GRPOTrainer": ".trainer",
     "RepeatSampler": ".data.sampler",
@@ -26,6 +27,7 @@ _EXPORTS = {
 
 __all__ = [
     "AsyncDataLoaderWrapper",
+    "GRPOCallback",
     "GRPOConfig",
     "GRPOTrainer",
     "RepeatSampler",
@@ -38,6 +40,7 @@ assert sorted(_EXPORTS) == __all__
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .algo.advantages import compute_advantages
+    from .callbacks import GRPOCallback
     from .config import GRPOConfig
     from .data.async_loader import AsyncDataLoaderWrapper
     from .data.sampler import RepeatSampler

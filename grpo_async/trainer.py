@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, Trainer
 from .algo.logprobs import score_tokens
 from .algo.loss import LossContext
 from .algo.token_budget import budgeted_loss
+from .callbacks import notify_micro_batch
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper, wrapper_skips_batches
 from .data.sampler import RepeatSampler
@@ -200,7 +201,9 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             raise RuntimeError("GRPOTrainer evaluates through evaluate(), which generates its own completions")
         policy = self.accelerator.unwrap_model(self.model)
         batch = self.rounds.next_micro_batch(generation_batch, self.state.global_step, policy)
-        return batch.to(self.accelerator.device)
+        batch = batch.to(self.accelerator.device)
+        notify_micro_batch(self.callback_handler, self.args, self.state, self.control, batch)  # GRPOCallback
+        return batch
 
     def end(self) -> None:
         """Transformers' `Trainer.end` (finish the trackers, destroy the process group), after `close()`: the engine

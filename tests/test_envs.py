@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 from datasets import Dataset
+from recording import recorded_trainer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_async import GRPOTrainer
@@ -221,13 +222,6 @@ def _args(tmp_path, **kw):
     return tiny_config(tmp_path / "out", **{**overrides, **kw})
 
 
-class Recorder(GRPOTrainer):
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        self.seen.append({n: v.detach().cpu().clone() for n, v in inputs.items() if isinstance(v, torch.Tensor)})
-        return super().compute_loss(model, inputs, *a, **k)
-
-
 def _train_multi_turn(tiny_model_path, args, **kw):
     seen_completions = []
 
@@ -241,7 +235,7 @@ def _train_multi_turn(tiny_model_path, args, **kw):
         assert all(s["replies"] == sum(m["role"] == "user" for m in c) for s, c in zip(kw["env_state"], completions))
         return [ord(c[0]["content"][:1] or " ") / 128 for c in completions]
 
-    t = Recorder(
+    t, batches = recorded_trainer(
         model=tiny_model_path,
         reward_funcs=[letter_reward, first_char],
         args=args,
@@ -255,7 +249,7 @@ def _train_multi_turn(tiny_model_path, args, **kw):
     # reward functions got the conversation: assistant turns and the environment's replies
     assert any(len(c) >= 3 and c[1] == {"role": "user", "content": "ok 1"} for c in seen_completions)
     env_turns = 0
-    for b in t.seen:
+    for b in batches:
         trained, exists = b["loss_mask"].bool(), b["completion_mask"].bool()
         assert not (trained & ~exists).any()
         for row, ids in enumerate(b["completion_ids"].tolist()):
@@ -277,11 +271,11 @@ def _train_multi_turn(tiny_model_path, args, **kw):
                 assert text in turns or (cut and any(turn.startswith(text) for turn in turns)), text
             env_turns += len(runs)
     assert env_turns > 0
-    return t
+    return t, batches
 
 
 def test_multi_turn_training_on_hf(tiny_model_path, tmp_path):
-    t = _train_multi_turn(tiny_model_path, _args(tmp_path))
+    t, batches = _train_multi_turn(tiny_model_path, _args(tmp_path))
     logged = t.state.log_history[0]
     assert 1 < logged["env/turns/mean"] <= logged["env/turns/max"] == Echo.max_turns
     assert 0 < logged["env/env_tokens_frac"] < 1 and 0 < logged["env/max_turns_ratio"] <= 1
@@ -298,7 +292,7 @@ def test_multi_turn_training_on_hf(tiny_model_path, tmp_path):
     assert metrics["eval_reward"] == 1.0 and len(seen) == 4 * t.num_generations
     assert any(m["role"] == "user" and m["content"] == "ok 1" for c in seen for m in c)
     # first round, on-policy: the sampler's logprobs of the model's own tokens equal the trainer's
-    b = t.seen[0]
+    b = batches[0]
     init = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
     am = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
@@ -309,7 +303,7 @@ def test_multi_turn_training_on_hf(tiny_model_path, tmp_path):
 
 
 def test_mask_env_responses_false_trains_environment_tokens(tiny_model_path, tmp_path):
-    t = Recorder(
+    t, batches = recorded_trainer(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path, mask_env_responses=False, max_steps=1),
@@ -317,7 +311,7 @@ def test_mask_env_responses_false_trains_environment_tokens(tiny_model_path, tmp
         environment=Echo(),
     )
     t.train()
-    assert all(torch.equal(b["loss_mask"], b["completion_mask"]) for b in t.seen)
+    assert all(torch.equal(b["loss_mask"], b["completion_mask"]) for b in batches)
 
 
 def test_environment_arguments_are_checked(tiny_model_path, tmp_path):
@@ -354,9 +348,11 @@ def test_tool_env_training_runs(tiny_model_path, tmp_path):
     )
     from grpo_async.rewards import math_reward
 
-    t = Recorder(tiny_model_path, math_reward, args=_args(tmp_path, max_steps=1), train_dataset=ds, tools=[calculator])
+    t, batches = recorded_trainer(
+        tiny_model_path, math_reward, args=_args(tmp_path, max_steps=1), train_dataset=ds, tools=[calculator]
+    )
     t.train()
-    assert all(torch.equal(b["loss_mask"], b["completion_mask"]) for b in t.seen)
+    assert all(torch.equal(b["loss_mask"], b["completion_mask"]) for b in batches)
 
 
 # ------------------------------------------------------------------------------------------------------ vLLM
@@ -367,7 +363,7 @@ def test_multi_turn_training_on_vllm_in_process(tiny_model_path, tmp_path, async
     """Stream mode: each prompt group's G rollouts run (model and environment turns) on the engine loop while other
     groups generate; the same checks of turns, masks and the env's state hold."""
     args = _args(tmp_path, generation_backend="vllm", num_batches_ahead=1, async_mode=async_mode)
-    t = _train_multi_turn(tiny_model_path, args)
+    t, _ = _train_multi_turn(tiny_model_path, args)
     try:
         assert type(t.backend).__name__ == "VLLMColocateBackend"
         assert t.state.log_history[0]["sampling/logp_diff/max"] < 1e-3
@@ -383,7 +379,7 @@ def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tiny_s
     from vllm_utils import API_KEY
 
     url = tiny_server.url  # the session's server (tests/conftest.py): the first run publishes its version 0 first
-    t = _train_multi_turn(
+    t, _ = _train_multi_turn(
         tiny_model_path,
         _args(tmp_path, generation_backend="vllm_server", vllm_server_urls=[url], vllm_api_key=API_KEY),
     )
@@ -391,7 +387,7 @@ def test_multi_turn_training_against_a_server_and_openai(tiny_model_path, tiny_s
     t.close()
     # the OpenAI-compatible backend with the default config: generation only (the sampler never receives
     # weights, so nothing is pushed and no sample is dropped as stale), multi-turn rounds still train
-    t = _train_multi_turn(
+    t, _ = _train_multi_turn(
         tiny_model_path,
         _args(tmp_path, generation_backend="openai", openai_base_url=url + "/v1", vllm_api_key=API_KEY),
     )

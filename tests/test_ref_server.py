@@ -3,10 +3,11 @@ against the in-process reference model, and a training run that loads no referen
 
 import pytest
 import torch
+from recording import recorded_trainer
 from transformers import AutoModelForCausalLM
 from vllm_utils import API_KEY, running_servers
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOConfig
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.http_client import ServerClient, ServerError
@@ -76,23 +77,18 @@ def test_ref_server_url_needs_beta(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, ref_server_url="127.0.0.1:1", beta=0.1)
 
 
-class Recorder(GRPOTrainer):
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        self.seen.append({n: v.detach().cpu().clone() for n, v in inputs.items() if isinstance(v, torch.Tensor)})
-        return super().compute_loss(model, inputs, *a, **k)
-
-
 def test_training_with_ref_server_logs_kl_and_holds_no_reference(server, tiny_model_path, tmp_path):
     args = tiny_config(tmp_path / "out", temperature=0.9, beta=0.1, ref_server_url=server.url, vllm_api_key=API_KEY)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(32))
+    t, seen = recorded_trainer(
+        model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(32)
+    )
     assert t.ref_model is None and t.ref_client is not None
     t.train()
     kls = [h["kl"] for h in t.state.log_history if "kl" in h]
     assert len(kls) == 3 and all(k >= 0 for k in kls) and kls[-1] > 0  # the policy moved away from the reference
     # the ref logps the trainer used are the initial weights' (the server is frozen), at the trainer's temperature
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    for batch in t.seen:
+    for batch in seen:
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         T = batch["completion_ids"].size(1)

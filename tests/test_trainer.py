@@ -359,3 +359,32 @@ def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_
     assert sizes == {"ref": [3] * 8, "old": [6] * 4}  # 2 rounds
     logs = [h for h in t.state.log_history if "chunks/ref_logps" in h]
     assert [(h["chunks/ref_logps"], h["chunks/old_logps"], h["chunks/rollout"]) for h in logs] == [(4, 2, 6)] * 2
+
+
+def test_on_micro_batch_sees_what_compute_loss_trains(tiny_model_path, tmp_path):
+    """`GRPOCallback.on_micro_batch` is called with each micro-batch before `compute_loss` trains that very object:
+    a user can inspect what is trained without subclassing the trainer."""
+    from grpo_async import GRPOCallback
+
+    events = []
+
+    class Watch(GRPOCallback):
+        def on_micro_batch(self, args, state, control, micro_batch=None, **kwargs):
+            events.append(("batch", id(micro_batch), state.global_step, len(micro_batch)))
+
+    class Loss(GRPOTrainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            events.append(("loss", id(inputs), self.state.global_step, len(inputs)))
+            return super().compute_loss(model, inputs, *a, **k)
+
+    t = Loss(
+        model=tiny_model_path,
+        reward_funcs=letter_reward,
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=make_dataset(64),
+        callbacks=[Watch()],
+    )
+    t.train()
+    assert len(events) == 2 * 2 * 2  # 2 steps × GA 2 micro-batches, each seen then trained
+    for seen, trained in zip(events[::2], events[1::2], strict=True):
+        assert seen[0] == "batch" and trained[0] == "loss" and seen[1:] == trained[1:]

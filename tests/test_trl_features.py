@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
+from recording import recorded_trainer
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 trl = pytest.importorskip("trl")
@@ -95,15 +96,6 @@ def test_aggregation_is_validated(tmp_path):
         tiny_config(tmp_path, multi_objective_aggregation="normalise_then_sum")
 
 
-class Recorder(GRPOTrainer):
-    """Records every micro-batch handed to compute_loss (observation only)."""
-
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        self.seen.append({n: v.detach().cpu().clone() for n, v in inputs.items() if isinstance(v, torch.Tensor)})
-        return super().compute_loss(model, inputs, *a, **k)
-
-
 def id_sum(prompts, completions, completion_ids, **kw):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
@@ -121,7 +113,7 @@ def test_trainer_trains_on_normalize_then_sum_advantages(tiny_model_path, tmp_pa
         reward_weights=[1.0, 0.5],
         scale_rewards="none",  # ignored by normalize_then_sum, as in TRL
     )
-    t = Recorder(
+    t, seen = recorded_trainer(
         model=tiny_model_path, reward_funcs=[id_sum, first_id_or_none], args=args, train_dataset=make_dataset(64)
     )
     t.train()
@@ -134,9 +126,9 @@ def test_trainer_trains_on_normalize_then_sum_advantages(tiny_model_path, tmp_pa
     plain = trl_advantages(rewards, weights, 4, "none", "sum_then_normalize")
     assert not torch.allclose(expected, plain, atol=1e-3)
     # the micro-batches trained carry exactly these advantages
-    for batch in t.seen:
+    for batch in seen:
         torch.testing.assert_close(batch["advantages"], expected[batch["row_index"]], atol=1e-5, rtol=0)
-    assert sum(len(b["advantages"]) for b in t.seen) == len(expected)
+    assert sum(len(b["advantages"]) for b in seen) == len(expected)
     # the logged reward is still the weighted sum of the raw rewards (as TRL logs it)
     raw = (rewards * weights).nansum(1)
     raw[rewards.isnan().all(1)] = NAN
@@ -291,7 +283,7 @@ def test_ref_model_mixes_in_the_policy_every_sync_steps(tiny_model_path, tmp_pat
         ref_model_sync_steps=2,
     )
     at_step_2 = _PolicyAt(2)
-    t = Recorder(
+    t, seen = recorded_trainer(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=args,
@@ -314,7 +306,7 @@ def test_ref_model_mixes_in_the_policy_every_sync_steps(tiny_model_path, tmp_pat
     mixed = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     mixed.load_state_dict(expected, strict=False)
     moved = 0.0
-    for batch in t.seen:
+    for batch in seen:
         rnd = int(batch["round_id"][0])
         for i in range(len(batch["advantages"])):
             T = int(batch["completion_mask"][i].sum())
@@ -322,5 +314,5 @@ def test_ref_model_mixes_in_the_policy_every_sync_steps(tiny_model_path, tmp_pat
             torch.testing.assert_close(used, _row_logps(mixed if rnd == 2 else frozen, batch, i), atol=1e-4, rtol=0)
             if rnd == 2:
                 moved = max(moved, (used - _row_logps(frozen, batch, i)).abs().max().item())
-    assert {int(b["round_id"][0]) for b in t.seen} == {0, 1, 2}
+    assert {int(b["round_id"][0]) for b in seen} == {0, 1, 2}
     assert moved > 1e-2, "the mixed reference scores like the frozen one: the test could not tell them apart"
