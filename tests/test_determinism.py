@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -21,7 +22,7 @@ from transformers import TrainerCallback
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.testing import tiny_config
-from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
+from grpo_async.testing.warm_launch import run_2cpu, run_script  # noqa: E402
 
 
 class Jitter(TrainerCallback):
@@ -210,5 +211,117 @@ def _worker(model: str, out: str, jitter: bool) -> None:
     os._exit(0)
 
 
+# ---- under load, 2 torch threads ----------------------------------------------------------------------------------
+def _busy_cores(n: int) -> list[subprocess.Popen]:
+    """`n` processes that spin on a core each until killed (the machine "at load ~4" of issue 41)."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(spin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+
+
+def test_training_steps_repeat_under_load(tiny_model_path, tmp_path):
+    """The training step's forward and backward, as the trainer runs them (`score_tokens` with prompt sharing and
+    packing, the defaults), repeat bit for bit with 2 torch threads while 2 other processes spin on both cores, or
+    pause: 2 steps from the same weights give the same losses and the same weights in each of 4 tries, and
+    60 backward passes of the gather alone give the same gradients.
+
+    Why (issue 41: identical demo runs at load ~4 diverged from step 3 on; quiet ones matched): a shared prompt's
+    last position scores the first token of each of its completions, and the backward of that gather
+    (`logits[bins, pos]` on CPU) summed their gradients with atomic adds from both threads, in an order set by which
+    thread got there first. Before `algo.packing.gather_logits`, this test failed (see the commit)."""
+    proc = run_script(
+        __file__, ["--scoring", tiny_model_path, str(tmp_path)], env={"OMP_NUM_THREADS": "2"}, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    runs = torch.load(tmp_path / "runs.pt")
+    assert runs["threads"] == 2 and runs["shared"]  # 2 intra-op threads; the packed rows share prompts
+    assert runs["gather"] == 0, f"{runs['gather']} of 59 backward passes of the gather gave other gradients"
+    first = runs["tries"][0]
+    for i, run in enumerate(runs["tries"][1:], start=1):
+        assert run["loss"] == first["loss"], f"try {i}: other losses"
+        assert torch.equal(run["weights"], first["weights"]), f"try {i}: other weights"
+
+
+def _repeat_gather_backward(n: int) -> int:
+    """How many of `n` backward passes of `gather_logits` over `[7, 82, 86]` logits, every 8th of its 450 rows the
+    same position (a prompt's last token, as in a wide prompt-sharing tree), gave other gradients than the first:
+    the trainer's gather in isolation, where the order of the atomic adds changed in most passes."""
+    from grpo_async.algo.packing import gather_logits
+
+    gen = torch.Generator().manual_seed(0)
+    K, M, V, N = 7, 82, 86, 450
+    logits = torch.randn(K, M, V, generator=gen)  # [K, M, V]
+    flat = torch.randperm(K * M, generator=gen)[:N]  # [N]
+    flat[::8] = flat[0]
+    weights = torch.randn(N, V, generator=gen)  # [N, V]
+    first, differing = None, 0
+    for _ in range(n):
+        x = logits.clone().requires_grad_(True)
+        (gather_logits(x, flat // M, flat % M) * weights).sum().backward()
+        if first is None:
+            first = x.grad
+        differing += not torch.equal(x.grad, first)
+    return differing
+
+
+def _scoring_worker(model_path: str, out: str, tries: int = 4, steps: int = 2) -> None:
+    """`test_training_steps_repeat_under_load`'s process: 5 prompts × 8 completions of 12-16 tokens on the tiny model
+    (`N × V` ≥ 32768, where torch's CPU kernels split over the threads), `tries` × `steps` SGD steps from the same
+    weights, the 2 spinning processes running for every other try and stopped for the others; writes `runs.pt`."""
+    import signal
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_async.algo import logprobs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    V, R, G, P, T = model.config.vocab_size, 5, 8, 12, 16  # R prompts: the threads' split falls inside a tree
+    prompts = torch.randint(1, V, (R, P)).repeat_interleave(G, 0)  # [B, P] R groups of G rows
+    completions = torch.randint(1, V, (R * G, T))  # [B, T]
+    completion_mask = (torch.arange(T) < torch.randint(12, T + 1, (R * G, 1))).long()  # [B, T]
+    ids = torch.cat([prompts, completions * completion_mask], 1)  # [B, P+T]
+    mask = torch.cat([torch.ones_like(prompts), completion_mask], 1)  # [B, P+T]
+    advantages = torch.randn(R * G, 1)  # [B, 1]
+    shared = []
+    pack = logprobs.pack_shared
+
+    def counting(*args, **kwargs):
+        packed = pack(*args, **kwargs)
+        shared.append(packed is not None)
+        return packed
+
+    logprobs.pack_shared = counting
+    spinners = _busy_cores(2)
+    results = []
+    try:
+        for i in range(tries):
+            for p in spinners:
+                p.send_signal(signal.SIGCONT if i % 2 else signal.SIGSTOP)
+            model.load_state_dict(start)
+            losses = []
+            for _ in range(steps):
+                model.zero_grad()
+                logps = logprobs.score_tokens(model, ids, mask, T, padding_free=True, share_prefix=True).logps
+                loss = -(logps * advantages * completion_mask).sum() / completion_mask.sum()  # [] dapo-like
+                loss.backward()
+                with torch.no_grad():
+                    for q in model.parameters():
+                        q -= 0.1 * q.grad
+                losses.append(loss.item())
+            weights = torch.cat([q.detach().flatten() for q in model.parameters()])
+            results.append({"loss": losses, "weights": weights})
+        gather_grads = _repeat_gather_backward(60)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    runs = {"tries": results, "threads": torch.get_num_threads(), "shared": all(shared), "gather": gather_grads}
+    torch.save(runs, os.path.join(out, "runs.pt"))
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
+    if sys.argv[1] == "--scoring":
+        _scoring_worker(sys.argv[2], sys.argv[3])
+    else:
+        _worker(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))

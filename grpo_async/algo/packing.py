@@ -240,7 +240,7 @@ def packed_token_scores(
         logits_to_keep=packed.keep.to(device),
         **({"output_router_logits": True} if router is not None else {}),
     )
-    raw = out.logits[packed.logits_bin.to(device), packed.logits_pos.to(device)]  # [N, V]
+    raw = gather_logits(out.logits, packed.logits_bin.to(device), packed.logits_pos.to(device))  # [N, V]
     target = packed.target_ids.to(device).unsqueeze(0)  # [1, N]
     logps = selective_log_softmax((raw / temperature).unsqueeze(0), target).squeeze(0)  # [N]
     entropies = None
@@ -260,6 +260,28 @@ def packed_token_scores(
         sets = support if not isinstance(support, torch.Tensor) else support[packed.rows, packed.cols]  # [N, K]
         kept = log_kept_mass((raw / temperature).detach(), sets)  # [N]
     return logps, entropies, aux_loss, kept
+
+
+def gather_logits(logits: torch.Tensor, bins: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`logits[bins, pos]` (`[K, M, V]`, `[N]`, `[N]` → `[N, V]`) with a backward pass that sums the gradients of a
+    position picked several times in the same order every run. Prompt sharing picks a prompt's last position once per
+    completion of its tree. On CPU the backward of `logits[bins, pos]` (`index_put_` with accumulation) adds those
+    gradients with atomic adds from every intra-op thread once `N × V` reaches torch's grain size (32768), so their
+    order, hence the float sum, followed the thread timing: loaded runs with 2 threads diverged (issue 41). On CPU the
+    rows are taken with `index_select`, whose backward (`index_add_`) adds them in index order; on CUDA advanced
+    indexing's backward already sorts the indices, where `index_add_` would use atomics.
+
+    >>> logits = torch.arange(12.0).view(2, 3, 2).requires_grad_()
+    >>> rows = gather_logits(logits, torch.tensor([0, 0, 1]), torch.tensor([2, 2, 0]))
+    >>> rows.tolist()
+    [[4.0, 5.0], [4.0, 5.0], [6.0, 7.0]]
+    >>> rows.sum().backward(); logits.grad[0, 2].tolist()  # picked twice
+    [2.0, 2.0]
+    """
+    if logits.device.type != "cpu":
+        return logits[bins, pos]  # [N, V]
+    K, M, V = logits.shape
+    return logits.reshape(K * M, V).index_select(0, bins * M + pos)  # [N, V]
 
 
 def attention_mask_4d(allowed: torch.Tensor, model) -> torch.Tensor:
