@@ -2,7 +2,8 @@
 
 argv: MODEL OUT_DIR NUM_BATCHES_AHEAD NUM_ITERATIONS [SERVER_URL API_KEY] (with a server: the vllm_server backend).
 Environment (resume tests): GRPO_TEST_MAX_STEPS (default 4), GRPO_TEST_SAVE_STEPS (checkpoint every N steps),
-GRPO_TEST_STOP_AT (stop after that step), GRPO_TEST_RESUME (checkpoint folder to resume from).
+GRPO_TEST_STOP_AT (stop after that step), GRPO_TEST_RESUME (checkpoint folder to resume from); GRPO_TEST_TOP_P
+(sampling's top_p: the kept sets travel from the main process's round to each rank's slice).
 """
 
 import gc
@@ -49,6 +50,8 @@ def main():
         server = dict(generation_backend="vllm", vllm_max_model_length=128)
     if "GRPO_TEST_ASYNC_MODE" in os.environ:  # "stream": tests/test_streaming.py
         server["async_mode"] = os.environ["GRPO_TEST_ASYNC_MODE"]
+    if "GRPO_TEST_TOP_P" in os.environ:
+        server["top_p"] = float(os.environ["GRPO_TEST_TOP_P"])
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -85,6 +88,11 @@ def main():
                 "seen": trainer.seen,
                 "param_checksum": float(params.double().sum()),
                 "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+                "is_ratio_mean": [
+                    h["sampling/importance_sampling_ratio/mean"]
+                    for h in trainer.state.log_history
+                    if "sampling/importance_sampling_ratio/mean" in h
+                ],
             },
             f,
         )
