@@ -14,25 +14,29 @@ __version__ = "0.1.0"
 
 #: public name -> module that defines it
 _EXPORTS = {
+    "AsyncBatchGenerator": ".pipeline.batch_generator",
     "AsyncDataLoaderWrapper": ".data.async_loader",
+    "BatchRequest": ".pipeline.batch_generator",
+    "BatchResult": ".pipeline.batch_generator",
     "GRPOCallback": ".callbacks",
     "GRPOConfig": ".config",
     "GRPOTrainer": ".trainer",
     "RepeatSampler": ".data.sampler",
     "Round": ".pipeline.types",
-    "RoundQueue": ".pipeline.job_queue",
     "RoundRequest": ".pipeline.types",
     "compute_advantages": ".algo.advantages",
 }
 
 __all__ = [
+    "AsyncBatchGenerator",
     "AsyncDataLoaderWrapper",
+    "BatchRequest",
+    "BatchResult",
     "GRPOCallback",
     "GRPOConfig",
     "GRPOTrainer",
     "RepeatSampler",
     "Round",
-    "RoundQueue",
     "RoundRequest",
     "compute_advantages",
 ]
@@ -44,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .config import GRPOConfig
     from .data.async_loader import AsyncDataLoaderWrapper
     from .data.sampler import RepeatSampler
-    from .pipeline.job_queue import RoundQueue
+    from .pipeline.batch_generator import AsyncBatchGenerator, BatchRequest, BatchResult
     from .pipeline.types import Round, RoundRequest
     from .trainer import GRPOTrainer
 

@@ -1,4 +1,5 @@
-"""`RoundQueue` (`grpo_async/pipeline/job_queue.py`): rounds in, rounds out, every wait bounded, errors re-raised."""
+"""`AsyncBatchGenerator` (`grpo_async/pipeline/batch_generator.py`), seed 003's generator thread: batches in, batches
+out, every wait bounded, errors re-raised."""
 
 import threading
 import time
@@ -6,7 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo_async import RoundQueue, RoundRequest
+from grpo_async import AsyncBatchGenerator, BatchRequest, RoundRequest
+
+
+def batch(batch_id: int, rows: list) -> BatchRequest:
+    """Seed 003's request: batch `batch_id`, a round of `rows`."""
+    return BatchRequest(batch_id, RoundRequest(batch_id, rows))
 
 
 def doubled(request):
@@ -15,17 +21,17 @@ def doubled(request):
 
 
 def test_results_in_submission_order_and_counters():
-    gen = RoundQueue(doubled, max_queue_size=3, generation_timeout=10).start()
+    gen = AsyncBatchGenerator(doubled, max_queue_size=3, generation_timeout=10).start()
     try:
         for i in range(3):
-            gen.submit(RoundRequest(i, [i, i + 1]))
+            gen.submit_batch(batch(i, [i, i + 1]))
         gen.wait_until_idle()
         assert gen.get_pending_count() == 0 and gen.get_completed_count() == 3  # done, not yet fetched
-        assert gen.get(1).rows == [2, 4]  # out-of-order fetch is fine
-        assert gen.get(0).rows == [0, 2]
+        assert gen.get_batch(1).round.rows == [2, 4]  # out-of-order fetch is fine
+        assert gen.get_batch(0).round.rows == [0, 2]
         assert gen.get_completed_count() == 1  # fetched rounds leave the queue
-        r = gen.get(2)
-        assert r.round_id == 2 and r.rows == [4, 6] and gen.started == [0, 1, 2]
+        result = gen.get_batch(2)
+        assert result.batch_id == 2 and result.round.rows == [4, 6] and gen.started == [0, 1, 2]
         assert gen.get_pending_count() == 0 and gen.get_completed_count() == 0
     finally:
         gen.stop()
@@ -45,18 +51,21 @@ def test_generation_time_is_the_time_spent_in_generate_fn():
             raise ValueError("bad round")
         return doubled(request)
 
-    gen = RoundQueue(work, generation_timeout=30).start()
+    gen = AsyncBatchGenerator(work, generation_timeout=30).start()
     try:
         t0 = time.perf_counter()
-        gen.submit(RoundRequest(0, ["x"]))
-        r0 = gen.get(0)
+        gen.submit_batch(batch(0, ["x"]))
+        r0 = gen.get_batch(0).round
         wall0 = time.perf_counter() - t0
         assert HOLD <= r0.generation_time <= wall0
-        gen.submit(RoundRequest(1, ["x"]))
-        assert 2 * HOLD <= gen.get(1).generation_time
-        gen.submit(RoundRequest(2, ["x"]))
+        gen.submit_batch(batch(1, ["x"]))
+        r1 = gen.get_batch(1)
+        assert 2 * HOLD <= r1.generation_time == r1.round.generation_time
+        # seed 003's get_average_generation_time: the mean over the batches that succeeded
+        assert gen.get_average_generation_time() == pytest.approx((r0.generation_time + r1.generation_time) / 2)
+        gen.submit_batch(batch(2, ["x"]))
         with pytest.raises(RuntimeError, match="bad round"):
-            gen.get(2)
+            gen.get_batch(2)
         assert gen.busy_seconds() >= 6 * HOLD  # the failed round's time counts as busy too
     finally:
         gen.stop()
@@ -66,11 +75,11 @@ def test_generate_fn_error_is_raised_chained_by_get():
     def boom(request):
         raise ValueError("bad prompt 7")
 
-    gen = RoundQueue(boom, generation_timeout=10).start()
+    gen = AsyncBatchGenerator(boom, generation_timeout=10).start()
     try:
-        gen.submit(RoundRequest(0, ["x"]))
+        gen.submit_batch(batch(0, ["x"]))
         with pytest.raises(RuntimeError, match="Async generation failed: round 0: ValueError: bad prompt 7") as ei:
-            gen.get(0)
+            gen.get_batch(0)
         assert isinstance(ei.value.__cause__, ValueError)
     finally:
         gen.stop()
@@ -78,12 +87,12 @@ def test_generate_fn_error_is_raised_chained_by_get():
 
 def test_slow_generation_times_out_instead_of_hanging():
     release = threading.Event()
-    gen = RoundQueue(lambda r: release.wait(5), generation_timeout=10).start()
+    gen = AsyncBatchGenerator(lambda r: release.wait(5), generation_timeout=10).start()
     try:
-        gen.submit(RoundRequest(0, ["x"]))
+        gen.submit_batch(batch(0, ["x"]))
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="round 0 not ready after 0.3s"):
-            gen.get(0, timeout=0.3)
+            gen.get_batch(0, timeout=0.3)
         assert time.monotonic() - start < 3
     finally:
         release.set()
@@ -92,40 +101,44 @@ def test_slow_generation_times_out_instead_of_hanging():
 
 def test_full_queue_refuses_instead_of_dropping():
     release = threading.Event()
-    gen = RoundQueue(lambda r: release.wait(5) and doubled(r), max_queue_size=2, generation_timeout=10).start()
+    gen = AsyncBatchGenerator(
+        lambda r: release.wait(5) and doubled(r), max_queue_size=2, generation_timeout=10
+    ).start()
     try:
-        gen.submit(RoundRequest(0, ["a"]))
-        gen.submit(RoundRequest(1, ["b"]))
+        gen.submit_batch(batch(0, ["a"]))
+        gen.submit_batch(batch(1, ["b"]))
         with pytest.raises(TimeoutError, match="queue full.*the request was not queued"):
-            gen.submit(RoundRequest(2, ["c"]), timeout=0.2)
+            gen.submit_batch(batch(2, ["c"]), timeout=0.2)
         release.set()
-        assert gen.get(0).rows == ["aa"]
-        gen.submit(RoundRequest(2, ["c"]))  # room again: accepted
-        assert gen.get(1).round_id == 1 and gen.get(2).round_id == 2
+        assert gen.get_batch(0).round.rows == ["aa"]
+        gen.submit_batch(batch(2, ["c"]))  # room again: accepted
+        assert gen.get_batch(1).round.round_id == 1 and gen.get_batch(2).round.round_id == 2
     finally:
         release.set()
         gen.stop()
 
 
 def test_misuse_is_reported():
-    gen = RoundQueue(lambda r: None, generation_timeout=5)
+    gen = AsyncBatchGenerator(lambda r: None, generation_timeout=5)
     with pytest.raises(RuntimeError, match="before start"):
-        gen.submit(RoundRequest(0, []))
+        gen.submit_batch(batch(0, []))
     gen.start()
     try:
         with pytest.raises(KeyError, match="never submitted"):
-            gen.get(42)
-        gen.submit(RoundRequest(0, []))
+            gen.get_batch(42)
+        gen.submit_batch(batch(0, []))
         with pytest.raises(ValueError, match="already submitted"):
-            gen.submit(RoundRequest(0, []))
-        with pytest.raises(TypeError, match="expects a RoundRequest"):
-            gen.submit([{"prompt": "a"}])
+            gen.submit_batch(batch(0, []))
+        with pytest.raises(TypeError, match="expects a BatchRequest"):
+            gen.submit_batch(RoundRequest(1, [{"prompt": "a"}]))
+        with pytest.raises(ValueError, match="batch_id 3 but its round is 2"):
+            BatchRequest(3, RoundRequest(2, []))
     finally:
         gen.stop()
     with pytest.raises(ValueError, match="generation_timeout"):
-        RoundQueue(lambda r: None, generation_timeout=float("inf"))
+        AsyncBatchGenerator(lambda r: None, generation_timeout=float("inf"))
     with pytest.raises(ValueError, match="max_queue_size"):
-        RoundQueue(lambda r: None, max_queue_size=0)
+        AsyncBatchGenerator(lambda r: None, max_queue_size=0)
 
 
 def test_dead_thread_is_reported_not_waited_on():
@@ -134,13 +147,13 @@ def test_dead_thread_is_reported_not_waited_on():
             raise SystemExit("generator thread killed")
         return doubled(request)
 
-    gen = RoundQueue(produce, generation_timeout=300).start()
-    gen.submit(RoundRequest(0, []))
-    assert gen.get(0).round_id == 0
-    gen.submit(RoundRequest(1, []))
+    gen = AsyncBatchGenerator(produce, generation_timeout=300).start()
+    gen.submit_batch(batch(0, []))
+    assert gen.get_batch(0).round.round_id == 0
+    gen.submit_batch(batch(1, []))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="died"):
-        gen.get(1)  # would wait 300 s for a dead thread if death were not checked
+        gen.get_batch(1)  # would wait 300 s for a dead thread if death were not checked
     assert time.monotonic() - start < 60  # far below the 300 s a blind wait would take
     gen.stop(timeout=5)  # the dying thread may still be unwinding when its death is reported
     assert not gen.is_running()

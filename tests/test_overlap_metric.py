@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerCallback
 
-from grpo_async import GRPOTrainer, RoundQueue, RoundRequest
+from grpo_async import AsyncBatchGenerator, BatchRequest, GRPOTrainer, RoundRequest
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.pipeline.overlap import StepWindow, overlap_metrics
 from grpo_async.testing import tiny_config
@@ -26,6 +26,11 @@ def test_generation_bound_step():
     assert m["async/trainer_wait"] == pytest.approx(0.4)
     assert m["async/generator_idle"] == pytest.approx(0.1)
     assert m["async/bottleneck"] == 1.0
+
+
+def batch(batch_id: int, rows: list) -> BatchRequest:
+    """Seed 003's request: batch `batch_id`, a round of `rows`."""
+    return BatchRequest(batch_id, RoundRequest(batch_id, rows))
 
 
 def test_training_bound_step():
@@ -96,17 +101,17 @@ def test_job_queue_busy_seconds_count_the_running_request():
         release.wait(10)
         return SimpleNamespace(round_id=request.round_id, generation_time=0.0)
 
-    gen = RoundQueue(work, generation_timeout=10).start()
+    gen = AsyncBatchGenerator(work, generation_timeout=10).start()
     try:
         assert gen.busy_seconds() == 0.0  # idle: nothing submitted
-        gen.submit(RoundRequest(0, ["x"]))
+        gen.submit_batch(batch(0, ["x"]))
         assert started.wait(10)
         first = gen.busy_seconds()
         time.sleep(0.01)
         second = gen.busy_seconds()
         assert 0.0 < first < second  # the request in progress counts up to now
         release.set()
-        result = gen.get(0)
+        result = gen.get_batch(0).round
         done = gen.busy_seconds()
         assert done >= result.generation_time and done >= second
         time.sleep(0.01)

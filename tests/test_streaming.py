@@ -177,7 +177,9 @@ def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path
     assert torch.all(versions[1:] >= versions[:-1]), versions
     assert int(b["policy_version"][i]) == int(versions.min())
     mask = b["completion_mask"][i].bool()
-    sampler = b["rollout_logps"][i][mask]
+    sampler = b["rollout_logps"][i][mask]  # on the trainer's support where the sampler cut (EOS before min_tokens)
+    if "support_log_mass" in b:
+        sampler = sampler - b["support_log_mass"][i][mask]  # the engine's own log-probs
     ids = b["completion_ids"][i][mask]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     v0 = int(versions[0])

@@ -1,7 +1,7 @@
 """`SharedBackend`: the one generation backend of a run, built on first use, used by one caller at a time.
 
 Three collaborators use it on the process that generates (the main process, or with an engine on every rank each
-rank: `pipeline/build.py`): the round producer (job-queue thread) generates, the policy publisher
+rank: `pipeline/build.py`): the round producer (generator thread) generates, the policy publisher
 (trainer thread) loads new weights, evaluation generates. `lock` makes each use atomic, so a round never sees its
 weights change under it.
 

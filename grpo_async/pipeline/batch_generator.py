@@ -1,16 +1,18 @@
-"""`RoundQueue`: the job queue — one background thread that turns `RoundRequest`s into `Round`s.
+"""`AsyncBatchGenerator`: the generator thread of seed 003 — one background thread that turns `BatchRequest`s (a
+typed `RoundRequest` inside) into `BatchResult`s (a `Round` inside).
 
 ```
-trainer thread                        generator thread "grpo-async-generator"
-──────────────                        ─────────────────────────────────────────
-submit(RoundRequest 0) ──▶ [queue] ──▶ producer(request 0) ──▶ completed[0]: Round 0
-submit(RoundRequest 1) ──▶            producer(request 1) ──▶ completed[1]: Round 1
-get(0)  ◀───────────────────────────── (waits at most `timeout`)
+trainer thread                                  generator thread "grpo-async-generator"
+──────────────                                  ─────────────────────────────────────────
+submit_batch(BatchRequest 0) ──▶ [queue] ──▶ generate_fn(round request 0) ──▶ completed[0]: BatchResult 0
+submit_batch(BatchRequest 1) ──▶            generate_fn(round request 1) ──▶ completed[1]: BatchResult 1
+get_batch(0)  ◀──────────────────────────── (waits at most `timeout`)
 ```
 
-Guarantees: a request is never dropped (a full queue makes `submit` wait, then raise); every wait is bounded; an
-exception in the producer reaches the caller of `get` as `RuntimeError("Async generation failed: ...")` chained from
-the original; a dead thread is reported, not waited on.
+Guarantees: a request is never dropped (a full queue makes `submit_batch` wait, then raise); every wait is bounded;
+an exception in `generate_fn` reaches the caller of `get_batch` as `RuntimeError("Async generation failed: ...")`
+chained from the original; a dead thread is reported, not waited on. `get_average_generation_time()` is the mean
+seconds per batch so far (the scheduler logs it as `async/average_generation_time`).
 
 Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
 within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
@@ -27,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .types import Round, RoundRequest
 
@@ -46,7 +49,7 @@ def _join_at_exit() -> None:
 
 def join_at_exit(owner) -> None:
     """Join `owner`'s threads at interpreter exit if they still run then (`owner.is_running()`, `owner.stop(t)`,
-    `owner.generation_timeout`): `RoundQueue` and `GroupStream` register themselves when they start."""
+    `owner.generation_timeout`): `AsyncBatchGenerator` and `GroupStream` register themselves when they start."""
     _LIVE.add(owner)
     # (re-)registered last, so it runs first at exit: before the handlers of engines built since (vLLM's)
     atexit.unregister(_join_at_exit)
@@ -69,12 +72,39 @@ def wait_for(cond: threading.Condition, done, deadline: float, timeout_message, 
         cond.wait(min(left, 0.5))
 
 
-class RoundQueue:
-    """Owns the generator thread, its bounded request queue and the completed rounds.
+@dataclass
+class BatchRequest:
+    """What the trainer asks the generator for (seed 003's `BatchRequest`, typed): batch `batch_id` (a round: the
+    pipeline counts rounds, and `batch_id` is the round's id) and the `RoundRequest` of its rows (`[R]` dataset rows
+    of every process, each prompt's G copies consecutive)."""
+
+    batch_id: int
+    round: RoundRequest
+
+    def __post_init__(self):
+        if not isinstance(self.round, RoundRequest):
+            raise TypeError(f"BatchRequest.round must be a RoundRequest, got {type(self.round).__name__}")
+        if self.round.round_id != self.batch_id:
+            raise ValueError(f"BatchRequest: batch_id {self.batch_id} but its round is {self.round.round_id}")
+
+
+@dataclass
+class BatchResult:
+    """A generated batch (seed 003's `BatchResult`, typed): `round` holds the rows, rewards and advantages (`Round`
+    `[R]`), `generation_time` the seconds `generate_fn` took. A failed batch never comes back as a result:
+    `get_batch` raises its error."""
+
+    batch_id: int
+    round: Round
+    generation_time: float
+
+
+class AsyncBatchGenerator:
+    """Owns the generator thread, its bounded request queue and the completed batches.
 
     Args:
         generate_fn (`Callable[[RoundRequest], Round]`): produces the round of one request (the `RoundProducer`);
-            the queue sets the returned round's `generation_time` to the seconds spent in it.
+            the generator sets the returned round's `generation_time` to the seconds spent in it.
         max_queue_size (`int`, *optional*, defaults to `4`): most requests queued, running or completed-but-not-
             fetched at once. `submit` waits for room, up to `generation_timeout`, then raises.
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
@@ -92,12 +122,13 @@ class RoundQueue:
         interrupt: Callable[[], None] | None = None,
     ):
         if not callable(generate_fn):
-            raise TypeError(f"RoundQueue: generate_fn must be callable, got {type(generate_fn).__name__}")
+            raise TypeError(f"AsyncBatchGenerator: generate_fn must be callable, got {type(generate_fn).__name__}")
         if not isinstance(max_queue_size, int) or max_queue_size < 1:
-            raise ValueError(f"RoundQueue: max_queue_size must be an int >= 1, got {max_queue_size!r}")
+            raise ValueError(f"AsyncBatchGenerator: max_queue_size must be an int >= 1, got {max_queue_size!r}")
         if not generation_timeout or generation_timeout <= 0 or generation_timeout == float("inf"):
             raise ValueError(
-                f"RoundQueue: generation_timeout must be a finite number of seconds > 0, got {generation_timeout!r}"
+                "AsyncBatchGenerator: generation_timeout must be a finite number of seconds > 0, got "
+                f"{generation_timeout!r}"
             )
         self.generate_fn = generate_fn
         self.max_queue_size = max_queue_size
@@ -112,13 +143,15 @@ class RoundQueue:
         self._pending: set[int] = set()  # queued or running
         self._completed: dict[int, Round | BaseException] = {}  # a failed request holds its exception
         self._busy = 0.0  # seconds spent in `generate_fn` by requests that finished
+        self._generated = 0  # requests that finished successfully (get_average_generation_time)
+        self._generation_seconds = 0.0  # their seconds in `generate_fn`
         self._busy_since: float | None = None  # perf_counter() at which the running request started
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> RoundQueue:
+    def start(self) -> AsyncBatchGenerator:
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()
@@ -164,60 +197,61 @@ class RoundQueue:
             raise RuntimeError(f"Async generation failed: thread {self.name} exited unexpectedly")
 
     # -- producer side ---------------------------------------------------------------------------------------
-    def submit(self, request: RoundRequest, timeout: float | None = None) -> None:
+    def submit_batch(self, request: BatchRequest, timeout: float | None = None) -> None:
         """Queue `request`. Waits for room (at most `timeout`, default `generation_timeout`), then raises."""
-        if not isinstance(request, RoundRequest):
-            raise TypeError(f"RoundQueue.submit expects a RoundRequest, got {type(request).__name__}")
+        if not isinstance(request, BatchRequest):
+            raise TypeError(f"AsyncBatchGenerator.submit_batch expects a BatchRequest, got {type(request).__name__}")
         if self._thread is None:
-            raise RuntimeError("RoundQueue.submit called before start()")
+            raise RuntimeError("AsyncBatchGenerator.submit_batch called before start()")
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        batch_id = request.batch_id
         with self._cond:
-            if request.round_id in self._submitted:
-                raise ValueError(f"round {request.round_id} was already submitted")
+            if batch_id in self._submitted:
+                raise ValueError(f"batch {batch_id} was already submitted")
             self._wait(
                 lambda: len(self._pending) + len(self._completed) < self.max_queue_size,
                 deadline,
                 lambda: (
-                    f"submit(round {request.round_id}): queue full ({len(self._pending)} pending, "
+                    f"submit_batch(batch {batch_id}): queue full ({len(self._pending)} pending, "
                     f"{len(self._completed)} completed not fetched, max_queue_size={self.max_queue_size}) "
                     f"for {timeout:.1f}s; the request was not queued"
                 ),
             )
-            self._submitted.add(request.round_id)
-            self._pending.add(request.round_id)
-        self._requests.put(request)
+            self._submitted.add(batch_id)
+            self._pending.add(batch_id)
+        self._requests.put(request.round)
 
     # -- consumer side ---------------------------------------------------------------------------------------
-    def get(self, round_id: int, timeout: float | None = None) -> Round:
-        """Wait for round `round_id` (at most `timeout`, default `generation_timeout`) and return it.
+    def get_batch(self, batch_id: int, timeout: float | None = None) -> BatchResult:
+        """Wait for batch `batch_id` (at most `timeout`, default `generation_timeout`) and return it.
 
         Raises:
             `RuntimeError`: "Async generation failed: ..." when `generate_fn` raised (chained) or the thread died.
-            `TimeoutError`: when the round is not ready in time.
-            `KeyError`: when `round_id` was never submitted.
+            `TimeoutError`: when the batch is not ready in time.
+            `KeyError`: when `batch_id` was never submitted.
         """
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._cond:
-            if round_id not in self._submitted:
-                raise KeyError(f"get({round_id}): that round was never submitted")
+            if batch_id not in self._submitted:
+                raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
             self._wait(
-                lambda: round_id in self._completed,
+                lambda: batch_id in self._completed,
                 deadline,
                 lambda: (
-                    f"Async generation timed out: round {round_id} not ready after {timeout:.1f}s "
+                    f"Async generation timed out: round {batch_id} not ready after {timeout:.1f}s "
                     f"(pending={sorted(self._pending)}); raise `async_generation_timeout` if rounds are slow"
                 ),
             )
-            result = self._completed.pop(round_id)
-            self._submitted.discard(round_id)
+            result = self._completed.pop(batch_id)
+            self._submitted.discard(batch_id)
             self._cond.notify_all()
         if isinstance(result, BaseException):
             raise RuntimeError(
-                f"Async generation failed: round {round_id}: {type(result).__name__}: {result}"
+                f"Async generation failed: round {batch_id}: {type(result).__name__}: {result}"
             ) from result
-        return result
+        return BatchResult(batch_id, result, result.generation_time)
 
     def wait_until_idle(self, timeout: float | None = None) -> None:
         """Wait until no request is queued or running (at most `timeout`, default `generation_timeout`); completed
@@ -245,6 +279,11 @@ class RoundQueue:
         with self._cond:
             return len(self._completed)
 
+    def get_average_generation_time(self) -> float:
+        """Mean seconds `generate_fn` took per batch that finished successfully (0.0 before the first)."""
+        with self._cond:
+            return self._generation_seconds / self._generated if self._generated else 0.0
+
     def busy_seconds(self) -> float:
         """Seconds the thread has spent in `generate_fn` since this generator was made, the request running now
         counted up to now (failed requests too): the rest of the time it sat idle, waiting for a request."""
@@ -268,6 +307,9 @@ class RoundQueue:
                 try:
                     result = self.generate_fn(request)
                     result.generation_time = time.perf_counter() - start
+                    with self._cond:
+                        self._generated += 1
+                        self._generation_seconds += result.generation_time
                 except Exception as e:  # raised to the trainer by get
                     if self._stop.is_set():
                         logger.info("[%s] round %d interrupted at shutdown: %r", self.name, request.round_id, e)

@@ -16,9 +16,9 @@ RoundProducer    pipeline/         producer_settings(): G,    engine, tokenizer,
 RoundConsumer    pipeline/         consumer_settings():       collectives (sum, gather),    the old / ref log-prob
                  consumer.py       stage sizes, staleness,    old / ref log-prob scorers,   scorers
                                    importance sampling        the metric sink
-RoundScheduler   pipeline/         scheduler_settings():      collectives (gather,          RoundQueue(producer),
-                 scheduler.py      rounds ahead, μ, reuse     broadcast), producer,         consumer, publisher
-                                   order, queue, timeout      consumer, publisher, metric
+RoundScheduler   pipeline/         scheduler_settings():      collectives (gather,          AsyncBatchGenerator or
+                 scheduler.py      rounds ahead, μ, reuse     broadcast), producer,         GroupStream (producer),
+                                   order, queue, timeout      consumer, publisher, metric   consumer, publisher
                                                               sink, steps left, joiner
 RoundJoiner      pipeline/         G, scale_rewards,          the producer's reward         —
 (every rank      join.py           multi_objective_agg.,      weights and names

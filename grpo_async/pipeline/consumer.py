@@ -184,8 +184,9 @@ class RoundConsumer:
             chunks = [self.old_logps(ids[part], mask[part], T, sets(part)) for part in parts]  # each [rows, T] × 2
             out["old_logps"] = torch.cat([logps for logps, _ in chunks])  # [L, T]
             if support is not None:
-                log_kept = torch.cat([mass for _, mass in chunks])  # [L, T] ≤ 0
-                out["rollout_logps"] = local.rollout_logps + log_kept * local.completion_mask
+                log_kept = torch.cat([mass for _, mass in chunks]) * local.completion_mask  # [L, T] ≤ 0
+                out["rollout_logps"] = local.rollout_logps + log_kept
+                out["support_log_mass"] = log_kept
             self.log("timing/old_logps", time.perf_counter() - t0)
             self.log("chunks/old_logps", float(len(chunks)))
         if self.ref_logps is not None:

@@ -1,4 +1,4 @@
-"""`GroupStream`: the job queue of stream mode (`GRPOConfig.async_mode="stream"`): prompt groups in, training rounds
+"""`GroupStream`: the generator of stream mode (`GRPOConfig.async_mode="stream"`): prompt groups in, training rounds
 assembled from the groups that finished first out.
 
 ```txt
@@ -65,7 +65,9 @@ held group would be trained in, no newer weights can come before that round is r
 held longer than `generation_timeout`. `pace_seconds` counts the wall time a start was held back
 (`async/pace_wait_s`).
 
-Same bounded waits, error propagation and shutdown as `RoundQueue` (`job_queue.py`): `get`, `submit` and `held` wait
+The generator protocol of `AsyncBatchGenerator` (`batch_generator.py`): `submit_batch(BatchRequest)`,
+`get_batch(batch_id) -> BatchResult`, the same bounded waits, error propagation and shutdown: `get_batch`,
+`submit_batch` and `held` wait
 at most `generation_timeout`; a failed group fails the round that takes it (`RuntimeError("Async generation failed:
 ...")` chained from the error); `stop` interrupts the running groups (`interrupt`: the producer's abort) and joins
 the threads within its timeout, the rest at interpreter exit.
@@ -84,7 +86,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .job_queue import join_at_exit, joined, wait_for
+from .batch_generator import BatchRequest, BatchResult, join_at_exit, joined, wait_for
 from .types import Round, RoundRequest
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,7 @@ class GroupStream:
         self._held = 0  # publishes holding the stream (no group starts)
         self._last_round: int | None = None  # the training round last assembled
         self._last_take = time.perf_counter()  # when the last round was assembled (or the stream started)
+        self._delivered, self._delivery_seconds = 0, 0.0  # rounds assembled, their seconds (average generation time)
         self._busy = 0.0  # seconds with at least one group running
         self._busy_since: float | None = None
         self._stop = threading.Event()
@@ -215,13 +218,14 @@ class GroupStream:
             raise RuntimeError(f"Async generation failed: a {self.name} thread exited unexpectedly")
 
     # -- trainer side ----------------------------------------------------------------------------------------
-    def submit(self, request: RoundRequest, timeout: float | None = None) -> None:
-        """Queue the prompt groups of `request` (`R / G` groups of G consecutive rows). Waits for room (at most
+    def submit_batch(self, batch: BatchRequest, timeout: float | None = None) -> None:
+        """Queue the prompt groups of `batch.round` (`R / G` groups of G consecutive rows). Waits for room (at most
         `timeout`, default `generation_timeout`), then raises `TimeoutError`."""
-        if not isinstance(request, RoundRequest):
-            raise TypeError(f"GroupStream.submit expects a RoundRequest, got {type(request).__name__}")
+        if not isinstance(batch, BatchRequest):
+            raise TypeError(f"GroupStream.submit_batch expects a BatchRequest, got {type(batch).__name__}")
         if not self._threads:
-            raise RuntimeError("GroupStream.submit called before start()")
+            raise RuntimeError("GroupStream.submit_batch called before start()")
+        request = batch.round
         R, G = len(request.rows), self.G
         if R == 0 or R % G:
             raise ValueError(f"round {request.round_id}: {R} rows are not whole groups of num_generations={G}")
@@ -244,15 +248,15 @@ class GroupStream:
                 lambda: self._held_groups() + len(groups) <= room,
                 deadline,
                 lambda: (
-                    f"submit(round {request.round_id}): stream full ({self._held_groups()} groups waiting, running "
-                    f"or ready; room for {room}) for {timeout:.1f}s; the request was not queued"
+                    f"submit_batch(round {request.round_id}): stream full ({self._held_groups()} groups waiting, "
+                    f"running or ready; room for {room}) for {timeout:.1f}s; the request was not queued"
                 ),
             )
             self._submitted.add(request.round_id)
             self._waiting.extend(groups)
             self._cond.notify_all()
 
-    def get(self, round_id: int, timeout: float | None = None) -> Round:
+    def get_batch(self, round_id: int, timeout: float | None = None) -> BatchResult:
         """Training round `round_id`: the first `R / G` groups ready, waited for at most `timeout` (default
         `generation_timeout`). Rounds are assembled in increasing `round_id` (the order the trainer trains them).
 
@@ -264,10 +268,12 @@ class GroupStream:
         deadline = time.monotonic() + timeout
         with self._cond:
             if self._last_round is not None and round_id <= self._last_round:
-                raise KeyError(f"get({round_id}): round {self._last_round} was already assembled (rounds go in order)")
+                raise KeyError(
+                    f"get_batch({round_id}): round {self._last_round} was already assembled (rounds go in order)"
+                )
             need = self._groups_per_round
             if need is None:
-                raise KeyError(f"get({round_id}): nothing was submitted")
+                raise KeyError(f"get_batch({round_id}): nothing was submitted")
             self._wanted = round_id
             self._cond.notify_all()  # a worker held by the pacer re-checks: the trainer now waits for this round
             last_chance = self._last_chance(round_id)
@@ -313,7 +319,15 @@ class GroupStream:
             }
         )
         rnd.generation_time = now - since  # the wall time the stream took to deliver this round
-        return rnd
+        with self._cond:
+            self._delivered += 1
+            self._delivery_seconds += rnd.generation_time
+        return BatchResult(round_id, rnd, rnd.generation_time)
+
+    def get_average_generation_time(self) -> float:
+        """Mean wall seconds the stream took to deliver a round, over the rounds delivered (0.0 before the first)."""
+        with self._cond:
+            return self._delivery_seconds / self._delivered if self._delivered else 0.0
 
     @contextlib.contextmanager
     def held(self, timeout: float | None = None) -> Iterator[None]:

@@ -70,10 +70,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .batch_generator import AsyncBatchGenerator, BatchRequest
 from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
 from .group_stream import GroupStream
-from .job_queue import RoundQueue
 from .overlap import StepWindow
 from .producer import RoundProducer
 from .publisher import PolicyPublisher
@@ -92,7 +92,7 @@ class SchedulerSettings:
     max_queue_size: int
     generation_timeout: float
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step (the last one of an epoch may be shorter)
-    async_mode: str = "rounds"  # "rounds": RoundQueue, a round at a time; "stream": GroupStream, group by group
+    async_mode: str = "rounds"  # "rounds": AsyncBatchGenerator, a round at a time; "stream": GroupStream, by groups
     num_generations: int = 1  # G (stream mode splits requests into prompt groups)
     max_inflight_groups: int = 1  # stream mode: groups generating or being scored at once
     staleness_limit: int | None = None  # policy versions a trained row may lag (`GRPOConfig.staleness_limit`)
@@ -205,7 +205,7 @@ class RoundScheduler:
             list(range(settings.steps_per_generation)), settings.num_iterations, settings.reuse_order
         )
         self.loader = None  # the AsyncDataLoaderWrapper of the current train() (peeked for rounds ahead)
-        self.generator: RoundQueue | GroupStream | None = None
+        self.generator: AsyncBatchGenerator | GroupStream | None = None
         self.round = 0  # index of the next round to train (global, across epochs)
         self.submitted: set[int] = set()  # round ids submitted and not yet trained (tracked on every rank)
         self._epoch_seen = None
@@ -390,7 +390,7 @@ class RoundScheduler:
         return self._ready[round_id]
 
     def _collect(self, round_id: int) -> Round:
-        return self.generator.get(round_id)
+        return self.generator.get_batch(round_id).round
 
     def _joined_round(self, round_id: int) -> Round | BaseException:
         """With `join` (every rank, at the same point): round `round_id` whole, kept in `_joined` until its turn:
@@ -450,9 +450,9 @@ class RoundScheduler:
         if isinstance(self.generator, GroupStream):
             self.generator.wake()  # held groups check the new clock
 
-    def _start_generator(self) -> RoundQueue | GroupStream:
-        """The job queue of this `train()`: rounds (`RoundQueue`) or prompt groups (`GroupStream`, stream mode: the
-        backend first takes concurrent calls, `RoundProducer.start_streaming`)."""
+    def _start_generator(self) -> AsyncBatchGenerator | GroupStream:
+        """The generator of this `train()`: rounds (`AsyncBatchGenerator`) or prompt groups (`GroupStream`, stream
+        mode: the backend first takes concurrent calls, `RoundProducer.start_streaming`)."""
         if self.s.async_mode == "stream":
             self.producer.start_streaming()
             if self.assemble is None:
@@ -470,7 +470,7 @@ class RoundScheduler:
             self._busy_mark = (time.perf_counter(), 0.0)
             self._pace_mark = 0.0
             return stream.start()
-        queue = RoundQueue(
+        queue = AsyncBatchGenerator(
             self.producer,
             max_queue_size=self.s.max_queue_size,
             generation_timeout=self.s.generation_timeout,
@@ -517,7 +517,7 @@ class RoundScheduler:
             if request is not None:
                 start = time.perf_counter()  # waits when the queue is full
                 try:
-                    self.generator.submit(request)
+                    self.generator.submit_batch(BatchRequest(round_id, request))
                 finally:
                     self._add_wait(time.perf_counter() - start)
         if self._paces_rounds:
@@ -605,6 +605,7 @@ class RoundScheduler:
         if self.generator is not None:
             self.log("async/pending", float(self.generator.get_pending_count()))
             self.log("async/completed", float(self.generator.get_completed_count()))
+            self.log("async/average_generation_time", self.generator.get_average_generation_time())
             now, busy = time.perf_counter(), self.generator.busy_seconds()
             (then, busy_then), self._busy_mark = self._busy_mark, (now, busy)
             if now > then:  # share of the wall time since the previous fetch the generator had work

@@ -52,7 +52,10 @@ class MicroBatch:
     completion_ids: torch.Tensor  # [B, T] right-padded
     completion_mask: torch.Tensor  # [B, T] 1 = the token exists (attention)
     loss_mask: torch.Tensor  # [B, T] 1 = trained on (never the attention mask: env tokens, truncation, staleness)
-    rollout_logps: torch.Tensor  # [B, T] the generation engine's logprobs of the sampled tokens (temperature applied)
+    #: [B, T] the generation engine's logprobs of the sampled tokens (temperature applied); after the consumer, where
+    #: the sampler cut the vocabulary, on the trainer's support: + `support_log_mass` (the engine's own values are
+    #: `rollout_logps - support_log_mass`)
+    rollout_logps: torch.Tensor
     advantages: torch.Tensor  # [B]
     policy_version: torch.Tensor  # [B] optimizer step of the weights the row's OLDEST token was sampled with
     round_id: torch.Tensor  # [B] the round the row was requested in
@@ -65,6 +68,7 @@ class MicroBatch:
     #: `algo.sampling_support.encode_support` (−1 padding; a position of padding only: no cut); None: no cut anywhere
     sampling_mask: torch.Tensor | None = None
     support_known: torch.Tensor | None = None  # [B] bool: the backend reported the row's kept sets (sampling_mask)
+    support_log_mass: torch.Tensor | None = None  # [B, T] log π_old(kept set) the consumer added to rollout_logps
     num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
 
     # ---- rows ----------------------------------------------------------------------------------------------
@@ -139,6 +143,7 @@ _PER_TOKEN = (
     "ref_logps",
     "token_version",
     "sampling_mask",
+    "support_log_mass",
 )
 
 
@@ -153,7 +158,7 @@ class Round:
         batch (`MicroBatch`): `[R]` rows, without logps (the consumer adds them).
         metrics (`dict[str, float]`): rewards, lengths, timings of this round.
         samples (`dict`): prompts, completions and rewards for the completions table.
-        generation_time (`float`): seconds the producer spent on the round (set by the job queue).
+        generation_time (`float`): seconds the producer spent on the round (set by the `AsyncBatchGenerator`).
         rewards_per_func (`torch.Tensor`, *optional*): `[R, F]` each reward function's reward of each row (what the
             advantages were computed from; `pipeline/join.py` recomputes them over the rows of every rank).
     """
