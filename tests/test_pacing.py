@@ -1,4 +1,4 @@
-"""Staleness pacing (`GRPOConfig.staleness_policy="pace"`, `pipeline/scheduler.py: StalenessPacer`): with a staleness
+"""Staleness pacing (`GRPOConfig.staleness_policy="pace"`, `pipeline/staleness.py: StalenessPacer`): with a staleness
 limit the generator does not start a round (rounds mode) or a prompt group (stream mode) whose rows would lag more
 than `max_staleness` policy versions when trained; it waits for the trainer. `staleness_policy="drop"` generates them
 and the consumer drops them (`async/dropped_stale`), which is what makes the pacing tests able to fail.
@@ -16,7 +16,7 @@ import pytest
 from test_streaming import ROUND, Recorder, _args, _dataset
 
 from grpo_async.demo_task import letter_reward, make_dataset
-from grpo_async.pipeline.scheduler import StalenessPacer
+from grpo_async.pipeline.staleness import StalenessPacer
 from grpo_async.testing import tiny_config
 
 PROMPTS = 4  # tiny_config: a round of 16 rows = 4 prompts × G=4, two micro-steps (GA 2): one optimizer step

@@ -39,6 +39,7 @@ from ..algo.throughput import generated_tokens_per_second
 from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
 from .rows import process_slice
+from .staleness import too_stale
 from .types import MicroBatch, Round
 
 logger = logging.getLogger(__name__)
@@ -127,9 +128,7 @@ class RoundConsumer:
 
     def _drop_stale(self, local: MicroBatch, round_id: int, step: int) -> MicroBatch:
         limit = self.s.staleness_limit
-        stale = torch.zeros(len(local), dtype=torch.bool)
-        if limit is not None:
-            stale = (step - local.policy_version) > limit  # [L]
+        stale = too_stale(step, local.policy_version, limit)  # [L]
         loss_mask = local.loss_mask.clone()
         loss_mask[stale] = 0
         counts = self.collectives.reduce_sum(torch.tensor([float(stale.sum()), float(loss_mask.sum())]))

@@ -116,7 +116,7 @@ class GroupStream:
         generation_timeout (`float`, *optional*, defaults to `600`): seconds any single wait may last.
         name (`str`, *optional*): thread-name prefix, also the prefix of log lines.
         interrupt (`Callable[[], None]`, *optional*): called by `stop` while groups run (the producer's abort).
-        pacer (`StalenessPacer`, *optional*): staleness pacing (`scheduler.StalenessPacer`, the trainer's clock);
+        pacer (`StalenessPacer`, *optional*): staleness pacing (`staleness.StalenessPacer`, the trainer's clock);
             `None`: groups start whenever a worker is free.
     """
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .staleness import staleness
+
 #: a round's metric that is not logged as it is: the prompt + completion tokens of the round (every rank's rows);
 #: the trainer adds it to `state.num_input_tokens_seen` and logs that running total as TRL's `num_tokens`
 ROUND_TOKENS = "round_tokens"
@@ -106,7 +108,7 @@ def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
         m["entropy_coef"] = out.entropy_coef
     if out.aux_loss is not None:
         m["aux_loss"] = collectives.gather_tensor(out.aux_loss.detach().reshape(1)).mean().item()
-    stale = collectives.gather_tensor((version - batch.policy_version.to(mask.device)).float())  # [B·N]
+    stale = collectives.gather_tensor(staleness(version, batch.policy_version.to(mask.device)).float())  # [B·N]
     m["async/staleness"] = stale.mean().item()
     m["async/staleness_max"] = stale.max().item()
     m["async/staleness_min"] = stale.min().item()
