@@ -38,8 +38,10 @@ last 10 steps (of all steps, with fewer than 10).
 Goals (printed as `learning_goal_*` 1/0): no seed of any mode collapses; every async mode's final mean accuracy ≥
 sync's worst seed; every async mode's `time_to_sync_final` ≤ 0.9.
 
-Cost (2 CPU cores, quiet): 12 runs of `--max_steps 16` at ~9–15 s a step, ~45 s of start-up and ~40 s of scoring
-(4 checkpoints × 128 problems) each, plus the server's start: ~50–60 min (`python bench/learning.py`). `--smoke`:
+Cost (2 CPU cores, quiet; an estimate from `bench/stream_real.py`'s 13.4 s/step): 12 runs of `--max_steps 16` at
+~9–15 s a step, ~45 s of start-up and ~40 s of scoring (4 checkpoints × 128 problems) each, plus the server's start:
+~50–60 min (`python bench/learning.py`). Measured beside three other sessions' work (load 7–13), 2026-11-28: 14.5–22
+s a step and 7–9 min a run, ~1 h 45 min in all. `--smoke`:
 the tiny random model, every mode for 2 steps with 1 seed, a handful of problems, each run a fork of one warm
 interpreter (~1 min). Writes `bench/out/learning.json` (or `bench/out/smoke/`) and `bench/plots/learning.png`
 (accuracy vs optimizer step and vs wall-clock seconds, each mode's mean and its min–max band over seeds).
