@@ -254,7 +254,8 @@ def child(a) -> dict:
     before = reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
-        rows = dataclasses.replace(rows, old_logps=t.consumer.old_logps(ids, mask, T))  # [B, T]
+        old, _ = t.consumer.old_logps(ids, mask, T, None)  # [B, T] (no kept sets: nothing was cut)
+        rows = dataclasses.replace(rows, old_logps=old)
     loss = t.compute_loss(t.model, rows)
     loss.backward()
     seconds = time.perf_counter() - t0
