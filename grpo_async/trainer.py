@@ -4,7 +4,7 @@ Trainer overrides only; each job has its own component (`grpo_async/pipeline/`),
 `pipeline/build.py: build_pipeline` (its docstring tables what each component reads, receives and calls):
 
 ```txt
-            every rank                                    main process, job-queue thread
+            every rank                                    main process, generator thread (AsyncBatchGenerator)
  round r ─▶ RoundConsumer ◀── broadcast ── Round ◀─────── RoundProducer (tokenize, generate, rewards, advantages)
    │        (slice, staleness,                              ▲ RoundRequest (rows of every rank, gathered)
    │         logps, IS, GA split)                           │
@@ -86,7 +86,6 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
     """
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by gradient accumulation
-    _saving_into_staging = False  # True while Trainer._save_checkpoint writes into the staging folder
     _tag_names = ["trl", "grpo", "grpo_async"]
 
     def __init__(
@@ -322,29 +321,6 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             raise
         finally:
             self.rounds.stop()
-
-    def _get_output_dir(self, trial) -> str:
-        import os
-
-        run_dir = super()._get_output_dir(trial)
-        return os.path.join(run_dir, ckpt.SAVING_DIR) if self._saving_into_staging else run_dir
-
-    def _save_checkpoint(self, model, trial):
-        """Atomic (`pipeline/checkpointing.py`): written into a staging folder, renamed into place when complete.
-        As TRL, the model card in `output_dir` is refreshed first (a hub push of the checkpoint uploads it)."""
-        self.create_model_card()
-        try:
-            ckpt.atomic_save(
-                lambda: Trainer._save_checkpoint(self, model, trial),
-                run_dir=Trainer._get_output_dir(self, trial=trial),
-                state=self.state,
-                args=self.args,
-                pipeline_state=self._pipeline_state(),
-                barrier=self.accelerator.wait_for_everyone,
-                staging=lambda on: setattr(self, "_saving_into_staging", on),
-            )
-        finally:
-            self._saving_into_staging = False
 
     def _run_epoch(self, *args, **kwargs):
         if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from transformers import Trainer
+
 from .algo.objective import PolicyObjective
 from .algo.ref_sync import RefModelSyncCallback
 from .algo.throughput import throughput_meter
@@ -22,7 +24,10 @@ logger = logging.getLogger("grpo_async.trainer")
 
 class TrainerPipeline:
     """The trainer's pipeline: components built once from the config (`_build_pipeline`, called by
-    `GRPOTrainer.__init__` once `Trainer.__init__` made the accelerator), then driven by the Trainer overrides."""
+    `GRPOTrainer.__init__` once `Trainer.__init__` made the accelerator), then driven by the Trainer overrides; the
+    checkpoint overrides (`_save_checkpoint`, `_get_output_dir`) that save the pipeline's state with the Trainer's."""
+
+    _saving_into_staging = False  # True while Trainer._save_checkpoint writes into the staging folder
 
     def _build_pipeline(self, ref_model, processing_class, rewards, weights, rollout_func) -> None:
         """Build the objective, the metric windows and every pipeline component (`pipeline/build.py`: which reads
@@ -134,3 +139,27 @@ class TrainerPipeline:
         self._step = saved["micro_steps"]
         self.rounds.load_state_dict(saved)
         self.objective.load_state_dict(saved.get("objective"))
+
+    # ---- checkpoints (Trainer overrides) --------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        import os
+
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, ckpt.SAVING_DIR) if self._saving_into_staging else run_dir
+
+    def _save_checkpoint(self, model, trial):
+        """Atomic (`pipeline/checkpointing.py`): written into a staging folder, renamed into place when complete.
+        As TRL, the model card in `output_dir` is refreshed first (a hub push of the checkpoint uploads it)."""
+        self.create_model_card()
+        try:
+            ckpt.atomic_save(
+                lambda: Trainer._save_checkpoint(self, model, trial),
+                run_dir=Trainer._get_output_dir(self, trial=trial),
+                state=self.state,
+                args=self.args,
+                pipeline_state=self._pipeline_state(),
+                barrier=self.accelerator.wait_for_everyone,
+                staging=lambda on: setattr(self, "_saving_into_staging", on),
+            )
+        finally:
+            self._saving_into_staging = False

@@ -104,10 +104,10 @@ class PipelineFields:
             "straggler rather than drop it). The drop stays as a guard (async/dropped_stale: groups beyond what a "
             "round holds, or started late by the bounded waits). 'drop': generate as far ahead as num_batches_ahead /"
             " max_inflight_groups allow and drop the stale rows when their round is trained. Default 'pace', from "
-            "bench/streaming.py (stream, long-tailed lengths, max_staleness=2): 'drop' discarded 22 percent of the rows it "
-            "generated, the long ones (stragglers go stale), so the trained rows averaged 0.40x the generated length;"
-            " 'pace' dropped none (trained = generated lengths) and trained 1.97x the tokens per second, its steps "
-            "1.2-1.5x longer (the trainer waits for stragglers).",
+            "bench/streaming.py (stream, long-tailed lengths, max_staleness=2): 'drop' discarded 22 percent of the "
+            "rows it generated, the long ones (stragglers go stale), so the trained rows averaged 0.40x the generated "
+            "length; 'pace' dropped none (trained = generated lengths) and trained 1.97x the tokens per second, its "
+            "steps 1.2-1.5x longer (the trainer waits for stragglers).",
         },
     )
     async_mode: Literal["rounds", "stream"] = field(
