@@ -40,10 +40,11 @@ sync's worst seed; every async mode's `time_to_sync_final` ≤ 0.9.
 
 Cost (2 CPU cores, quiet; an estimate from `bench/stream_real.py`'s 13.4 s/step): 12 runs of `--max_steps 16` at
 ~9–15 s a step, ~45 s of start-up and ~40 s of scoring (4 checkpoints × 128 problems) each, plus the server's start:
-~50–60 min (`python bench/learning.py`). Measured beside three other sessions' work (load 7–13), 2026-11-28: 14.5–22
-s a step and 7–9 min a run, ~1 h 45 min in all. `--smoke`:
-the tiny random model, every mode for 2 steps with 1 seed, a handful of problems, each run a fork of one warm
-interpreter (~1 min). Writes `bench/out/learning.json` (or `bench/out/smoke/`) and `bench/plots/learning.png`
+~50–60 min (`python bench/learning.py`). Measured beside three other sessions' work (load 2–13), 2026-11-28: 14.5–28
+s a step, 9–10 min a run (7 runs in 67 min before the server died; bench/NOTES.md): ~2 h for 12 at that load.
+`--smoke`: the tiny random model, every mode for 2 steps with 1 seed, a handful of problems, each run a fork of one
+warm interpreter (~1 min). Writes `bench/out/learning.partial.json` after every run (the runs so far), then
+`bench/out/learning.json` (or `bench/out/smoke/`) and `bench/plots/learning.png`
 (accuracy vs optimizer step and vs wall-clock seconds, each mode's mean and its min–max band over seeds).
 """
 
@@ -296,6 +297,8 @@ def main(argv=None) -> dict:
                     else:  # the same initial weights on the same held-out problems: scored once, by the first run
                         run["curve"].insert(0, {"step": 0, "seconds": 0.0, "accuracy": before})
                     runs[m].append(run)
+                    with open(a.out.replace(".json", ".partial.json"), "w") as f:  # what a later failure cannot lose
+                        json.dump({"acc_before": before, "runs": runs}, f)
                     pts = ", ".join(f"{p['step']}: {p['accuracy']:.3f}" for p in run["curve"])
                     print(
                         f"   {m} seed {seed}: {run['steps_s'] / len(run['step_ends']):.2f} s/step, "
