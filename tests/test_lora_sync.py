@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, hf_logprobs, running_servers
 
 from grpo_async import GRPOTrainer
-from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.demo_task import make_dataset
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.shared import SharedBackend
@@ -145,9 +145,16 @@ def test_update_request_lora_spec_is_validated(tiny_model_path):
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM
+def _varied(prompts, completions, completion_ids, **kw):
+    """A reward that differs between any two different completions: every group has advantages, so every step has a
+    gradient (the letter task's reward was 0 for all 16 completions of both steps in some full-suite runs, and the
+    adapter never moved: what this file tests is the adapter's sync, not the task)."""
+    return [float(sum(ids) % 7) + 0.01 * len(ids) for ids in completion_ids]
+
+
 def _train(args, model, **kw):
     """Train; every adapter parameter must have moved (so the syncs after step 0 carry a new adapter)."""
-    t = GRPOTrainer(model=model, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64), **kw)
+    t = GRPOTrainer(model=model, reward_funcs=_varied, args=args, train_dataset=make_dataset(64), **kw)
     before = {n: p.detach().clone() for n, p in _adapter_params(t.model).items()}
     t.train()
     unchanged = [n for n, p in _adapter_params(t.model).items() if torch.equal(before[n], p.detach())]
