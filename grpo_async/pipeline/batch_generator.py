@@ -307,9 +307,6 @@ class AsyncBatchGenerator:
                 try:
                     result = self.generate_fn(request)
                     result.generation_time = time.perf_counter() - start
-                    with self._cond:
-                        self._generated += 1
-                        self._generation_seconds += result.generation_time
                 except Exception as e:  # raised to the trainer by get
                     if self._stop.is_set():
                         logger.info("[%s] round %d interrupted at shutdown: %r", self.name, request.round_id, e)
@@ -320,6 +317,9 @@ class AsyncBatchGenerator:
                 with self._cond:
                     self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
                     self._busy_since = None
+                    if not isinstance(result, BaseException):  # get_average_generation_time: successes only
+                        self._generated += 1
+                        self._generation_seconds += result.generation_time
                     self._pending.discard(request.round_id)
                     self._completed[request.round_id] = result
                     self._cond.notify_all()
