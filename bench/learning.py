@@ -252,6 +252,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join(HERE, "out", "learning.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "learning.png"))
     ap.add_argument("--smoke", action="store_true", help="the tiny random model, every mode 2 steps, 1 seed")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the runs of learning.partial.json (same flags), run the rest"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child is not None:
@@ -280,24 +283,51 @@ def main(argv=None) -> dict:
     modes = ["sync"] + [m for m in a.modes if m != "sync"]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     started = time.time()
-    server, trainer_core = start_server(model_path(recipe), max_len, a.smoke)
-    recipe += ["--generation_backend", "vllm_server", "--vllm_server_urls", server.url]
+    partial = a.out.replace(".json", ".partial.json")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    before = None
+    before, restarts = None, []
+    if a.resume and os.path.exists(partial):  # the runs a stopped invocation finished (same flags: the caller's word)
+        with open(partial) as f:
+            saved = json.load(f)
+        before = saved["acc_before"]
+        for m in modes:
+            runs[m] = [r for r in saved["runs"].get(m, []) if r["seed"] < a.seeds]
+        print(f"resumed {sum(map(len, runs.values()))} finished runs from {partial}", flush=True)
+    server_model = model_path(recipe)
+    server, trainer_core = start_server(server_model, max_len, a.smoke)
+    recipe += ["--generation_backend", "vllm_server", "--vllm_server_urls", server.url]
     try:
         with (
             tempfile.TemporaryDirectory(prefix="bench_learning_") as workdir,
-            open(a.out.replace(".json", ".runs.log"), "w") as log,
+            open(a.out.replace(".json", ".runs.log"), "a" if a.resume else "w") as log,
         ):
             for seed in range(a.seeds):
                 for m in modes:
-                    run = launch(m, seed, recipe, a, workdir, log, trainer_core, score_initial=before is None)
+                    if any(r["seed"] == seed for r in runs[m]):
+                        continue
+                    for attempt in (1, 2):
+                        try:
+                            run = launch(m, seed, recipe, a, workdir, log, trainer_core, score_initial=before is None)
+                            break
+                        except RuntimeError:
+                            if server.alive or attempt == 2:
+                                raise
+                        # the server died under the run: say how (exit status, log), start a fresh one, run this mode
+                        # and seed again against it
+                        died = f"server exited with status {server.proc.returncode} during {m} seed {seed}"
+                        print(f"!! {died}; its log's tail:\n{server.log_tail(15)}!! restarting it", flush=True)
+                        log.write(f"!! {died}\n{server.log_tail(60)}\n")
+                        server.stop()
+                        old_url = server.url
+                        server, _ = start_server(server_model, max_len, a.smoke)
+                        recipe[recipe.index(old_url)] = server.url
+                        restarts.append(died)
                     if before is None:
                         before = run["curve"][0]["accuracy"]
                     else:  # the same initial weights on the same held-out problems: scored once, by the first run
                         run["curve"].insert(0, {"step": 0, "seconds": 0.0, "accuracy": before})
                     runs[m].append(run)
-                    with open(a.out.replace(".json", ".partial.json"), "w") as f:  # what a later failure cannot lose
+                    with open(partial, "w") as f:  # what a later failure cannot lose
                         json.dump({"acc_before": before, "runs": runs}, f)
                     pts = ", ".join(f"{p['step']}: {p['accuracy']:.3f}" for p in run["curve"])
                     print(
@@ -318,6 +348,7 @@ def main(argv=None) -> dict:
             "max_steps": a.max_steps,
         },
         "wall_s": time.time() - started,
+        "server_restarts": restarts,
         "acc_before": before,
         "summary": summary,
         "runs": runs,
