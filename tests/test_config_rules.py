@@ -124,7 +124,7 @@ def test_reuse_orders_match_the_pipeline():
 
 
 def test_registered_backend_is_accepted_by_name_only_after_registration():
-    from grpo_async.generation import BACKENDS, SYNC_BY_BACKEND, SYNC_WHY, register_backend
+    from grpo_async.generation import register_backend, unregister_backend
 
     with pytest.raises(ValueError, match=r"GRPOConfig\.generation_backend: must be one of .*register_backend"):
         GRPOConfig(**BASE, num_generations=2, generation_backend="my_engine")
@@ -133,9 +133,27 @@ def test_registered_backend_is_accepted_by_name_only_after_registration():
         assert GRPOConfig(**BASE, num_generations=2, generation_backend="my_engine").generation_backend == "my_engine"
         with pytest.raises(ValueError, match=r"GRPOConfig\.weight_sync_transport: 'ipc' is not possible"):
             GRPOConfig(**BASE, num_generations=2, generation_backend="my_engine", weight_sync_transport="ipc")
+        with pytest.raises(ValueError, match=r"async_mode: 'stream' needs a backend that runs prompt groups"):
+            GRPOConfig(**BASE, num_generations=2, generation_backend="my_engine", async_mode="stream")
     finally:
-        for table in (BACKENDS, SYNC_BY_BACKEND, SYNC_WHY):
-            table.pop("my_engine")
+        unregister_backend("my_engine")
+
+
+def test_a_registered_backend_that_declares_it_streams_is_taken_in_stream_mode():
+    """Issue 42: a backend added with `register_backend` is not refused in stream mode when it says it streams (its
+    spec, the one place the config reads), and its `in_process` flag is what the wiring reads."""
+    from grpo_async.generation import backend_spec, register_backend, unregister_backend
+    from grpo_async.pipeline.build import generates_on_every_rank
+
+    register_backend("my_streaming_engine", lambda *a: None, ("auto", "none"), streams=True, in_process=True)
+    try:
+        c = GRPOConfig(**BASE, num_generations=2, generation_backend="my_streaming_engine", async_mode="stream")
+        assert c.async_mode == "stream" and backend_spec("my_streaming_engine").streams
+        assert generates_on_every_rank(c, num_processes=2) == (c.generation_batch_size // 2 % 2 == 0)
+    finally:
+        unregister_backend("my_streaming_engine")
+    with pytest.raises(ValueError, match="my_streaming_engine' is not available; registered:"):
+        backend_spec("my_streaming_engine")
 
 
 def test_stream_mode_derives_its_bound_and_takes_inflight_updates_on_the_in_process_engine():

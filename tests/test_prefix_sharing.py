@@ -482,7 +482,7 @@ def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_pat
     from grpo_async.algo.logprobs import completion_logps
     from grpo_async.envs import ToolEnv
     from grpo_async.envs import calculator as _calculator
-    from grpo_async.generation import BACKENDS, SYNC_BY_BACKEND, register_backend
+    from grpo_async.generation import register_backend, unregister_backend
     from grpo_async.generation.base import Completion
     from grpo_async.testing import tiny_config
 
@@ -566,8 +566,7 @@ def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_pat
         training_on, passes[:] = list(passes), []
         unshared, calls_off = run(False)
     finally:
-        BACKENDS.pop("scripted_tool_caller_sharing")
-        SYNC_BY_BACKEND.pop("scripted_tool_caller_sharing")
+        unregister_backend("scripted_tool_caller_sharing")
     assert calls_on == calls_off == ["12+35", "13+34", "14+33", "15+32"]  # each completion called the real tool
     assert len(shared) == 2 and shared[1] != 0.0
     for a, b in zip(shared, unshared, strict=True):

@@ -16,7 +16,7 @@ from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.envs import ToolEnv, template_ids
 from grpo_async.envs import calculator as _calculator
-from grpo_async.generation import BACKENDS, register_backend
+from grpo_async.generation import register_backend, unregister_backend
 from grpo_async.generation.base import Completion, SamplingConfig
 from grpo_async.generation.hf import HFBackend
 from grpo_async.generation.shared import SharedBackend
@@ -202,10 +202,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
         t.train()
         t.close()
     finally:
-        BACKENDS.pop("scripted_tool_caller")
-        from grpo_async.generation import SYNC_BY_BACKEND
-
-        SYNC_BY_BACKEND.pop("scripted_tool_caller")
+        unregister_backend("scripted_tool_caller")
     tok = t.processing_class
     assert samplers[0].scripted == 4 and calls == ["12+35"] * 4  # the real tool ran once per rollout
     assert all(any(m["role"] == "tool" and m["content"] == "47" for m in c) for c in seen_completions)

@@ -15,7 +15,7 @@ from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.envs import FactoryEnvironment, template_ids
 from grpo_async.envs.rollout import run_rollout_func
-from grpo_async.generation import BACKENDS, register_backend
+from grpo_async.generation import register_backend, unregister_backend
 from grpo_async.generation.base import Completion, SamplingConfig
 from grpo_async.generation.hf import HFBackend
 from grpo_async.testing import tiny_config
@@ -350,10 +350,7 @@ def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_
         t.train()
         t.close()
     finally:
-        BACKENDS.pop("scripted_counter")
-        from grpo_async.generation import SYNC_BY_BACKEND
-
-        SYNC_BY_BACKEND.pop("scripted_counter")
+        unregister_backend("scripted_counter")
     tok = t.processing_class
     first = samplers[0].first_prompts
     assert len(first) == 1  # the prompt once (n = G): its rollouts' prompts are identical

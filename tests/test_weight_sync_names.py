@@ -11,7 +11,7 @@ import torch
 from faults_helpers import FakeServer, models_routes, reply_json
 
 from grpo_async import GRPOConfig
-from grpo_async.generation import SYNC_BY_BACKEND, make_backend
+from grpo_async.generation import backend_spec, make_backend, registered_backends
 from grpo_async.generation.stock_server import StockVLLMServerBackend
 from grpo_async.generation.vllm_backends import OpenAIRemoteBackend, VLLMServerBackend
 from grpo_async.weight_sync.names import SYNC_SETTINGS, WIRE_TRANSPORTS, server_transport
@@ -26,7 +26,7 @@ BASE = dict(
 def test_every_layer_speaks_the_same_names():
     field = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "weight_sync_transport")
     assert typing.get_args(field.type) == SYNC_SETTINGS
-    assert all(set(names) <= set(SYNC_SETTINGS) for names in SYNC_BY_BACKEND.values())
+    assert all(set(backend_spec(n).weight_sync) <= set(SYNC_SETTINGS) for n in registered_backends())
     assert tuple(TRANSPORTS) == WIRE_TRANSPORTS  # the trainer end of the wire
     for name in WIRE_TRANSPORTS:  # the server end accepts each (transport fields aside)
         extra = {"broadcast": {}, "shm": {"segments": []}, "cuda_ipc": {"handles": []}}[name]

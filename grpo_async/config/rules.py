@@ -18,12 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..generation import SYNC_BY_BACKEND, SYNC_WHY
+from ..generation import backend_spec, registered_backends
 from .checks import config_error
 from .derived import is_derived
 
-#: backends that generate prompt groups concurrently (`async_mode="stream"`)
-STREAMING_BACKENDS = ("vllm", "vllm_server", "openai")
 #: the per-stage micro-batch fields, rollout first
 STAGES = ("rollout_micro_batch_size", "ref_logps_micro_batch_size", "old_logps_micro_batch_size")
 
@@ -218,10 +216,12 @@ def _stream_pacing_fits_a_round(c) -> str | None:
 
 
 def _stream_needs_a_streaming_backend(c) -> str | None:
-    if c.async_mode != "stream" or c.generation_backend in STREAMING_BACKENDS:
+    if c.async_mode != "stream" or backend_spec(c.generation_backend).streams:
         return None
+    streaming = ", ".join(n for n in registered_backends() if backend_spec(n).streams)
     return (
-        f"'stream' needs a backend that runs prompt groups concurrently ({', '.join(STREAMING_BACKENDS)}); "
+        f"'stream' needs a backend that runs prompt groups concurrently ({streaming}; a backend registered with "
+        f"register_backend(..., streams=True)); "
         f"generation_backend={c.generation_backend!r} generates round by round: set async_mode='rounds' (the hf "
         "backend's mode), or generation_backend='vllm' (use_vllm=True, vllm_mode='colocate')"
     )
@@ -229,12 +229,13 @@ def _stream_needs_a_streaming_backend(c) -> str | None:
 
 # ---- generation backend and weight sync -----------------------------------------------------------------------------
 def _transport_fits_backend(c) -> str | None:
-    allowed = SYNC_BY_BACKEND[c.generation_backend]
+    spec = backend_spec(c.generation_backend)
+    allowed = spec.weight_sync
     if c.weight_sync_transport in allowed:
         return None
     return (
         f"{c.weight_sync_transport!r} is not possible with generation_backend={c.generation_backend!r} "
-        f"({SYNC_WHY[c.generation_backend]}); choose one of {allowed}"
+        f"({spec.why}); choose one of {allowed}"
     )
 
 

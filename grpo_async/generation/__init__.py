@@ -1,15 +1,14 @@
 """Generation backends behind one protocol (`base.GenerationBackend`), chosen by name from a registry.
 
-The registry lives here: `BACKENDS` (name → factory) and `SYNC_BY_BACKEND` (name → the weight-sync transports the
-backend takes); `register_backend` adds to both. `GRPOConfig` only names a backend and checks the name against it.
+The registry (`registry.py`) holds one `BackendSpec` per backend: its factory, the weight-sync transports it takes and
+why, whether its engine lives in the training process and whether it streams. The built-ins are registered here with
+the same `register_backend` a user calls. `GRPOConfig` only names a backend and checks it against its spec.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from ..weight_sync.names import SYNC_SETTINGS
 from .base import Completion, GenerationBackend, SamplingConfig
+from .registry import BackendSpec, backend_spec, register_backend, registered_backends, unregister_backend
 
 
 def base_model(model):
@@ -132,60 +131,46 @@ def _make_openai(args, model, tokenizer, model_path: str):
     )
 
 
-BACKENDS: dict[str, Callable] = {
-    "hf": _make_hf,
-    "vllm": _make_vllm_colocate,
-    "vllm_server": _make_vllm_server,
-    "openai": _make_openai,
-}
-#: the weight-sync transports each backend can use; `register_backend` adds the registered backend's
-SYNC_BY_BACKEND: dict[str, tuple[str, ...]] = {
-    "hf": ("auto", "none"),
-    "vllm": ("auto", "none"),
-    "vllm_server": ("auto", "broadcast", "ipc", "none"),
-    "openai": ("auto", "checkpoint_dir", "none"),
-}
-#: why a backend takes only the transports it takes (the config's error quotes it)
-SYNC_WHY: dict[str, str] = {
-    "hf": "the sampler lives in this process and is updated in place",
-    "vllm": "the engine lives in this process and loads the weights in place",
-    "vllm_server": "a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
-    "it does not watch a checkpoint folder",
-    "openai": "a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
-    "it can only reload a shared checkpoint folder",
-}
-
-
-def registered_backends() -> tuple[str, ...]:
-    """The names `GRPOConfig.generation_backend` accepts now: the built-ins and `register_backend`'s."""
-    return tuple(SYNC_BY_BACKEND)
-
-
-def register_backend(name: str, factory: Callable, weight_sync: tuple[str, ...] = ("auto", "none")) -> None:
-    """Add a backend factory `factory(args, unwrapped_model, tokenizer, model_path) -> GenerationBackend`, usable as
-    `GRPOConfig(generation_backend=name)`.
-
-    `model_path` is a folder (or hub id) holding the policy's architecture, initial weights and tokenizer, for engines
-    that load a model themselves; the trainer pushes its current weights before the first round anyway.
-    `weight_sync`: the `weight_sync_transport` values the backend accepts; with `"auto"` the policy publisher streams
-    the weights into its `load_weights`, with `"none"` the sampler keeps its initial weights."""
-    unknown = [t for t in weight_sync if t not in SYNC_SETTINGS]
-    if not callable(factory) or unknown or not weight_sync:
-        raise ValueError(
-            f"register_backend({name!r}): factory must be callable and weight_sync a non-empty tuple of "
-            f"{SYNC_SETTINGS}; got {factory!r}, {weight_sync!r}"
-        )
-    BACKENDS[name] = factory
-    SYNC_BY_BACKEND[name] = tuple(weight_sync)
-    SYNC_WHY[name] = f"registered with weight_sync={tuple(weight_sync)}"
+#: every backend, built-in or registered: what it is and what it can do, in one place (`registry.BackendSpec`)
+for _spec in (
+    BackendSpec(
+        "hf",
+        _make_hf,
+        weight_sync=("auto", "none"),
+        why="the sampler lives in this process and is updated in place",
+        in_process=True,
+    ),
+    BackendSpec(
+        "vllm",
+        _make_vllm_colocate,
+        weight_sync=("auto", "none"),
+        why="the engine lives in this process and loads the weights in place",
+        in_process=True,
+        streams=True,
+    ),
+    BackendSpec(
+        "vllm_server",
+        _make_vllm_server,
+        weight_sync=("auto", "broadcast", "ipc", "none"),
+        why="a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
+        "it does not watch a checkpoint folder",
+        streams=True,
+    ),
+    BackendSpec(
+        "openai",
+        _make_openai,
+        weight_sync=("auto", "checkpoint_dir", "none"),
+        why="a remote OpenAI-compatible engine can neither join a process group nor map this machine's memory; "
+        "it can only reload a shared checkpoint folder",
+        streams=True,
+    ),
+):
+    register_backend(_spec)
 
 
 def make_backend(args, model, tokenizer, model_path: str | None = None) -> GenerationBackend:
     """Build the backend named by `args.generation_backend`."""
-    name = args.generation_backend
-    if name not in BACKENDS:
-        raise ValueError(f"generation_backend {name!r} is not available; registered: {sorted(BACKENDS)}")
-    return BACKENDS[name](args, model, tokenizer, model_path)
+    return backend_spec(args.generation_backend).factory(args, model, tokenizer, model_path)
 
 
 def make_trainer_backend(args, model, tokenizer, model_source: str | None, *, alone: bool = False):
@@ -220,20 +205,20 @@ def make_trainer_backend(args, model, tokenizer, model_source: str | None, *, al
             state = {k: v for k, v in named if k is not None}
         base_model(model).save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
-    if alone and BACKENDS.get(args.generation_backend) is _make_vllm_colocate:
+    if alone and backend_spec(args.generation_backend).factory is _make_vllm_colocate:
         return _make_vllm_colocate(args, model, tokenizer, model_source, separate_process=True), folder
     return make_backend(args, model, tokenizer, model_source), folder
 
 
 __all__ = [
-    "BACKENDS",
+    "BackendSpec",
     "Completion",
     "GenerationBackend",
-    "SYNC_BY_BACKEND",
-    "SYNC_WHY",
     "SamplingConfig",
+    "backend_spec",
     "make_backend",
     "register_backend",
     "registered_backends",
     "server_transport",
+    "unregister_backend",
 ]

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..algo.logprobs import LogpsScorer
+from ..generation.registry import backend_spec
 from ..generation.shared import SharedBackend
 from ..weight_sync.lora import lora_sync_mode
 from .collectives import AcceleratorCollectives
@@ -57,17 +58,14 @@ from .scheduler import RoundScheduler
 
 logger = logging.getLogger(__name__)
 
-#: backends whose engine lives in the training process: with several processes, one engine per rank
-IN_PROCESS_BACKENDS = ("hf", "vllm")
-
 
 def generates_on_every_rank(config, num_processes: int, rollout_func=None) -> bool:
     """Whether every rank generates its own rows with its own engine: several processes, an in-process backend
-    ([`IN_PROCESS_BACKENDS`]), no `rollout_func` (it generates for the whole round), and each process's rows of a
+    (its `BackendSpec.in_process`), no `rollout_func` (it generates for the whole round), and each process's rows of a
     round (`generation_batch_size / processes`) whole groups of `num_generations` (a group is never split across
     ranks: its G completions are generated in one call, share one prompt prefill and are scored together). When the
     rows split a group the main process generates, and the log says why."""
-    if num_processes == 1 or config.generation_backend not in IN_PROCESS_BACKENDS or rollout_func is not None:
+    if num_processes == 1 or not backend_spec(config.generation_backend).in_process or rollout_func is not None:
         return False
     local, G = config.generation_batch_size // num_processes, config.num_generations
     if local % G:

@@ -135,17 +135,12 @@ class RoundProducer:
             self.backend.get()
 
     def start_streaming(self) -> None:
-        """Stream mode: build the backend and make it take concurrent `generate` calls (`start_streaming` of the
-        vLLM backends); a backend that cannot (hf) is refused naming both settings."""
-        backend = self.backend.get()
-        start = getattr(backend, "start_streaming", None)
-        if start is None:
-            raise TypeError(
-                f"async_mode='stream' needs a backend that generates prompt groups concurrently; "
-                f"{type(backend).__name__} (generation_backend='hf' or a registered backend without start_streaming) "
-                "generates round by round: set async_mode='rounds'"
-            )
-        start()
+        """Stream mode: build the backend and make it take concurrent `generate` calls (its `start_streaming()`, where
+        it has one: the vLLM backends start their engine loop). Which backends stream is their `BackendSpec.streams`,
+        checked by the config before a trainer is built."""
+        start = getattr(self.backend.get(), "start_streaming", None)
+        if start is not None:
+            start()
 
     def _check_aborted(self, round_id: int) -> None:
         if self._aborted.is_set():
