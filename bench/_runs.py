@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))  # `support`: the test and bench tooling (no wheel)
 
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "256"]
 
@@ -380,12 +381,12 @@ def run_python(
     with the README's CPU flags (`--multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`, a free port);
     a `subprocess.CompletedProcess` with stdout and stderr together in `stdout`. `env`: the run's whole environment
     (None: this process's). `warm` (the smoke runs, on CPU): the process or ranks are forks of a warm interpreter
-    instead (`grpo_async.testing.warm_launch`: torch, transformers, the trainers and vLLM imported once per bench
+    instead (`support.warm_launch`: torch, transformers, the trainers and vLLM imported once per bench
     instead of once per run; a rank gets the variables `accelerate launch` would give it)."""
     import subprocess
 
     if warm:
-        from grpo_async.testing.warm_launch import run_2cpu, run_script
+        from support.warm_launch import run_2cpu, run_script
 
         changed = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}  # merged onto this environment
         if processes > 1:
@@ -401,8 +402,8 @@ def run_python(
 
 def run_records(text: str) -> list[dict]:
     """The records of the `RUN {json}` lines in a run's output, wherever another process's text landed around them
-    (`grpo_async.testing.json_records`)."""
-    from grpo_async.testing import json_records
+    (`support.json_records`)."""
+    from support import json_records
 
     return json_records(text, "RUN")
 
@@ -434,12 +435,12 @@ def launch_bench_server(
     model: str, extra_args: list[str], *, env=None, api_key=None, ready_timeout: float = 240.0, warm: bool = False
 ):
     """A ready `grpo-async serve` of `model` (`server_process.launch_server`). `warm` (smoke runs): its API process
-    (and engine core) forked from the warm interpreter of `run_python` instead (`grpo_async.testing.warm_launch
+    (and engine core) forked from the warm interpreter of `run_python` instead (`support.warm_launch
     .start_server`: the same command line and environment, without their imports)."""
     from grpo_async.generation.server_process import launch_server, wait_ready
 
     if warm:
-        from grpo_async.testing.warm_launch import start_server
+        from support.warm_launch import start_server
 
         return wait_ready(start_server(model, api_key=api_key, extra_args=extra_args, env=env), timeout=ready_timeout)
     return launch_server(model, api_key=api_key, extra_args=extra_args, env=env, ready_timeout=ready_timeout)

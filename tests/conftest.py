@@ -68,7 +68,7 @@ def pytest_collection_finish(session):
     """The heap the collection built (torch, transformers, vLLM, the test modules: ~700k objects) into the garbage
     collector's permanent generation: a full collection then walks only what the tests made, not that heap (~0.5
     CPU-s each: vLLM runs four while an engine starts, accelerate one at the end of every `train()`).
-    `grpo_async.testing.frozen_heap` does the same in the fork server."""
+    `support.frozen_heap` does the same in the fork server."""
     _freeze_heap()
 
 

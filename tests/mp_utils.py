@@ -1,5 +1,5 @@
 """Launch `mp_train.py` on 2 real training processes (gloo on CPU, forked from a warm interpreter:
-`grpo_async.testing.warm_launch`) and check what each rank trained on: shared by the HF-backend and vLLM-server
+`support.warm_launch`) and check what each rank trained on: shared by the HF-backend and vLLM-server
 multi-process tests."""
 
 import json
@@ -7,8 +7,7 @@ import os
 import sys
 
 import pytest
-
-from grpo_async.testing.warm_launch import run_2cpu
+from support.warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 

@@ -15,8 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from grpo_async.testing.warm_launch import run_script
+from support.warm_launch import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

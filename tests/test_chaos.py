@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 import pytest
 import requests
 import torch
+from support.warm_launch import start_script, start_server
 from vllm_utils import API_KEY, PROMPTS, SERVER_ARGS, assert_matches_hf, perturbed_state_dict, running_servers
 
 from grpo_async.generation.base import SamplingConfig
@@ -57,7 +58,6 @@ from grpo_async.generation.server_process import (
 )
 from grpo_async.generation.vllm_backends import VLLMServerBackend
 from grpo_async.testing import push_state_dict
-from grpo_async.testing.warm_launch import start_script, start_server
 
 pytestmark = pytest.mark.vllm
 

@@ -20,9 +20,8 @@ import time
 
 import pytest
 from mp_utils import ACCELERATE_2CPU  # noqa: E402
-
-from grpo_async.testing import json_records
-from grpo_async.testing.warm_launch import run_script
+from support import json_records
+from support.warm_launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BAD_SIGNS = ("Aborted", "terminate called", "Traceback", "still running after")

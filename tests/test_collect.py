@@ -4,8 +4,7 @@ import json
 import os
 
 import pytest
-
-from grpo_async.testing.warm_launch import run_2cpu
+from support.warm_launch import run_2cpu
 
 HERE = os.path.dirname(__file__)
 

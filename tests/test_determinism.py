@@ -17,12 +17,12 @@ import time
 
 import pytest
 import torch
+from support.warm_launch import run_2cpu, run_script  # noqa: E402
 from transformers import TrainerCallback
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.testing import tiny_config
-from grpo_async.testing.warm_launch import run_2cpu, run_script  # noqa: E402
 
 
 class Jitter(TrainerCallback):

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from mp_utils import HERE, check_disjoint_slices
+from support.warm_launch import run_2cpu
 
 from grpo_async import GRPOTrainer
 from grpo_async.algo.advantages import aggregate_advantages
@@ -15,7 +16,6 @@ from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.pipeline.join import JoinSettings, RoundJoiner
 from grpo_async.pipeline.types import RoundRequest
 from grpo_async.testing import tiny_config
-from grpo_async.testing.warm_launch import run_2cpu
 
 STEPS, R, G = 3, 16, 4  # a round: per_device 4 × 2 processes × steps_per_generation 2 rows, one round per step
 L = R // 2

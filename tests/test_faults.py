@@ -15,9 +15,9 @@ import time
 
 import psutil
 import pytest
+from support.warm_launch import start_script
 
 from grpo_async.generation.http_client import free_port
-from grpo_async.testing.warm_launch import start_script
 
 HERE = os.path.dirname(__file__)
 

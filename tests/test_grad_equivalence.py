@@ -8,8 +8,7 @@ import json
 import os
 
 import pytest
-
-from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
+from support.warm_launch import run_2cpu  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import os
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -88,3 +89,22 @@ def test_without_the_pinned_build_the_pytorch_cpu_index_is_added(versions, tmp_p
     assert lines[1].strip().endswith(f"{INDEX} {PIN}"), out  # what it runs next, said before it runs it
     assert "from the configured pip sources" not in proc.stdout
     assert proc.returncode != 0, out  # pip was really asked again (and, with no index allowed, could not find it)
+
+
+def test_the_wheel_holds_no_test_or_bench_tooling(tmp_path):
+    """Issue 42: `pip wheel .` packs the product only: `grpo_async.testing` keeps the tiny-model and SmolLM2 builders
+    the demo and users need; the warm-launch fork server, heap freeze and CPU-ISA check live in `tests/support/`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", root, "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("grpo_async-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "grpo_async/trainer.py" in names and "grpo_async/testing/__init__.py" in names
+    tooling = [n for n in names if n.startswith(("tests/", "bench/", "support/")) or "warm_launch" in n]
+    tooling += [n for n in names if n.endswith(("cpu_isa.py", "frozen_heap.py"))]
+    assert tooling == [], tooling

@@ -82,7 +82,7 @@ def run_demo_forked(config: str, out: str) -> str:
     of a run, without the launcher's start-up; returns the ranks' output. The launcher itself reads a config file in
     `tests/test_multinode.py` (the shipped 2-machine config) and runs its agent in
     `tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`."""
-    from grpo_async.testing.warm_launch import config_file_env, run_2cpu
+    from support.warm_launch import config_file_env, run_2cpu
 
     launch_env = config_file_env(os.path.join(CONFIGS, f"{config}.yaml"))
     env = {"TOKENIZERS_PARALLELISM": "false"}
@@ -115,7 +115,7 @@ def test_config_file_env_is_what_the_launcher_gives_the_ranks():
     """`config_file_env` reads a config as `accelerate launch` does: the CPU DDP config gives the ranks what the
     README's `--multi_gpu ... --mixed_precision no --dynamo_backend no` flags give them; ZeRO-2's and ZeRO-3's,
     DeepSpeed at their stage."""
-    from grpo_async.testing.warm_launch import CPU_FLAGS, accelerate_env, config_file_env
+    from support.warm_launch import CPU_FLAGS, accelerate_env, config_file_env
 
     assert config_file_env(os.path.join(CONFIGS, "multi_cpu.yaml")) == accelerate_env(CPU_FLAGS)
     for stage in (2, 3):

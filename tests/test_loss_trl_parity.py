@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.warm_launch import run_2cpu  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer
 
 from grpo_async.algo.logprobs import TokenScores, score_tokens
 from grpo_async.algo.loss import LOSS_TYPES, LossContext, LossSettings
 from grpo_async.algo.objective import EntropyController, PolicyObjective, SingleProcess, high_entropy_mask
 from grpo_async.pipeline.metrics import loss_metrics
-from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
 
 B, T = 6, 7
 

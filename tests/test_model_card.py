@@ -7,13 +7,13 @@ import os
 import pytest
 import transformers.trainer
 import yaml
+from support.warm_launch import run_script
 from transformers import HfArgumentParser
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
 from grpo_async.model_card import non_default_config
 from grpo_async.model_config import ModelConfig, get_peft_config
-from grpo_async.testing.warm_launch import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,7 +157,7 @@ def test_demo_use_peft_saves_the_adapter_and_its_card(tmp_path):
     argv += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
     argv += ["--max_completion_length", "8", "--use_peft"]
     argv += ["--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
-    # `python recipes/demo.py ...` in a fork of the warm interpreter (`grpo_async.testing.warm_launch`)
+    # `python recipes/demo.py ...` in a fork of the warm interpreter (`support.warm_launch`)
     demo = os.path.join(ROOT, "recipes", "demo.py")
     proc = run_script(demo, argv, env={"OMP_NUM_THREADS": "1"}, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:]

@@ -629,7 +629,7 @@ def test_two_processes_with_sharing_on(tiny_model_path, tmp_path):
     import json
     import os
 
-    from grpo_async.testing.warm_launch import run_2cpu
+    from support.warm_launch import run_2cpu
 
     def launch(share: bool):
         out = str(tmp_path / ("on" if share else "off"))

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 import requests
+from support.warm_launch import CPU_FLAGS, accelerate_env, run_2cpu, run_script, start_server_command
 
 from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import wait_ready
-from grpo_async.testing.warm_launch import CPU_FLAGS, accelerate_env, run_2cpu, run_script, start_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -42,7 +42,7 @@ def _cli_forked(*args, cwd):
     """`_cli`'s `python -m grpo_async.cli ARGS` in `cwd`, forked from the warm interpreter (`warm_launch.run_script`,
     with `python -m`'s path: the working directory first): the command's work is the subject, not an interpreter's
     start (`tests/test_cli.py` runs the console script fresh)."""
-    from grpo_async.testing.warm_launch import run_script
+    from support.warm_launch import run_script
 
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return run_script("grpo_async.cli", list(args), env=env, timeout=300, cwd=str(cwd), module=True, stderr_apart=True)

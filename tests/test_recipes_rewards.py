@@ -6,12 +6,12 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from support.warm_launch import run_script
 
 from grpo_async import GRPOConfig
 from grpo_async.model_config import ModelConfig
 from grpo_async.plotting import METRICS_FILE, read_metrics
 from grpo_async.recipe_parser import parse_recipe_args
-from grpo_async.testing.warm_launch import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = [
@@ -25,7 +25,7 @@ TINY_RUN = [
 def _run(script, *args, timeout=300):
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     # the recipe as `python recipes/<script>` would run it, in a fork of the warm interpreter
-    # (`grpo_async.testing.warm_launch`)
+    # (`support.warm_launch`)
     proc = run_script(os.path.join(ROOT, "recipes", script), list(args), env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:]
     return proc

@@ -13,11 +13,11 @@ import time
 import pytest
 import requests
 import torch
+from support.warm_launch import start_server
 
 from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
 from grpo_async.generation.vllm_backends import VLLMServerBackend
-from grpo_async.testing.warm_launch import start_server
 from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"

@@ -63,7 +63,7 @@ def test_exit_with_parent_watches_the_real_parent_under_forkserver(tmp_path):
     """Under the forkserver start method the process that asked for the child is not its parent (the fork server
     is): the watch must not take the one for the other and kill the child at its first poll (it did: exit -15)."""
     # the suite's fork server (one per process: started once, preloaded)
-    from grpo_async.testing.warm_launch import _context
+    from support.warm_launch import _context
 
     p = _context().Process(target=_watching_child, args=(str(tmp_path / "alive"),))
     p.start()

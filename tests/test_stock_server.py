@@ -14,6 +14,7 @@ import random
 import sys
 
 import pytest
+from support.warm_launch import start_server_command
 from transformers import TrainerCallback
 from vllm_utils import hf_logprobs
 
@@ -23,7 +24,6 @@ from grpo_async.generation.http_client import ServerClient, free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
 from grpo_async.generation.stock_server import StockVLLMServerBackend, detect_server_kind
 from grpo_async.testing import tiny_config
-from grpo_async.testing.warm_launch import start_server_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,8 +9,7 @@ process (a fork of the warm interpreter, whose OpenMP default is its own: the co
 import os
 
 import pytest
-
-from grpo_async.testing.warm_launch import run_script
+from support.warm_launch import run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

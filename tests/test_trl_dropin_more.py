@@ -13,6 +13,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 trl = pytest.importorskip("trl")
+from support.warm_launch import run_2cpu  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
 
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -20,7 +21,6 @@ from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
 from grpo_async.generation.base import SamplingConfig  # noqa: E402
 from grpo_async.generation.hf import HFBackend  # noqa: E402
 from grpo_async.testing import tiny_config  # noqa: E402
-from grpo_async.testing.warm_launch import run_2cpu  # noqa: E402
 
 
 def _trainer(tiny_model_path, tmp_path, reward_funcs=letter_reward, **overrides):

@@ -1,4 +1,4 @@
-"""`grpo_async.testing.warm_launch`, the launcher most multi-process tests, the test servers and the bench smokes' runs
+"""`support.warm_launch`, the launcher most multi-process tests, the test servers and the bench smokes' runs
 use: its ranks get the environment `accelerate launch` gives, talk over gloo, and a failing or hung rank ends the
 run."""
 
@@ -11,9 +11,8 @@ import textwrap
 
 import pytest
 from mp_utils import ACCELERATE_2CPU
-
-from grpo_async.testing import json_records
-from grpo_async.testing.warm_launch import run_2cpu, run_script
+from support import json_records
+from support.warm_launch import run_2cpu, run_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -128,7 +127,7 @@ def test_a_forked_script_forks_its_own_runs_from_the_same_warm_interpreter(tmp_p
     outer = tmp_path / "outer.py"
     outer.write_text(
         "import os, sys\n"
-        "from grpo_async.testing.warm_launch import run_script\n"
+        "from support.warm_launch import run_script\n"
         "if __name__ == '__main__':  # its forks import it as `__mp_main__`\n"
         "    print('outer', os.getppid(), flush=True)\n"
         "    proc = run_script(sys.argv[1], ['x'], timeout=60)\n"

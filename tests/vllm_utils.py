@@ -12,9 +12,9 @@ import contextlib
 import hashlib
 
 import torch
+from support.warm_launch import start_server
 
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, wait_ready
-from grpo_async.testing.warm_launch import start_server
 
 API_KEY = "test-key"
 #: the tiny model's 16 requests of 256 tokens need 4 MiB of KV cache: 64 MiB (`grpo-async serve`'s own floor) instead

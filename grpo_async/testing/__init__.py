@@ -162,29 +162,6 @@ def push_state_dict(backend, state_dict, version: int) -> None:
     backend.load_weights(group_by_module(state_dict), version)
 
 
-def json_records(text: str, tag: str) -> list[dict]:
-    """The JSON objects printed as `TAG {...}` in the output of processes that share one pipe, in order. Processes
-    writing to one pipe unbuffered (`PYTHONUNBUFFERED`, as `make` sets it) interleave: `print` writes a line's text and
-    its newline in two writes, so another process's text can land before or after a record on the same line (`to
-    stderr tooRUN {...}`, `RESULT {...}RESULT {...}`, both seen under `accelerate launch`); each record is read from
-    its `TAG {` to the end of its JSON object.
-
-    Example:
-        >>> json_records('x RUN {"a": 1}RUN {"a": 2}\\nRUN {"b": [3]} tail', "RUN")
-        [{'a': 1}, {'a': 2}, {'b': [3]}]
-    """
-    import json
-
-    decoder, marker, records = json.JSONDecoder(), f"{tag} {{", []
-    for line in text.splitlines():
-        at = line.find(marker)
-        while at >= 0:
-            record, end = decoder.raw_decode(line, at + len(tag) + 1)
-            records.append(record)
-            at = line.find(marker, end)
-    return records
-
-
 # ---- a real pretrained model, offline -------------------------------------------------------------------------------
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

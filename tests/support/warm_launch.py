@@ -94,9 +94,9 @@ PRELOAD = [
     # TRL's trainer (~3.4 CPU-s after the above), which the TRL runs of `bench/vs_trl.py`'s smoke import in each rank
     "trl.trainer.grpo_trainer",
     # inductor's check of the CPU's vector ISAs, which every forked engine core would run again (see the module)
-    "grpo_async.testing.cpu_isa",
+    "support.cpu_isa",
     # last: the preloaded heap into the collector's permanent generation (see the module)
-    "grpo_async.testing.frozen_heap",
+    "support.frozen_heap",
 ]
 
 _CTX = None
@@ -535,7 +535,7 @@ def start_server_command(args: list[str], env: dict[str, str], *, port: int, api
     return server
 
 
-if __name__ == "__main__":  # `python -m grpo_async.testing.warm_launch SCRIPT ARGS...`: try it by hand
+if __name__ == "__main__":  # `python -m support.warm_launch SCRIPT ARGS...`: try it by hand
     ap = argparse.ArgumentParser()
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
