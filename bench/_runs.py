@@ -50,9 +50,9 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"
 def force_full_length() -> None:
     """Bench-only: make our vLLM backends ignore EOS, so every completion is `max_tokens` long in both trainers
     (TRL gets `generation_kwargs={"ignore_eos": True}`); both then generate and train exactly the same token count."""
-    from grpo_async.generation import vllm_backends as vb
+    from grpo_async.generation import vllm_colocate, vllm_server
 
-    to_params, to_body = vb.to_vllm_sampling_params, vb.to_completions_body
+    to_params, to_body = vllm_colocate.to_vllm_sampling_params, vllm_server.to_completions_body
 
     def params(s):
         p = to_params(s)
@@ -62,7 +62,7 @@ def force_full_length() -> None:
     def body(model, prompt, s):
         return {**to_body(model, prompt, s), "ignore_eos": True}
 
-    vb.to_vllm_sampling_params, vb.to_completions_body = params, body
+    vllm_colocate.to_vllm_sampling_params, vllm_server.to_completions_body = params, body
 
 
 class StepClock:

@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace, path: str, load_before: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo_async.generation.vllm_backends import VLLMColocateBackend
+    from grpo_async.generation.vllm_colocate import VLLMColocateBackend
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)

@@ -223,7 +223,7 @@ def _staging_child(path: str, url: str, model_bytes: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from grpo_async.generation.shared import SharedBackend
-    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
     from grpo_async.pipeline.publisher import PolicyPublisher
     from grpo_async.weight_sync.collect import collect_state_dict
 

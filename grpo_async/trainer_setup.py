@@ -359,7 +359,7 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config, quant
         args.padding_free = packing_isolates(model, args.padding_free)
 
     if args.generation_backend == "vllm":  # the in-process engine starts later: refuse what it cannot serve now
-        from .generation.vllm_backends import check_vllm_can_serve
+        from .generation.vllm_common import check_vllm_can_serve
 
         check_vllm_can_serve(model.config, "GRPOConfig.generation_backend='vllm'")
     return model, processing_class, ref_model

@@ -56,7 +56,7 @@ from grpo_async.generation.server_process import (
     remove_orphan_shm,
     wait_ready,
 )
-from grpo_async.generation.vllm_backends import VLLMServerBackend
+from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm

@@ -188,7 +188,7 @@ def test_server_backend_abort_stops_waiting_for_its_requests_and_closes_twice():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from grpo_async.generation.base import GenerationAborted, SamplingConfig
-    from grpo_async.generation.vllm_backends import OpenAIRemoteBackend
+    from grpo_async.generation.openai_remote import OpenAIRemoteBackend
 
     release = threading.Event()
     received = threading.Event()

@@ -121,7 +121,7 @@ def test_a_sigstopped_server_fails_the_run_within_vllm_server_timeout(tiny_model
     from vllm_utils import API_KEY, PROMPTS, running_servers
 
     from grpo_async.generation.base import SamplingConfig
-    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
 
     # The bound is measured from the stop; before it, every request must answer within `timeout` on a machine that
     # may be loaded (CI runs 2-process vLLM tests beside this one: a cold server's first round once took > 4 s there

@@ -136,7 +136,7 @@ def guarded_server():
 
 def test_a_wrong_api_key_is_reported_as_refused_with_the_url(guarded_server):
     from grpo_async.generation.http_client import ServerAuthError, ServerClient
-    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
 
     with pytest.raises(ServerAuthError, match=rf"the server at {guarded_server} is running but refused the API key"):
         ServerClient(guarded_server, api_key="wrong").get("/health")

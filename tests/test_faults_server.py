@@ -18,7 +18,8 @@ from faults_helpers import FakeServer, models_routes, reply_json
 
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.generation.http_client import ServerClient, ServerError, free_port
-from grpo_async.generation.vllm_backends import OpenAIRemoteBackend, VLLMServerBackend
+from grpo_async.generation.openai_remote import OpenAIRemoteBackend
+from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.testing import push_state_dict
 
 HERE = os.path.dirname(__file__)
@@ -108,7 +109,7 @@ def test_garbage_model_list_is_refused_at_startup(servers):
     with pytest.raises(RuntimeError, match="none of the servers .* answered /health"):
         VLLMServerBackend([s.url], timeout=5)
     with pytest.raises(ServerError, match=f"{s.url}/v1/models lists no model"):
-        from grpo_async.generation.vllm_backends import _model_name
+        from grpo_async.generation.vllm_server import _model_name
 
         _model_name(ServerClient(s.url, timeout=5))
 
@@ -202,7 +203,7 @@ def test_broadcast_peer_that_dies_or_hangs_mid_push_fails_the_push_naming_it(sta
 
 def test_nan_check_helper_is_strict():
     # the parser treats ±inf like NaN: a sampler logprob of -inf would make the IS ratio infinite
-    from grpo_async.generation.vllm_backends import parse_completions_response
+    from grpo_async.generation.vllm_common import parse_completions_response
 
     resp = {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-math.inf]}}]}
     with pytest.raises(ServerError, match="http://x returned a malformed .* finite"):

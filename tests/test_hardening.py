@@ -183,7 +183,7 @@ def test_init_broadcast_to_a_silent_peer_does_not_stall_completions(server):
 def test_logprobs_from_nan_weights_are_a_500_naming_the_weights(server, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     good = {k: v.detach().clone() for k, v in model.state_dict().items()}

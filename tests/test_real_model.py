@@ -69,7 +69,7 @@ def test_vllm_in_process_stops_at_im_end_and_matches_the_trainer(smollm2_path, m
     to 24 tokens, both padding paths) and the 174 after (HF's own generate: mean 1.8e-5, max 4.4e-5). The bound, 1e-3
     per token, is ~14x the largest difference seen: float32 accumulation-order noise over 30 layers; a real bug (wrong
     position ids, temperature not applied, logits one position off) moves tokens by 0.1 or more."""
-    from grpo_async.generation.vllm_backends import VLLMColocateBackend
+    from grpo_async.generation.vllm_colocate import VLLMColocateBackend
 
     backend = VLLMColocateBackend(smollm2_path, max_model_len=512, kv_cache_seqs=8)  # 8 requests at most: 207 MiB
     try:

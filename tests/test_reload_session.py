@@ -17,7 +17,7 @@ from support.warm_launch import start_server
 
 from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
-from grpo_async.generation.vllm_backends import VLLMServerBackend
+from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"

@@ -17,7 +17,8 @@ import torch
 from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_logprobs, running_servers
 
 from grpo_async.generation.base import SamplingConfig
-from grpo_async.generation.vllm_backends import VLLMColocateBackend, VLLMServerBackend
+from grpo_async.generation.vllm_colocate import VLLMColocateBackend
+from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 from grpo_async.weight_sync.collect import iter_full_params
 

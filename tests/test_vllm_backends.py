@@ -24,14 +24,10 @@ from vllm_utils import (
 
 from grpo_async.generation.base import GenerationBackend, SamplingConfig
 from grpo_async.generation.http_client import ServerClient
-from grpo_async.generation.vllm_backends import (
-    OpenAIRemoteBackend,
-    VLLMColocateBackend,
-    VLLMServerBackend,
-    _CompletionsRouter,
-    to_completions_body,
-    validate_sampling,
-)
+from grpo_async.generation.openai_remote import OpenAIRemoteBackend
+from grpo_async.generation.vllm_colocate import VLLMColocateBackend
+from grpo_async.generation.vllm_common import to_completions_body, validate_sampling
+from grpo_async.generation.vllm_server import CompletionsRouter, VLLMServerBackend
 from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm
@@ -62,7 +58,7 @@ def test_sampling_validation_names_the_field(field, value):
 
 def test_router_picks_least_outstanding_and_refuses_when_empty():
     clients = [ServerClient(f"http://127.0.0.1:{p}") for p in (1, 2, 3)]
-    r = _CompletionsRouter(clients, "m", 1, "t")
+    r = CompletionsRouter(clients, "m", 1, "t")
     r.outstanding.update({clients[0].url: 2, clients[1].url: 0, clients[2].url: 1})
     assert r.pick() is clients[1]  # 0 outstanding → now 1; ties go to the first listed
     assert r.pick() is clients[1]  # counts [2, 1, 1] → first of the two at 1
@@ -323,7 +319,7 @@ def test_killing_one_of_two_servers_mid_run_is_survived(servers, caplog):
             result["error"] = e
 
     try:
-        with caplog.at_level(logging.WARNING, logger="grpo_async.vllm_backends"):
+        with caplog.at_level(logging.WARNING, logger="grpo_async.generation"):
             t = threading.Thread(target=run)
             t.start()
             deadline = time.monotonic() + 60

@@ -170,7 +170,7 @@ class _KillAt(TrainerCallback):
 def test_killing_one_of_two_servers_mid_training_is_survived(servers, tiny_model_path, tmp_path, caplog):
     urls = [s.url for s in servers]
     kill = _KillAt(servers[1], step=1)
-    with caplog.at_level(logging.WARNING, logger="grpo_async.vllm_backends"):
+    with caplog.at_level(logging.WARNING, logger="grpo_async.generation"):
         t, seen = _train(
             _server_args(tmp_path, urls, max_steps=5, vllm_server_timeout=30), tiny_model_path, callbacks=[kill]
         )

@@ -127,7 +127,7 @@ def test_publisher_streams_a_cuda_model_into_a_server(tiny_model_path, transport
     model → bucket → CUDA IPC handles or an NCCL broadcast); the engine then matches HF holding the same weights."""
     pytest.importorskip("vllm", reason="the server end needs vLLM built for CUDA")
     from grpo_async.generation.shared import SharedBackend
-    from grpo_async.generation.vllm_backends import VLLMServerBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
     from grpo_async.pipeline.publisher import PolicyPublisher
 
     with running_servers(tiny_model_path, 1) as (s,):
@@ -145,7 +145,7 @@ def test_publisher_streams_a_cuda_model_into_a_server(tiny_model_path, transport
 
 def test_colocate_transport_bit_identical_then_engine_matches_hf(tiny_model_path):
     from grpo_async.generation.base import SamplingConfig
-    from grpo_async.generation.vllm_backends import VLLMColocateBackend
+    from grpo_async.generation.vllm_colocate import VLLMColocateBackend
 
     backend = VLLMColocateBackend(tiny_model_path, max_model_len=256, bucket_mb=0.01)
     try:

@@ -12,8 +12,9 @@ from faults_helpers import FakeServer, models_routes, reply_json
 
 from grpo_async import GRPOConfig
 from grpo_async.generation import backend_spec, make_backend, registered_backends
+from grpo_async.generation.openai_remote import OpenAIRemoteBackend
 from grpo_async.generation.stock_server import StockVLLMServerBackend
-from grpo_async.generation.vllm_backends import OpenAIRemoteBackend, VLLMServerBackend
+from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.weight_sync.names import SYNC_SETTINGS, WIRE_TRANSPORTS, server_transport
 from grpo_async.weight_sync.transports import TRANSPORTS
 from grpo_async.weight_sync.worker import validate_update_request

@@ -57,7 +57,7 @@ def _lora_rank(args, model) -> int | None:
 
 
 def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_process: bool = False):
-    from .vllm_backends import VLLMColocateBackend
+    from .vllm_colocate import VLLMColocateBackend
 
     base = base_model(model)
     return VLLMColocateBackend(
@@ -78,7 +78,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_proces
 
 def _make_vllm_server(args, model, tokenizer, model_path: str):
     from .stock_server import detect_server_kind
-    from .vllm_backends import VLLMServerBackend
+    from .vllm_server import VLLMServerBackend
 
     urls = list(args.server_urls)
     transport = server_transport(args, urls)
@@ -117,7 +117,7 @@ def _make_stock_server(args, urls: list[str], transport: str):
 def _make_openai(args, model, tokenizer, model_path: str):
     import os
 
-    from .vllm_backends import OpenAIRemoteBackend
+    from .openai_remote import OpenAIRemoteBackend
 
     checkpoint = args.weight_sync_transport == "checkpoint_dir"  # 'auto' and 'none': generation only
     return OpenAIRemoteBackend(

@@ -1,0 +1,325 @@
+"""`VLLMColocateBackend(model_path)`: a `vllm.LLM` in this process; weights by in-process layerwise reload in
+module-grouped buckets, or (`lora_rank=...`) a LoRA adapter by `load_adapter` (the base weights stay).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import replace
+
+import torch
+
+from grpo_async.generation import vllm_cpu
+from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
+from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
+from grpo_async.generation.sampling_mask import SamplingMaskRecorder
+from grpo_async.generation.vllm_common import (
+    Groups,
+    check_prompts,
+    to_vllm_sampling_params,
+)
+from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
+from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- colocate
+class VLLMColocateBackend:
+    """A `vllm.LLM` in this process; weights loaded in place between rounds.
+
+    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here when unset) and weights are handed
+    over by reference. With several training processes (`accelerate launch`, `torchrun`) every rank builds its own
+    engine at the same point, as TRL's colocate mode does: vLLM's `external_launcher` executor, whose start-up makes
+    its (one-rank) groups from the trainer's process group with collectives every rank enters. Where one rank alone
+    builds an engine (the main process generating for all), those collectives would wait for the others forever:
+    `separate_process=True` then runs the engine core in a child process of this rank (plus its worker process:
+    vLLM's multiprocess executor) and weights travel through shared memory. On CPU the KV cache holds
+    `kv_cache_seqs` requests of `max_model_len` tokens (`vllm_cpu.cpu_kv_cache_bytes`: +10%, within [64 MiB, 4 GiB
+    or a quarter of the RAM]) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) or `kv_cache_memory_bytes` says otherwise; vLLM's
+    own CPU default would reserve `gpu_memory_utilization` of the RAM (5.4 GiB for a 2-layer model at 0.3 on 20 GiB).
+
+    Args:
+        model_path (`str`): model folder (HF format).
+        dtype (`str`, *optional*, defaults to `"float32"`): vLLM weight dtype.
+        max_model_len (`int`, *optional*, defaults to 1024): prompt + completion tokens.
+        gpu_memory_utilization (`float`, *optional*, defaults to 0.3): share of GPU memory for vLLM (ignored on CPU).
+        seed (`int`, *optional*, defaults to 0): engine seed.
+        bucket_mb (`float`, *optional*, defaults to 64): weight-sync bucket size in MiB.
+        enforce_eager (`bool`, *optional*, defaults to `True`): skip torch.compile / CUDA graphs (fast start).
+        separate_process (`bool`, *optional*, defaults to `False`): run the engine core in a child process (when
+            this rank alone builds an engine in a run of several processes).
+        kv_cache_seqs (`int`, *optional*): on CPU, the requests of `max_model_len` tokens the KV cache is sized for
+            (default: `max_num_seqs` if given, else 256); more at once wait for room in vLLM's scheduler.
+        lora_rank (`int`, *optional*): serve the policy as the base model plus a LoRA adapter of at most this rank
+            (vLLM `enable_lora`); the trainer then sends only the adapter (`load_adapter`), and every `generate` uses
+            the adapter last loaded (none before the first load: the base model).
+        **llm_kwargs: passed to `vllm.LLM`.
+    """
+
+    takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.3,
+        seed: int = 0,
+        bucket_mb: float = 64.0,
+        enforce_eager: bool = True,
+        separate_process: bool = False,
+        kv_cache_seqs: int | None = None,
+        lora_rank: int | None = None,
+        **llm_kwargs,
+    ):
+        if separate_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        else:
+            if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+                raise ValueError(
+                    "VLLMColocateBackend needs the in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                    f"(found {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}), or pass separate_process=True"
+                )
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        from vllm import LLM
+
+        if lora_rank is not None:  # one adapter per batch; the previous one stays resident (keep=2)
+            lora = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": 1}
+            llm_kwargs = {**lora, "max_cpu_loras": 2, **llm_kwargs}
+        self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
+        if vllm_cpu.is_cpu():
+            # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does not use offset");
+            # whole prefills are as fast here
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            sized = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or llm_kwargs.get("kv_cache_memory_bytes") is not None
+            if not sized:
+                seqs = kv_cache_seqs or llm_kwargs.get("max_num_seqs")
+                size = _cpu_kv_cache_size(model_path, dtype, max_model_len, seqs, llm_kwargs)
+                llm_kwargs["kv_cache_memory_bytes"] = size
+        if not enforce_eager and vllm_cpu.default_cpu_aot_compile(os.environ):  # a restart: inductor cache
+            logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="grpo_async.weight_sync.worker.WeightSyncWorker",
+            **llm_kwargs,
+        )
+        self.separate_process = separate_process
+        #: the sampler's kept sets (`generation.sampling_mask`): recorded in the worker, which must be in this process
+        self.sampling_masks: SamplingMaskRecorder | None = None
+        if separate_process:
+            self.transport = ShmTransport(_EngineRpc(self.llm), bucket_mb)
+        else:
+            self.transport = ColocateTransport(self.llm, bucket_mb)
+            recorder = SamplingMaskRecorder()
+            runners = self.llm.collective_rpc(recorder.install)
+            self.sampling_masks = recorder if recorder.installed else None
+            if not recorder.installed:
+                logger.info("the sampler's kept sets are not recorded on this engine: %s", runners)
+        self.version: int | None = None
+        self._aborted = threading.Event()
+        self._loop: EngineLoop | None = None  # stream mode: the thread that steps the engine (`start_streaming`)
+
+    def start_streaming(self) -> None:
+        """Stream mode (`GroupStream`): from now on an engine loop thread owns the engine (`EngineLoop`); `generate`
+        may be called from several threads at once, each call's requests finishing on their own, and a load runs
+        between two engine steps with requests still running (every token then records its weights' version)."""
+        if self._loop is None or not self._loop.is_running():
+            self._loop = EngineLoop(self.llm.llm_engine, lambda: self.version).start()
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        check_prompts(prompt_ids)
+        if self._loop is not None:
+            return self._generate_streamed(prompt_ids, sampling)
+        params = to_vllm_sampling_params(sampling)
+        if sampling.seed is not None or sampling.per_prompt is not None:  # one request per prompt, its own seed
+            # (its n samples: seed + j, vLLM's rule) and its own extras
+            params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
+        outputs = self._run(prompt_ids, params)
+        completions = []
+        masks = self.sampling_masks
+        for req in outputs:  # vLLM returns requests in submission order
+            for o in sorted(req.outputs, key=lambda o: o.index):
+                ids = list(o.token_ids)
+                lps = [o.logprobs[i][t].logprob for i, t in enumerate(ids)] if o.logprobs is not None else []
+                index = o.index if sampling.n > 1 else None  # vLLM's child request of sample `index`
+                completions.append(
+                    Completion(
+                        completion_ids=ids,
+                        logprobs=lps,
+                        finish_reason="length" if o.finish_reason == "length" else "stop",
+                        text=o.text,
+                        sampling_mask=None if masks is None else masks.take(req.request_id, ids, index),
+                    )
+                )
+        return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
+
+    def _generate_streamed(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        """`generate` through the engine loop: one request per completion (n = 1; seeded: completion j of prompt i
+        samples with `seed + i·n + j`, vLLM's own rule for a request's n samples), waited for here."""
+        if self._aborted.is_set():
+            raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
+        n, params, prompts = sampling.n, [], []
+        for i, p in enumerate(prompt_ids):
+            own = sampling.for_prompt(i)
+            for j in range(n):
+                seed = None if own.seed is None else own.seed + j
+                params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
+                prompts.append(p)
+        requests = self._loop.submit(prompts, params, self.lora_request)
+        masks = self.sampling_masks
+        try:
+            self._loop.wait(requests, self._aborted)
+        except BaseException:
+            if masks is not None:
+                masks.discard([r.request_id for r in requests])
+            raise
+        completions = [
+            Completion(
+                completion_ids=r.token_ids,
+                logprobs=r.logprobs,
+                finish_reason=r.finish_reason or "stop",
+                versions=[v if v is not None else 0 for v in r.versions],  # None: the weights it was built with
+                sampling_mask=None if masks is None else masks.take(r.request_id, r.token_ids),
+            )
+            for r in requests
+        ]
+        return check_completions(completions, len(prompt_ids), n, "VLLMColocateBackend")
+
+    def _run(self, prompt_ids: list[list[int]], params) -> list:
+        """`LLM.generate`, stepped here (`LLM.enqueue`, then `llm_engine.step()` until done) so that `abort()` can end
+        it between two engine steps: the requests are aborted in the engine (this thread, no race with a step) and
+        `GenerationAborted` is raised. Outputs in submission order."""
+        if self._aborted.is_set():
+            raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
+        adopt_torch_threads()  # the generator thread steps the engine: torch's thread count, not OpenMP's default
+        llm = self.llm
+        while llm.llm_engine.has_unfinished_requests():  # left by an aborted call (vLLM aborts a request with n > 1
+            llm.llm_engine.step()  # by its children's ids, which enqueue does not return): finished, discarded
+        if self.sampling_masks is not None:
+            self.sampling_masks.clear()  # what those sampled, and what an aborted call's requests did
+        ids = llm.enqueue(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
+        )
+        engine, outputs = llm.llm_engine, []
+        while engine.has_unfinished_requests():
+            if self._aborted.is_set():
+                engine.abort_request(ids, internal=True)
+                raise GenerationAborted(f"VLLMColocateBackend: {len(ids)} requests aborted (shutting down)")
+            outputs += [o for o in engine.step() if o.finished]
+        return sorted(outputs, key=lambda o: int(o.request_id))  # vLLM's own order (LLM.generate)
+
+    def abort(self) -> None:
+        """Abort the `generate` call in progress after the engine step now running (any thread may call it);
+        `generate` raises `GenerationAborted` until `resume()`."""
+        self._aborted.set()
+
+    def resume(self) -> None:
+        self._aborted.clear()
+
+    def _between_steps(self, fn, version: int) -> None:
+        """`fn()` (a load), between two steps of the engine loop when it runs (stream mode), else now."""
+        if self._loop is not None and self._loop.is_running():
+            self._loop.between_steps(fn, version)
+        else:
+            fn()
+
+    def load_weights(self, groups: Groups, version: int) -> None:
+        def load():
+            self.transport.push(groups, version)
+            if self.separate_process:
+                self.llm.reset_prefix_cache()
+            self.lora_request = None  # full weights are the whole policy
+            self.version = version
+
+        self._between_steps(load, version)
+
+    def load_adapter(self, groups: Groups, config: dict, version: int) -> None:
+        """Install a LoRA adapter (its `lora_A` / `lora_B` tensors, PEFT-named, and its config) as policy `version`:
+        a new vLLM adapter id per version (`weight_sync.lora.adapter_spec`), used by every later `generate`."""
+        self._between_steps(lambda: self._load_adapter(groups, config, version), version)
+
+    def _load_adapter(self, groups: Groups, config: dict, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        spec = adapter_spec(version, config)
+        self.transport.push(groups, version, lora=spec)
+        if self.separate_process:
+            self.llm.reset_prefix_cache()
+        # the path is a label: the worker already holds the adapter, so vLLM never reads it
+        self.lora_request = LoRARequest(spec["name"], spec["id"], f"grpo-async://{spec['name']}")
+        self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent): the transport, then the engine core. Called before the trainer's
+        process group is destroyed (`GRPOTrainer.end`), as the in-process engine's own groups need it."""
+        self._aborted.set()
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.stop()
+        transport = self.__dict__.pop("transport", None)
+        if transport is not None:
+            transport.close()
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.warning("VLLMColocateBackend.close: engine shutdown failed: %r", e)
+
+
+def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: int | None, llm_kwargs: dict) -> int:
+    """`VLLMColocateBackend`'s KV cache on CPU: `seqs` requests of `max_model_len` tokens (see the class)."""
+    import psutil
+
+    per_token, _ = vllm_cpu.kv_bytes_per_token(
+        model_path,
+        dtype,
+        str(llm_kwargs.get("kv_cache_dtype", "auto")),
+        max_model_len,
+        trust_remote_code=bool(llm_kwargs.get("trust_remote_code", False)),
+        revision=llm_kwargs.get("revision"),
+    )
+    seqs = seqs or vllm_cpu.DEFAULT_MAX_NUM_SEQS
+    size = vllm_cpu.cpu_kv_cache_bytes(per_token, max_model_len, seqs, psutil.virtual_memory().total)
+    logger.info(
+        "vLLM on CPU: KV cache %d MiB (%d requests x %d tokens at %d bytes/token +10%%, within [64 MiB, 4 GiB]); set "
+        "VLLM_CPU_KVCACHE_SPACE or pass kv_cache_memory_bytes to choose",
+        size // 2**20,
+        seqs,
+        max_model_len,
+        per_token,
+    )
+    return size
+
+
+class _EngineRpc:
+    """What `ShmTransport` needs of a server (`post("/ws/update", body)`), answered by the engine's workers through
+    `LLM.collective_rpc` instead of HTTP: the engine core in a child process maps the segments itself."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.url = "in-process engine (child process)"
+        self.timeout = 600.0
+
+    def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        if path != "/ws/update":
+            raise ValueError(f"_EngineRpc only carries /ws/update, not {path}")
+        out = self.llm.collective_rpc("ws_update", kwargs={"request": body})[0]
+        if "error" in out:
+            raise RuntimeError(f"weight update failed in the vLLM engine: {out['error']}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- HTTP backends

@@ -1,0 +1,402 @@
+"""`VLLMServerBackend(urls)`: `/v1/completions` on `grpo-async serve` servers, least-outstanding routing, failover;
+weights by `"broadcast"` (gloo/NCCL), `"shm"` or `"cuda_ipc"` (same machine). A LoRA adapter alone (`load_adapter`)
+goes over the same transports to servers started with `--enable-lora`.
+
+Routing over servers: each prompt (with its `n` samples) is one request, sent to the live server with the fewest
+outstanding requests. A server that fails to answer (connection error, timeout, 5xx) is taken out of rotation with a
+warning and the request is retried on another; only when none is left does `generate` raise. A server out of rotation
+is asked `GET /health` again at the next weight push at least `rejoin_interval` seconds after it left (or was last
+asked; the probe waits at most `min(timeout, 5)` s); one that answers (restarted on the same URL, say) receives that
+push with the others and rejoins the rotation when it has loaded it, so it never serves a round on other weights than
+the live servers'.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Literal
+
+import torch
+
+from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
+from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
+from grpo_async.generation.vllm_common import (
+    Groups,
+    check_prompts,
+    parse_completions_response,
+    to_completions_body,
+    validate_sampling,
+)
+from grpo_async.weight_sync.buckets import iter_buckets
+from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
+from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
+from grpo_async.weight_sync.transports import make_transport
+
+logger = logging.getLogger(__name__)
+
+
+class CompletionsRouter:
+    """Least-outstanding routing of `/v1/completions` requests over live servers, with failover."""
+
+    def __init__(self, clients: list[ServerClient], model: str | None, max_concurrency: int, name: str):
+        self.clients = list(clients)
+        self.live = list(clients)
+        self.outstanding = {c.url: 0 for c in clients}
+        self.served = {c.url: 0 for c in clients}
+        self.errors: dict[str, str] = {}  # url -> why it left the rotation
+        self.left_at: dict[str, float] = {}  # url -> when it left the rotation, or was last probed (monotonic)
+        self.lock = threading.Lock()
+        self.name = name
+        self.model = model
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"{name}-http")
+        self.aborted = threading.Event()  # set by the backend's abort(): generate stops waiting for its requests
+
+    @property
+    def live_urls(self) -> list[str]:
+        with self.lock:
+            return [c.url for c in self.live]
+
+    def pick(self) -> ServerClient:
+        """The live server with the fewest outstanding requests (ties: first listed); counts the request."""
+        with self.lock:
+            if not self.live:
+                why = "; ".join(f"{u}: {e}" for u, e in self.errors.items())
+                raise RuntimeError(
+                    f"{self.name}: no vLLM server left in rotation (all of {[c.url for c in self.clients]} "
+                    f"stopped answering or answered garbage){': ' + why if why else ''}"
+                )
+            client = min(self.live, key=lambda c: self.outstanding[c.url])
+            self.outstanding[client.url] += 1
+            return client
+
+    def done(self, client: ServerClient) -> None:
+        with self.lock:
+            self.outstanding[client.url] -= 1
+            self.served[client.url] += 1
+
+    def mark_dead(self, client: ServerClient, error: Exception) -> None:
+        with self.lock:
+            self.errors[client.url] = str(error)
+            self.left_at[client.url] = time.monotonic()
+            if client in self.live:
+                self.live.remove(client)
+                logger.warning(
+                    "%s: taking %s out of rotation (%s); %d server(s) left",
+                    self.name,
+                    client.url,
+                    error,
+                    len(self.live),
+                )
+
+    def answering_again(self, interval: float, timeout: float) -> list[ServerClient]:
+        """The servers out of rotation, last seen at least `interval` seconds ago, that answer `GET /health` now
+        (each probe waits at most `timeout` seconds). They are not put back: `rejoin` does, once they hold the
+        current weights."""
+        now = time.monotonic()
+        with self.lock:
+            due = [c for c in self.clients if c not in self.live and now - self.left_at.get(c.url, 0.0) >= interval]
+        back = []
+        for client in due:
+            try:
+                client.get("/health", timeout=timeout)
+                back.append(client)
+            except ServerError as e:
+                logger.info("%s: %s still out of rotation (%s)", self.name, client.url, e)
+            with self.lock:
+                self.left_at[client.url] = time.monotonic()
+        return back
+
+    def rejoin(self, client: ServerClient) -> None:
+        """Put a server that answers again (and holds the current weights) back into the rotation."""
+        with self.lock:
+            if client not in self.live:
+                self.live.append(client)
+                self.live.sort(key=self.clients.index)
+                self.errors.pop(client.url, None)
+                live = len(self.live)
+                logger.warning("%s: %s rejoined the rotation; %d server(s) live", self.name, client.url, live)
+
+    def _one(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+        body = None
+        while True:
+            client = self.pick()
+            try:
+                body = body or to_completions_body(self.model, prompt, sampling)
+                resp = client.post("/v1/completions", body)
+                return parse_completions_response(resp, sampling.n, client.url)
+            except ServerError as e:
+                if e.status is not None and e.status < 500:
+                    raise  # our request is wrong; another server would refuse it too
+                self.mark_dead(client, e)
+            finally:
+                self.done(client)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        check_prompts(prompt_ids)
+        validate_sampling(sampling)
+        # seeded: each request its own seed (`SamplingConfig.for_prompt`); without it, G copies of a prompt (n = 1)
+        # would sample the same completion
+        futures = [self.pool.submit(self._one, p, sampling.for_prompt(i)) for i, p in enumerate(prompt_ids)]
+        pending = set(futures)
+        while pending:  # every request bounded by the client timeout; `abort()` stops the wait within 0.25 s
+            if self.aborted.is_set():
+                for f in pending:
+                    f.cancel()
+                raise GenerationAborted(f"{self.name}: generation aborted (shutting down), {len(pending)} requests")
+            _, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+            if any(f.done() and not f.cancelled() and f.exception() is not None for f in futures):
+                break
+        out: list[Completion] = []
+        for f in futures:  # each request is bounded by the client timeout (and retried at most once per server)
+            out.extend(f.result())
+        return check_completions(out, len(prompt_ids), sampling.n, self.name)
+
+    def close(self) -> None:
+        """Cancel queued requests and close the clients (idempotent); requests on the wire end by their timeout."""
+        self.aborted.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
+
+
+def _discard(transport) -> None:
+    """Release a server transport without a goodbye request when it has `discard` (`WeightTransport`), else `close`."""
+    getattr(transport, "discard", transport.close)()
+
+
+def _model_name(client: ServerClient) -> str:
+    resp = client.get("/v1/models")
+    data = resp.get("data") if isinstance(resp, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise ServerError(f"{client.url}/v1/models lists no model (answer: {str(resp)[:200]!r})")
+    return data[0]["id"]
+
+
+class VLLMServerBackend:
+    """Generate on one or more `grpo-async serve` servers; push weights to every live server.
+
+    Args:
+        urls (`list[str]`): server base URLs, e.g. `["http://127.0.0.1:8000"]`.
+        api_key (`str`, *optional*): the servers' `--api-key`.
+        timeout (`float`, *optional*, defaults to 120): seconds any request (generation or weight push) may take.
+        transport (`str`, *optional*, defaults to `"broadcast"`): a wire transport (`weight_sync.names`):
+            `"broadcast"` (gloo on CPU / NCCL on GPU, works for remote servers), `"shm"` (CPU, same machine),
+            `"cuda_ipc"` (GPU, same machine), or `"none"` (generation only: `load_weights` raises).
+        bucket_mb (`float`, *optional*, defaults to 64): weight-sync bucket size in MiB.
+        model (`str`, *optional*): served model name; asked from `/v1/models` when omitted.
+        max_concurrency (`int`, *optional*, defaults to 16): requests in flight over all servers.
+        master_address (`str`, *optional*): this process's address as the servers see it (broadcast only: the
+            trainer hosts the process group's store). Default: found per server (`address_seen_by`: `127.0.0.1`
+            for a loopback server, else this machine's address on the route to it).
+        inflight_updates (`bool`, *optional*, defaults to `False`): `update_weights` may run while `generate` is in
+            progress; the servers freeze running requests, load, and continue them on the new weights (vLLM pause
+            mode "keep"). Off: requests in flight finish on the old weights before the load starts.
+        group_timeout (`float`, *optional*, defaults to 60): broadcast only: seconds the process group waits for a
+            server's workers (to join, or to receive a bucket) before the push fails and that server leaves rotation.
+        rejoin_interval (`float` or `None`, *optional*, defaults to 10): a server out of rotation (or not answering
+            at construction) is probed with `GET /health` at the next weight push at least this many seconds after
+            it left or was last probed (the probe waits at most `min(timeout, 5)` s); one that answers gets that push
+            and rejoins the rotation once it has loaded it. `None`: a server that left never comes back.
+    """
+
+    takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        transport: WireTransport | Literal["none"] = "broadcast",
+        bucket_mb: float = 64.0,
+        model: str | None = None,
+        max_concurrency: int = 16,
+        master_address: str | None = None,
+        inflight_updates: bool = False,
+        group_timeout: float = 60.0,
+        rejoin_interval: float | None = 10.0,
+    ):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("VLLMServerBackend needs at least one server url")
+        check_transport(transport, (*WIRE_TRANSPORTS, "none"), f"{type(self).__name__} transport")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if rejoin_interval is not None and not rejoin_interval >= 0:
+            raise ValueError(f"rejoin_interval must be seconds >= 0 or None (never), got {rejoin_interval!r}")
+        clients = [ServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
+        live, why, left_out = [], [], {}
+        for c in clients:
+            try:
+                c.get("/health", timeout=min(timeout, 10.0))
+                model = model or _model_name(c)
+                live.append(c)
+            except ServerAuthError as e:  # running, but the key is wrong: not "not answering"
+                logger.warning("VLLMServerBackend: %s left out of rotation: %s", c.url, e)
+                why.append(f"{c.url} refused the API key (HTTP {e.status}): {e}")
+                left_out[c.url] = e
+            except ServerError as e:
+                if e.status == 503 and "weight reload session" in str(e):  # a dead trainer's push: ours drops it
+                    logger.warning("VLLMServerBackend: %s: %s; the first push replaces that session", c.url, e)
+                    model = model or _model_name(c)
+                    live.append(c)
+                    continue
+                logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
+                why.append(f"{c.url} is not answering: {e}")
+                left_out[c.url] = e
+        if not live:
+            raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health: {'; '.join(why)}")
+        self.router = CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend")
+        for c in clients:
+            if c.url in left_out:
+                self.router.mark_dead(c, left_out[c.url])
+        self.rejoin_interval = rejoin_interval
+        self.router_timeout = float(timeout)
+        self.base_model = model  # the router asks for the policy adapter's name instead after load_adapter
+        self._lora_checked = False
+        self.transport_name = transport
+        self.bucket_mb = bucket_mb
+        self.master_address = master_address
+        self.inflight_updates = inflight_updates
+        self.group_timeout = float(group_timeout)
+        self.transports: dict[str, object] = {}
+        self.version: int | None = None
+
+    @property
+    def live_urls(self) -> list[str]:
+        return self.router.live_urls
+
+    def start_streaming(self) -> None:
+        """Stream mode: nothing to start; `generate` already takes calls from several threads at once (each request
+        its own HTTP call, `max_concurrency` at a time)."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+        return self.router.generate(prompt_ids, sampling)
+
+    def _transport(self, client: ServerClient, device: torch.device):
+        tr = self.transports.get(client.url)
+        if tr is None:
+            kwargs = {}
+            if self.transport_name == "broadcast":
+                kwargs = {"master_address": self.master_address, "device": device, "group_timeout": self.group_timeout}
+            elif self.transport_name == "cuda_ipc":
+                kwargs = {"device": device}
+            tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)
+            tr.pause = "keep" if self.inflight_updates else "wait"
+            self.transports[client.url] = tr
+        return tr
+
+    def load_weights(self, groups: Groups, version: int) -> None:
+        """Stream the groups to every live server at once, bucket by bucket (the groups are produced once: each
+        bucket goes to every server before the next is asked for); a server that fails leaves the rotation."""
+        self._push(groups, version)
+        self.router.model = self.base_model  # full weights are the whole policy
+
+    def load_adapter(self, groups: Groups, config: dict, version: int) -> None:
+        """Send only a LoRA adapter (PEFT-named `lora_A` / `lora_B` tensors and its config) to every live server,
+        over the same transport as full weights; each installs it as model `policy-v<version>`, which every later
+        completion request asks for. The servers must run with `--enable-lora --max-lora-rank R` (R >= the adapter's
+        rank), and with `--max-cpu-loras 2` for in-flight updates (a request frozen mid-update resumes on the adapter
+        it started with, which must still be resident)."""
+        spec = adapter_spec(version, config)
+        if not self._lora_checked:
+            self._check_lora(config)
+        self._push(groups, version, lora=spec)
+        self.router.model = spec["name"]
+
+    def _check_lora(self, config: dict) -> None:
+        rank = max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+        for client in list(self.router.live):
+            workers = client.get("/ws/info").get("workers") or [{}]
+            lora = workers[0].get("lora") or {}
+            problem = None
+            if not lora.get("enabled"):
+                problem = "was started without LoRA support"
+            elif lora["max_lora_rank"] < rank:
+                problem = f"serves LoRA ranks up to {lora['max_lora_rank']}, the adapter has rank {rank}"
+            elif self.inflight_updates and lora["max_cpu_loras"] < 2:
+                problem = "keeps one adapter (--max-cpu-loras 1); in-flight updates need the previous one resident"
+            if problem:
+                flags = f"--enable-lora --max-lora-rank {vllm_max_lora_rank(rank)} --max-cpu-loras 2"
+                raise RuntimeError(
+                    f"VLLMServerBackend: LoRA adapter sync to {client.url}: the server {problem}. Start it with "
+                    f"`grpo-async serve ... {flags}`, or sync merged weights (GRPOConfig.vllm_lora_sync='merged')"
+                )
+        self._lora_checked = True
+
+    def _push(self, groups: Groups, version: int, lora: dict | None = None) -> None:
+        if self.transport_name == "none":
+            raise RuntimeError(
+                f"{type(self).__name__}(transport='none') generates only (GRPOConfig.weight_sync_transport='none'): "
+                "it takes no weights; build it with a wire transport ('broadcast', 'shm', 'cuda_ipc') to push them"
+            )
+        errors: list[str] = []
+        sessions = {}
+        for client in list(self.router.live):
+            sessions[client.url] = (client, None)
+        returning = []
+        if self.rejoin_interval is not None:  # servers that answer again get this push, then rejoin the rotation
+            returning = self.router.answering_again(self.rejoin_interval, min(self.router_timeout, 5.0))
+            for client in returning:
+                stale = self.transports.pop(client.url, None)  # a restarted server knows nothing of the old one
+                if stale is not None:
+                    _discard(stale)
+                sessions[client.url] = (client, None)
+
+        def drop(url: str, e: BaseException) -> None:
+            client, _ = sessions.pop(url)
+            errors.append(f"{url}: {e}")
+            self.router.mark_dead(client, e)
+            tr = self.transports.pop(url, None)
+            if tr is not None:
+                _discard(tr)  # it stopped answering: no goodbye request (another timeout)
+
+        def each(fn) -> None:
+            for url, (client, _) in list(sessions.items()):
+                try:
+                    fn(url, client)
+                except (ServerError, RuntimeError, OSError) as e:
+                    drop(url, e)
+
+        def open_stream(url, client):
+            sessions[url] = (client, self._transport(client, device).stream(version, lora=lora))
+
+        device = None
+        for bucket in iter_buckets(groups, self.bucket_mb):
+            if device is None:
+                device = bucket[0][1].device
+                each(open_stream)
+            each(lambda url, client, b=bucket: sessions[url][1].send(b))
+        if device is None:  # a model without parameters: nothing to send, still close the session
+            device = torch.device("cpu")
+            each(open_stream)
+        each(lambda url, client: sessions[url][1].close())
+        for client in returning:
+            if client.url in sessions:  # loaded this push: serves the next rounds
+                self.router.rejoin(client)
+        if not self.router.live:
+            raise RuntimeError(
+                f"VLLMServerBackend: no vLLM server left in rotation while pushing weights version {version} "
+                f"(all of {[c.url for c in self.router.clients]} stopped answering); last errors: {errors}"
+            )
+        self.version = version
+
+    def abort(self) -> None:
+        """Stop waiting for the `generate` call in progress (any thread may call it): it raises `GenerationAborted`
+        within 0.25 s, until `resume()`; requests already on the wire end on the server."""
+        self.router.aborted.set()
+
+    def resume(self) -> None:
+        self.router.aborted.clear()
+
+    def close(self) -> None:
+        """Close the weight transports and the router (idempotent)."""
+        for tr in self.transports.values():
+            tr.close()
+        self.transports.clear()
+        self.router.close()
