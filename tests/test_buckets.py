@@ -175,7 +175,7 @@ from multiprocessing import shared_memory
 
 
 def child(name):
-    from grpo_async.weight_sync.worker import AttachedSegment
+    from grpo_async.weight_sync.requests import AttachedSegment
 
     seg = AttachedSegment(name)
     assert bytes(seg.buf[:3]) == b"abc" and seg.size >= 16

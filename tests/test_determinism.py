@@ -132,7 +132,8 @@ def test_serve_turns_chunked_prefill_off_on_cpu():
     chunked prefill off unless the user chose (or set a token budget, which may need chunks)."""
     from vllm.platforms import current_platform
 
-    from grpo_async.generation.serve import _default_cpu_chunked_prefill, make_parser
+    from grpo_async.generation.serve import make_parser
+    from grpo_async.generation.vllm_cpu import default_cpu_chunked_prefill
 
     for argv, want in (
         ([], False if current_platform.is_cpu() else None),
@@ -140,7 +141,7 @@ def test_serve_turns_chunked_prefill_off_on_cpu():
         (["--max-num-batched-tokens", "64"], None),
     ):
         args = make_parser().parse_args(["--model", "m", *argv])
-        _default_cpu_chunked_prefill(args, ["--model", "m", *argv])
+        default_cpu_chunked_prefill(args, ["--model", "m", *argv])
         assert args.enable_chunked_prefill is want, argv
 
 

@@ -164,7 +164,7 @@ def test_serve_help_describes_our_flags_before_vllms(capsys):
 
 
 def test_cpu_memory_default_is_half_the_free_memory():
-    from grpo_async.generation.serve import cpu_memory_utilization
+    from grpo_async.generation.vllm_cpu import cpu_memory_utilization
 
     gib = 1 << 30
     assert cpu_memory_utilization(int(18.9 * gib), int(22.59 * gib)) == 0.41  # the machine where 0.92 failed

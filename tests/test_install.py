@@ -94,9 +94,28 @@ def test_without_the_pinned_build_the_pytorch_cpu_index_is_added(versions, tmp_p
 def test_the_wheel_holds_no_test_or_bench_tooling(tmp_path):
     """Issue 42: `pip wheel .` packs the product only: `grpo_async.testing` keeps the tiny-model and SmolLM2 builders
     the demo and users need; the warm-launch fork server, heap freeze and CPU-ISA check live in `tests/support/`."""
+    import shutil
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "src"  # a copy (tests/ and bench/ included): setuptools writes build/ beside setup.py
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "out")
+    for name in ("grpo_async", "tests", "bench"):
+        shutil.copytree(os.path.join(root, name), src / name, ignore=ignore)
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(root, name), src / name)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", root, "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -45,14 +45,15 @@ def test_sizes_follow_the_model_and_stay_within_the_floor_and_cap():
 def test_a_size_the_user_gives_wins(tiny_model_path, argv, environ, expected):
     from vllm.platforms import current_platform
 
-    from grpo_async.generation.serve import _default_cpu_kv_cache, make_parser
+    from grpo_async.generation.serve import make_parser
+    from grpo_async.generation.vllm_cpu import default_cpu_kv_cache
 
     if not current_platform.is_cpu():
         pytest.skip("the KV cache is sized on CPU only")
     full = ["--model", str(tiny_model_path), "--max-model-len", "256", "--max-num-seqs", "4", *argv]
     args = make_parser().parse_args(full)
     given = args.kv_cache_memory_bytes
-    explicit = _default_cpu_kv_cache(args, full, environ)
+    explicit = default_cpu_kv_cache(args, full, environ)
     if expected == "sized":
         assert explicit and args.kv_cache_memory_bytes == 64 * MiB
     else:
@@ -64,13 +65,14 @@ def test_both_a_kv_variable_and_the_flag_are_refused(tiny_model_path):
     refuses the pair, naming both."""
     from vllm.platforms import current_platform
 
-    from grpo_async.generation.serve import _default_cpu_kv_cache, make_parser
+    from grpo_async.generation.serve import make_parser
+    from grpo_async.generation.vllm_cpu import default_cpu_kv_cache
 
     if not current_platform.is_cpu():
         pytest.skip("the KV cache is sized on CPU only")
     argv = ["--model", str(tiny_model_path), "--kv-cache-memory-bytes", str(64 * MiB)]
     with pytest.raises(SystemExit, match="VLLM_CPU_KVCACHE_SPACE=1 and --kv-cache-memory-bytes"):
-        _default_cpu_kv_cache(make_parser().parse_args(argv), argv, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+        default_cpu_kv_cache(make_parser().parse_args(argv), argv, {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 def test_launch_server_lets_the_flag_size_the_kv_cache(monkeypatch):

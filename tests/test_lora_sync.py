@@ -22,7 +22,7 @@ from grpo_async.weight_sync.lora import (
     lora_sync_mode,
     vllm_max_lora_rank,
 )
-from grpo_async.weight_sync.worker import validate_update_request
+from grpo_async.weight_sync.requests import validate_update_request
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -123,7 +123,7 @@ HF_NAMES = [
 
 
 def test_push_coverage_names_every_missing_parameter_and_shard():
-    from grpo_async.weight_sync.worker import PushCoverage
+    from grpo_async.weight_sync.requests import PushCoverage
 
     cov = PushCoverage(_FusedLlama())
     assert list(cov.needed) == VLLM_NAMES

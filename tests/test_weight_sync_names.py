@@ -16,8 +16,8 @@ from grpo_async.generation.openai_remote import OpenAIRemoteBackend
 from grpo_async.generation.stock_server import StockVLLMServerBackend
 from grpo_async.generation.vllm_server import VLLMServerBackend
 from grpo_async.weight_sync.names import SYNC_SETTINGS, WIRE_TRANSPORTS, server_transport
+from grpo_async.weight_sync.requests import validate_update_request
 from grpo_async.weight_sync.transports import TRANSPORTS
-from grpo_async.weight_sync.worker import validate_update_request
 
 BASE = dict(
     output_dir="/tmp/grpo-async-names", use_cpu=True, report_to=[], per_device_train_batch_size=4, num_generations=2

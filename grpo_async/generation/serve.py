@@ -54,12 +54,10 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from grpo_async.generation import vllm_cpu
 from grpo_async.generation.server_process import flag_passed
 from grpo_async.generation.vllm_cpu import (
-    DEFAULT_MAX_NUM_SEQS,
-    cpu_kv_cache_bytes,
     default_cpu_aot_compile,
-    kv_bytes_per_token,
 )
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
@@ -447,88 +445,6 @@ def print_help(file=None) -> None:
     print(make_parser().format_help(), file=file)
 
 
-def cpu_memory_utilization(available_bytes: int, total_bytes: int) -> float:
-    """The CPU default of `--gpu-memory-utilization` (there: the share of RAM vLLM reserves): half of the memory
-    free now, at most 0.9 and at least 0.05, rounded down to 2 decimals."""
-    share = 0.5 * available_bytes / max(total_bytes, 1)
-    return max(0.05, min(0.9, math.floor(share * 100) / 100))
-
-
-def _default_cpu_memory(args, argv: list[str]) -> None:
-    """On CPU, when the user did not pass --gpu-memory-utilization, replace vLLM's 0.92 (which fails to start
-    whenever other processes use RAM) by `cpu_memory_utilization` of the memory free now."""
-    if flag_passed(argv, "--gpu-memory-utilization"):
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    import psutil
-
-    mem = psutil.virtual_memory()
-    args.gpu_memory_utilization = cpu_memory_utilization(mem.available, mem.total)
-    print(
-        f"grpo-async serve: CPU, --gpu-memory-utilization {args.gpu_memory_utilization} (half of the free RAM; "
-        "pass the flag to choose)",
-        flush=True,
-    )
-
-
-def _default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
-    """On CPU, unless the user chose (`VLLM_CPU_KVCACHE_SPACE`, `--kv-cache-memory-bytes`,
-    `--gpu-memory-utilization`), set `--kv-cache-memory-bytes` to `cpu_kv_cache_bytes` of the model and say so.
-    Returns whether the KV cache size is now explicit (vLLM then skips its share-of-RAM check)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    variable, flag = environ.get("VLLM_CPU_KVCACHE_SPACE"), flag_passed(argv, "--kv-cache-memory-bytes")
-    if variable and flag:
-        raise SystemExit(
-            f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={variable} and --kv-cache-memory-bytes choose the CPU KV "
-            "cache, and vLLM would take the variable's size and ignore the flag: unset one"
-        )
-    if variable or flag:
-        return True
-    if flag_passed(argv, "--gpu-memory-utilization"):
-        return False
-    import psutil
-
-    try:
-        per_token, max_len = kv_bytes_per_token(
-            args.model,
-            str(args.dtype),
-            str(getattr(args, "kv_cache_dtype", "auto")),
-            args.max_model_len,
-            trust_remote_code=bool(args.trust_remote_code),
-            revision=getattr(args, "revision", None),
-        )
-    except Exception as e:  # noqa: BLE001 - an unusual config: vLLM's share of the RAM instead
-        print(f"grpo-async serve: CPU KV cache not sized from the model config ({e}): vLLM's RAM share", flush=True)
-        return False
-    seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    args.kv_cache_memory_bytes = cpu_kv_cache_bytes(per_token, max_len, seqs, psutil.virtual_memory().total)
-    print(
-        f"grpo-async serve: CPU KV cache {args.kv_cache_memory_bytes / 2**20:.0f} MiB (--max-model-len {max_len} x "
-        f"--max-num-seqs {seqs} at {per_token} bytes/token +10%, within [64 MiB, 4 GiB]); pass "
-        "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE to choose",
-        flush=True,
-    )
-    return True
-
-
-def _default_cpu_chunked_prefill(args, argv: list[str]) -> None:
-    """On CPU, unless the user chose, turn chunked prefill off: vLLM CPU cannot rewind a seeded request's generator
-    after a partial prefill (the trainer sends per-request seeds, `GRPOConfig.seeded_generation`)."""
-    chose = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
-    if any(flag_passed(argv, flag) for flag in chose):  # a token budget below the context needs chunks: left to vLLM
-        return
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        args.enable_chunked_prefill = False
-
-
 async def _serve(args, api_key: str | None) -> None:
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -609,9 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     if getattr(args, "model_tag", None):  # `grpo-async serve MODEL ...` like `vllm serve MODEL`
         args.model = args.model_tag
-    if not _default_cpu_kv_cache(args, argv, os.environ):
-        _default_cpu_memory(args, argv)
-    _default_cpu_chunked_prefill(args, argv)
+    if not vllm_cpu.default_cpu_kv_cache(args, argv, os.environ):
+        vllm_cpu.default_cpu_memory(args, argv)
+    vllm_cpu.default_cpu_chunked_prefill(args, argv)
     _default_shutdown_timeout(args, argv)
     if not args.enforce_eager:
         if default_cpu_aot_compile(os.environ):

@@ -5,11 +5,18 @@
   for a 2-layer model at the default 0.3 on a 20 GiB machine (9.1 GB behind `grpo-async serve`'s former default, half
   the free RAM). Both size it instead (`cpu_kv_cache_bytes`): the K and V of every layer for the tokens their requests
   can hold at once (+10%), within [64 MiB, 4 GiB or a quarter of the RAM].
+- **Server memory and prefill** (`grpo-async serve`, where the user did not choose): `--gpu-memory-utilization` is
+  half of the free RAM (`cpu_memory_utilization`), and chunked prefill is off (vLLM CPU cannot rewind a seeded
+  request's generator after a partial prefill).
 - **AOT compile cache.** vLLM 0.32 saves an AOT artifact of a compiled model at every start on CPU that the next start
   cannot load (`default_cpu_aot_compile`).
 """
 
 from __future__ import annotations
+
+import math
+
+from .server_process import flag_passed
 
 #: the CPU KV cache sized here is at most this (or a quarter of the RAM) and at least `KV_FLOOR_BYTES`
 KV_CAP_BYTES = 4 * 2**30
@@ -80,3 +87,86 @@ def default_cpu_aot_compile(environ) -> bool:
         return False
     environ["VLLM_USE_AOT_COMPILE"] = "0"
     return True
+
+
+# ---- `grpo-async serve`'s CPU defaults, applied to its parsed arguments (`argv`: what the user passed) --------------
+def cpu_memory_utilization(available_bytes: int, total_bytes: int) -> float:
+    """The CPU default of `--gpu-memory-utilization` (there: the share of RAM vLLM reserves): half of the memory
+    free now, at most 0.9 and at least 0.05, rounded down to 2 decimals."""
+    share = 0.5 * available_bytes / max(total_bytes, 1)
+    return max(0.05, min(0.9, math.floor(share * 100) / 100))
+
+
+def default_cpu_memory(args, argv: list[str]) -> None:
+    """On CPU, when the user did not pass --gpu-memory-utilization, replace vLLM's 0.92 (which fails to start
+    whenever other processes use RAM) by `cpu_memory_utilization` of the memory free now."""
+    if flag_passed(argv, "--gpu-memory-utilization"):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import psutil
+
+    mem = psutil.virtual_memory()
+    args.gpu_memory_utilization = cpu_memory_utilization(mem.available, mem.total)
+    print(
+        f"grpo-async serve: CPU, --gpu-memory-utilization {args.gpu_memory_utilization} (half of the free RAM; "
+        "pass the flag to choose)",
+        flush=True,
+    )
+
+
+def default_cpu_kv_cache(args, argv: list[str], environ: dict) -> bool:
+    """On CPU, unless the user chose (`VLLM_CPU_KVCACHE_SPACE`, `--kv-cache-memory-bytes`,
+    `--gpu-memory-utilization`), set `--kv-cache-memory-bytes` to `cpu_kv_cache_bytes` of the model and say so.
+    Returns whether the KV cache size is now explicit (vLLM then skips its share-of-RAM check)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    variable, flag = environ.get("VLLM_CPU_KVCACHE_SPACE"), flag_passed(argv, "--kv-cache-memory-bytes")
+    if variable and flag:
+        raise SystemExit(
+            f"grpo-async serve: both VLLM_CPU_KVCACHE_SPACE={variable} and --kv-cache-memory-bytes choose the CPU KV "
+            "cache, and vLLM would take the variable's size and ignore the flag: unset one"
+        )
+    if variable or flag:
+        return True
+    if flag_passed(argv, "--gpu-memory-utilization"):
+        return False
+    import psutil
+
+    try:
+        per_token, max_len = kv_bytes_per_token(
+            args.model,
+            str(args.dtype),
+            str(getattr(args, "kv_cache_dtype", "auto")),
+            args.max_model_len,
+            trust_remote_code=bool(args.trust_remote_code),
+            revision=getattr(args, "revision", None),
+        )
+    except Exception as e:  # noqa: BLE001 - an unusual config: vLLM's share of the RAM instead
+        print(f"grpo-async serve: CPU KV cache not sized from the model config ({e}): vLLM's RAM share", flush=True)
+        return False
+    seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    args.kv_cache_memory_bytes = cpu_kv_cache_bytes(per_token, max_len, seqs, psutil.virtual_memory().total)
+    print(
+        f"grpo-async serve: CPU KV cache {args.kv_cache_memory_bytes / 2**20:.0f} MiB (--max-model-len {max_len} x "
+        f"--max-num-seqs {seqs} at {per_token} bytes/token +10%, within [64 MiB, 4 GiB]); pass "
+        "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE to choose",
+        flush=True,
+    )
+    return True
+
+
+def default_cpu_chunked_prefill(args, argv: list[str]) -> None:
+    """On CPU, unless the user chose, turn chunked prefill off: vLLM CPU cannot rewind a seeded request's generator
+    after a partial prefill (the trainer sends per-request seeds, `GRPOConfig.seeded_generation`)."""
+    chose = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
+    if any(flag_passed(argv, flag) for flag in chose):  # a token budget below the context needs chunks: left to vLLM
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        args.enable_chunked_prefill = False

@@ -92,7 +92,7 @@ def add_weight_routes(app, idle_timeout: float = RELOAD_IDLE_TIMEOUT_S) -> None:
     """Register `/ws/*` on a vLLM FastAPI app (engine client read from `app.state.engine_client` per request); the
     reload session's state goes to `app.state.ws_sessions` (read by `/health`). A session with no request for
     `idle_timeout` seconds is dropped."""
-    from grpo_async.weight_sync.worker import validate_update_request  # the worker module runs in vLLM's processes
+    from grpo_async.weight_sync.requests import validate_update_request
 
     lock = asyncio.Lock()
     sessions = app.state.ws_sessions = SessionTracker(idle_timeout=float(idle_timeout))

@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
 from grpo_async.weight_sync.names import STOCK_TRANSPORTS
-from grpo_async.weight_sync.worker import AttachedSegment, close_segments
+from grpo_async.weight_sync.requests import AttachedSegment, close_segments, tied_lm_head
 
 logger = logging.getLogger("grpo_async.vllm_engine")
 
@@ -116,19 +116,6 @@ class GrpoAsyncUpdateInfo(WeightTransferUpdateInfo):
                     raise ValueError("each update_info.segments entry must name one segment per dtype buffer")
                 if not all(isinstance(v, str) and v and "/" not in v for v in seg.values()):
                     raise ValueError("shared-memory segment names must be non-empty strings without '/'")
-
-
-def tied_lm_head(model) -> tuple[torch.nn.Module, str] | None:
-    """`(lm_head, "model.embed_tokens.weight")` when vLLM serves `model` with its LM head tied to the input embedding
-    (one parameter: SmolLM2, Gemma, ...), else None; call it outside a reload session. vLLM's `load_weights` drops
-    `lm_head.*` of such a model, so a layerwise reload would keep the head's old tensors and CPU kernel: the engine
-    feeds the received embedding to the head's weight loader too (as `grpo-async serve`'s worker does)."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
-        return None
-    return head, "model.embed_tokens.weight"
 
 
 class GrpoAsyncWeightTransferEngine(WeightTransferEngine[GrpoAsyncInitInfo, GrpoAsyncUpdateInfo]):

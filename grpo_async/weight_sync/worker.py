@@ -39,8 +39,6 @@ abort), installs nothing. The engine must have been started with LoRA (`enable_l
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import logging
 import threading
 import time
@@ -49,8 +47,17 @@ from datetime import timedelta
 import torch
 
 from grpo_async.generation.server_process import exit_with_parent
-from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
-from grpo_async.weight_sync.names import WIRE_TRANSPORTS
+from grpo_async.weight_sync.buckets import unpack_bucket
+from grpo_async.weight_sync.requests import (
+    AttachedSegment,
+    IncompletePushError,
+    PushCoverage,
+    close_segments,
+    tensor_digest,
+    tied_lm_head,
+    validate_lora_spec,
+    validate_update_request,
+)
 
 logger = logging.getLogger("grpo_async.ws_worker")
 
@@ -64,197 +71,6 @@ class _RotaryReloadFilter(logging.Filter):
 
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
-
-#: what happens to requests in flight during a weight update: "wait" (they finish on the old weights first) or
-#: "keep" (they are frozen, and resume on the new weights after the update: in-flight updates)
-PAUSE_MODES = ("wait", "keep")
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes (dtype- and shape-independent), used to prove bit-identical arrival."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
-
-
-def validate_update_request(req: object) -> dict:
-    """Check a `/ws/update` request body (see `grpo_async.weight_sync.routes`) and return it."""
-    if not isinstance(req, dict):
-        raise ValueError("the weight-update request must be a JSON object")
-    allowed = {
-        "transport",
-        "buckets",
-        "version",
-        "begin",
-        "end",
-        "load",
-        "digests",
-        "segments",
-        "handles",
-        "group",
-        "pause",
-        "lora",
-        "session",
-        "abort",
-        "expect",
-    }
-    unknown = set(req) - allowed
-    if unknown:
-        raise ValueError(f"unknown keys in weight-update request: {sorted(unknown)}; allowed: {sorted(allowed)}")
-    if req.get("transport") not in WIRE_TRANSPORTS:
-        raise ValueError(f"'transport' must be one of {WIRE_TRANSPORTS}, got {req.get('transport')!r}")
-    buckets = req.get("buckets")
-    if not isinstance(buckets, list):
-        raise ValueError("'buckets' must be a list of bucket layouts")
-    for b in buckets:
-        validate_layout(b)
-    version = req.get("version")
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise ValueError(f"'version' must be an integer, got {version!r}")
-    if "group" in req and not isinstance(req["group"], str):
-        raise ValueError(f"'group' must be the group_name given to /ws/init_broadcast, got {req['group']!r}")
-    if "lora" in req:
-        validate_lora_spec(req["lora"])
-    if req.get("pause", "wait") not in PAUSE_MODES:
-        raise ValueError(f"'pause' must be one of {PAUSE_MODES}, got {req['pause']!r}")
-    if "session" in req and not (isinstance(req["session"], str) and 0 < len(req["session"]) <= 64):
-        raise ValueError(f"'session' must be the id /ws/update answered at begin, got {req['session']!r:.80}")
-    expect = req.get("expect")
-    if expect is not None and not (isinstance(expect, list) and all(isinstance(n, str) and n for n in expect)):
-        raise ValueError("'expect' must list the tensor names the push will send (strings)")
-    if expect is not None and not req.get("begin", True):
-        raise ValueError("'expect' is declared with begin=true (the first request of a push)")
-    for key in ("begin", "end", "load", "digests", "abort"):
-        if key in req and not isinstance(req[key], bool):
-            raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")
-    if req["transport"] == "shm":
-        segs = req.get("segments")
-        if not isinstance(segs, list) or len(segs) != len(buckets):
-            raise ValueError("'segments' must list one {dtype: shared-memory name} object per bucket")
-        for seg, layout in zip(segs, buckets):
-            if not isinstance(seg, dict) or set(seg) != set(layout["buffers"]):
-                raise ValueError("each 'segments' entry must name one shared-memory segment per dtype buffer")
-            if not all(isinstance(v, str) and v and "/" not in v for v in seg.values()):
-                raise ValueError("shared-memory segment names must be non-empty strings without '/'")
-    if req["transport"] == "cuda_ipc":
-        handles = req.get("handles")
-        if not isinstance(handles, list) or len(handles) != len(buckets):
-            raise ValueError("'handles' must list one {dtype: ipc handle} object per bucket")
-    return req
-
-
-def validate_lora_spec(spec: object) -> dict:
-    """Check the `lora` part of a weight-update request: `{"name": str, "id": int >= 1, "config": {...}}` plus an
-    optional `"keep"` (policy adapters kept resident, the new one included; default 2)."""
-    if not isinstance(spec, dict) or not {"name", "id", "config"} <= set(spec) or set(spec) - LORA_SPEC_KEYS:
-        raise ValueError(f"'lora' must be an object with keys name, id, config (optional keep), got {spec!r:.200}")
-    if not isinstance(spec["name"], str) or not spec["name"]:
-        raise ValueError(f"'lora.name' must be a non-empty string, got {spec['name']!r}")
-    for key, low in (("id", 1), ("keep", 1)):
-        v = spec.get(key, low)
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"'lora.{key}' must be an integer >= {low}, got {v!r}")
-    cfg = spec["config"]
-    if not isinstance(cfg, dict) or not {"r", "lora_alpha", "target_modules"} <= set(cfg):
-        raise ValueError("'lora.config' must be the adapter's config with at least r, lora_alpha, target_modules")
-    return spec
-
-
-LORA_SPEC_KEYS = {"name", "id", "config", "keep"}
-
-
-class IncompletePushError(ValueError):
-    """A push closed (`end`) without every tensor the served model needs, or not exactly the names the trainer
-    declared with `expect`; the session is dropped and the served weights stay as they were."""
-
-
-class PushCoverage:
-    """Which HF checkpoint tensors a vLLM model needs, and which of them a set of received names misses.
-
-    vLLM loads fused parameters from several checkpoint tensors (`qkv_proj` from `q_proj`, `k_proj`, `v_proj`;
-    `gate_up_proj` from `gate_proj`, `up_proj`), one shard each. Every parameter of the served model must be covered,
-    each fused one by all of its shards; names are mapped as vLLM's loader maps them (the model's
-    `hf_to_vllm_mapper`, else its `packed_modules_mapping`). A tied LM head is the embedding (one parameter).
-
-    Example (a 1-layer Llama): receiving every checkpoint tensor but `model.layers.0.self_attn.k_proj.weight` gives
-    `missing(...) == ["model.layers.0.self_attn.qkv_proj.weight (shard 'k' missing)"]`.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        self.mapper = mapper if hasattr(mapper, "map_name") else None
-        stacked = dict(getattr(self.mapper, "orig_to_new_stacked", None) or {})
-        if not stacked:  # a model without a stacked mapper: its packed modules name the shards
-            for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
-                stacked.update({f".{part}": (f".{fused}", part) for part in parts})
-        self.stacked = {sub: (new, str(shard)) for sub, (new, shard) in stacked.items()}
-        self.needed: dict[str, frozenset[str]] = {}
-        for name, _ in model.named_parameters():  # shared parameters (a tied head) are listed once
-            self.needed[name] = frozenset(sh for new, sh in self.stacked.values() if f"{new}." in f"{name}.")
-
-    def target(self, hf_name: str) -> tuple[str, str | None] | None:
-        """`(vLLM parameter name, shard)` a checkpoint tensor is loaded into, None when vLLM ignores it."""
-        shard = next((sh for sub, (_, sh) in self.stacked.items() if f"{sub}." in f"{hf_name}."), None)
-        if self.mapper is not None:
-            name = self.mapper.map_name(hf_name)
-            return None if name is None else (name, shard)
-        for sub, (new, sh) in self.stacked.items():
-            if f"{sub}." in f"{hf_name}.":
-                return hf_name.replace(f"{sub}.", f"{new}.", 1), sh
-        return hf_name, None
-
-    def missing(self, names) -> list[str]:
-        """The served model's parameters (and fused shards) that `names` (HF checkpoint names) do not cover."""
-        got: dict[str, set] = {}
-        for n in names:
-            t = self.target(n)
-            if t is not None:
-                got.setdefault(t[0], set()).add(t[1])
-        out = []
-        for name, shards in self.needed.items():
-            if name not in got:
-                out.append(name)
-            elif shards - got[name]:
-                out.append(f"{name} (shard {', '.join(repr(x) for x in sorted(shards - got[name]))} missing)")
-        return out
-
-
-def close_segments(segments) -> None:
-    """Close shared-memory segments whose views were dropped (a view still referenced makes `close()` raise: collect
-    cycles once and retry, else leave the segment to the garbage collector with a warning)."""
-    for shm in segments:
-        try:
-            shm.close()
-        except BufferError:  # a view is still referenced: collect cycles once, then try again
-            gc.collect()
-            try:
-                shm.close()
-            except BufferError:
-                logger.warning("shared-memory segment %s still has views; left to the garbage collector", shm.name)
-
-
-class AttachedSegment:
-    """A POSIX shared-memory segment the trainer created, mapped here read-write without registering it with
-    Python's resource tracker (`SharedMemory(name=...)` does on Python < 3.13): the trainer owns and unlinks it.
-    Registering and then unregistering it here would take the trainer's own registration out of a tracker this
-    process shares with it (an engine process started by `multiprocessing`), and the trainer's later `unlink` would
-    make the tracker print a `KeyError` traceback at exit."""
-
-    def __init__(self, name: str):
-        import _posixshmem
-        import mmap
-        import os
-
-        self.name = name
-        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
-        try:
-            self.size = os.fstat(fd).st_size
-            self.buf = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Unmap (raises `BufferError` while a view of `buf` is alive, like `SharedMemory.close`)."""
-        self.buf.close()
 
 
 class WeightSyncWorker:
@@ -767,25 +583,6 @@ class WeightSyncWorker:
         for layout, handle in zip(layouts, handles):
             bufs = {dt: decode_cuda_ipc(handle[dt], device) for dt in layout["buffers"]}
             yield unpack_bucket(layout, bufs)
-
-
-def tied_lm_head(model) -> tuple[torch.nn.Module, str] | None:
-    """`(lm_head, "model.embed_tokens.weight")` when vLLM serves `model` with its LM head tied to the input embedding
-    (one parameter: SmolLM2, Gemma, Qwen2.5-0.5B, ...), else None. Call it outside a reload session.
-
-    vLLM's `load_weights` drops `lm_head.*` for such a model (the head *is* the embedding), so a layerwise reload sees
-    no weights for the head layer: it would warn "ParallelLMHead: Failed to load weights", put the head's old tensors
-    back and keep its old CPU matmul kernel (prepacked from the weight at load time: the sampler would score every
-    token with the old output embedding; measured on SmolLM2 before the head was reloaded: logprobs off by up to 1.7
-    after one push). The worker therefore feeds the received embedding to the head's own weight loader as well: the
-    reload then processes the head like any other layer (its kernel prepared from the new weight), and says nothing.
-    """
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
-        return None
-    return head, "model.embed_tokens.weight"
 
 
 exit_with_parent()  # in vLLM engine/worker processes: exit when the process that started them dies (server_process)
