@@ -47,6 +47,7 @@ class TrainerPipeline:
         self.compute_old_logps = needs_old_logps(a)
         self.metric_windows = MetricWindows()  # what `log` reports; step timings
         self._step = 0  # training_step calls
+        self._completions_logged_round = None  # the round whose samples `log_completions` printed last
         scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
         link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
         if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
@@ -112,16 +113,14 @@ class TrainerPipeline:
 
     def _log_completions(self) -> None:
         """`log_completions`: print and save the samples of the last round generated, once (main process)."""
-        if self.args.log_completions and self.accelerator.is_main_process and self.rounds.last_samples:
-            a = self.args
-            log_completions(
-                self.rounds.last_samples,
-                a.output_dir,
-                self.state.global_step,
-                a.num_completions_to_print,
-                a.log_unique_prompts,
-            )
-            self.rounds.last_samples = None  # each round's samples are logged once
+        samples = self.rounds.last_samples
+        if not (self.args.log_completions and self.accelerator.is_main_process and samples):
+            return
+        if samples.get("round") == self._completions_logged_round:
+            return  # each round's samples are logged once (they stay readable as TRL's `_logs`)
+        a, step = self.args, self.state.global_step
+        log_completions(samples, a.output_dir, step, a.num_completions_to_print, a.log_unique_prompts)
+        self._completions_logged_round = samples.get("round")
 
     def _pipeline_state(self) -> dict:
         return {

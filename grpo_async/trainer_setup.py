@@ -161,8 +161,11 @@ def train_stream(dataset, args: GRPOConfig):
 def check_datasets(train_dataset, eval_dataset, args: GRPOConfig, environment_factory=None):
     """`check_dataset` on both sets; without a train set but with an `environment_factory`, TRL's placeholder: one
     round of empty user prompts (the environment's `reset` writes the prompt), cycled for `max_steps`. Returns the
-    train set."""
-    if train_dataset is None and environment_factory is not None:
+    train set. Without either, TRL's error (a trainer is for training; `evaluate` alone needs a train set too, as in
+    TRL)."""
+    if train_dataset is None and environment_factory is None:
+        raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
+    if train_dataset is None:
         if isinstance(environment_factory, dict):
             raise ValueError(
                 "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
@@ -451,7 +454,6 @@ def eval_chunk_prompts(a: GRPOConfig) -> int:
 
 
 def consumer_settings(a: GRPOConfig):
-    from .algo.sampling_support import TruncationFilter
     from .pipeline.consumer import ConsumerSettings
 
     return ConsumerSettings(
@@ -467,8 +469,19 @@ def consumer_settings(a: GRPOConfig):
         token_budget=a.token_budget,  # algo/token_budget.py
         keep_groups=keep_groups_together(a),  # the training forward shares each group's prompt
         support_replay=a.importance_sampling_support_replay,
-        truncation=TruncationFilter(top_k=a.top_k or 0, top_p=a.top_p, min_p=a.min_p or 0.0),  # servers' rows
+        truncation=run_truncation_filter(a),  # servers' rows
+        pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
     )
+
+
+def run_truncation_filter(a: GRPOConfig):
+    """The sampler's top-k / top-p / min-p of the run (`TruncationFilter`), for rows whose kept sets the sampler did
+    not report (servers): `generation_kwargs` override the config's fields, as they do in every backend's sampling."""
+    from .algo.sampling_support import TruncationFilter
+
+    extra = a.generation_kwargs or {}
+    top_k, top_p, min_p = extra.get("top_k", a.top_k), extra.get("top_p", a.top_p), extra.get("min_p", a.min_p)
+    return TruncationFilter(top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0)
 
 
 def keep_groups_together(a: GRPOConfig) -> bool:

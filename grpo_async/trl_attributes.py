@@ -25,6 +25,21 @@ class TRLAttributes:
 
     # ---- TRL's public attributes and static helpers ----------------------------------------------------------------
     @property
+    def _logs(self) -> dict:
+        """TRL's buffer of the newest round's samples (what its completions table shows), read-only here: `prompt`,
+        `completion`, `rewards` (per reward function), `advantages`, `extra` (the reward functions' `log_extra`
+        columns) and `images`. Empty before the first round."""
+        s = self.rounds.last_samples or {}
+        return {
+            "images": list(s.get("images", [])),
+            "prompt": list(s.get("prompt", [])),
+            "completion": list(s.get("completion", [])),
+            "rewards": {name: list(v) for name, v in s.get("rewards", {}).items()},
+            "advantages": [float(a) for a in s.get("advantage", [])],
+            "extra": {name: list(v) for name, v in s.get("extra", {}).items()},
+        }
+
+    @property
     def aux_loss_enabled(self) -> bool:
         """TRL's: the MoE load-balancing loss is added (router logits returned, coefficient not 0)."""
         return self.objective.router is not None
@@ -40,8 +55,16 @@ class TRLAttributes:
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's: `[B, T]` bool, the tokens whose entropy is at least the `threshold`-quantile of every process's
-        masked entropies (`algo.objective.high_entropy_mask`)."""
-        return high_entropy_mask(entropies, mask, threshold, self.objective.ops)
+        masked entropies (`algo.objective.high_entropy_mask`). As in TRL it needs only `self.accelerator` (TRL's tests
+        call it on a stand-in that has one); a trainer uses its objective's collectives."""
+        objective = getattr(self, "objective", None)
+        if objective is not None:
+            ops = objective.ops
+        else:
+            from .pipeline.collectives import AcceleratorCollectives
+
+            ops = AcceleratorCollectives(self.accelerator)
+        return high_entropy_mask(entropies, mask, threshold, ops)
 
     @staticmethod
     def get_off_policy_mask(

@@ -201,6 +201,8 @@ ELSEWHERE = {
     "trust_remote_code": "tests/test_security.py::test_model_with_custom_code_is_refused_and_its_code_never_runs",
     "vllm_server_timeout": "tests/test_vllm_training.py::"
     "test_killing_the_only_server_mid_training_fails_clearly_within_the_timeout",
+    "pad_to_multiple_of": "tests/test_trl_last_mile.py::"
+    "test_pad_to_multiple_of_pads_the_trained_micro_batches_and_trains_the_same",
 }
 #: honoured fields no test here observes yet, and why (TrainingArguments' own, applied by `transformers.Trainer`, or
 #: an effect the CPU build cannot show)

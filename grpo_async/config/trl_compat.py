@@ -57,7 +57,6 @@ DEFAULT_DIFFERENCES = {
 UNSUPPORTED_TRL_INSTEAD = {
     "ds3_gather_for_generation": "the policy weights are always gathered for generation under DeepSpeed ZeRO-3; "
     "leave it True",
-    "pad_to_multiple_of": "rows are packed without padding (padding_free); leave it 'auto' or None",
     "cache_implementation": "the hf backend uses the model's default cache; leave it None",
     "vllm_model_impl": "the vllm backend uses vLLM's own model implementation; leave it 'vllm'",
     "vllm_enable_sleep_mode": "the in-process engine stays resident; lower vllm_gpu_memory_utilization or generate "
@@ -85,14 +84,17 @@ def check_trl_fields(config: Any) -> None:
     for name, instead in UNSUPPORTED_TRL_INSTEAD.items():
         value, f = getattr(config, name), fields[name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if name == "pad_to_multiple_of" and (
-            value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "null"))
-        ):
-            continue  # TRL: 'auto' pads only on Neuron; None never pads
         if value != default:
             raise NotImplementedError(
                 f"GRPOConfig.{name}={value!r} is a TRL GRPOConfig option this trainer does not implement: {instead}."
             )
+    pad = config.pad_to_multiple_of
+    if isinstance(pad, str) and pad.strip().lower() in ("none", "null"):
+        config.pad_to_multiple_of = None
+    elif isinstance(pad, str) and pad.strip().isdigit():  # from a command line
+        config.pad_to_multiple_of = int(pad)
+    elif not (pad is None or pad == "auto" or (isinstance(pad, int) and not isinstance(pad, bool) and pad >= 1)):
+        raise ValueError(f"GRPOConfig.pad_to_multiple_of: must be an int >= 1, 'auto' or None; got {pad!r}")
     if config.loss_type in TRL_LOSS_TYPES and config.loss_type not in LOSS_TYPES:
         raise NotImplementedError(
             f"GRPOConfig.loss_type={config.loss_type!r} is a TRL loss type this trainer does not implement; "

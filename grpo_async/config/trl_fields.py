@@ -18,7 +18,14 @@ class TRLFields:
         },
     )
     ds3_gather_for_generation: bool = field(default=True, metadata={"help": "TRL field; always gathered here."})
-    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": "TRL field; rows are packed."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "As TRL: pad the training micro-batches' prompt and completion widths to a multiple of this "
+            "(an int >= 1); 'auto' or None: no padding beyond the longest row (TRL's 'auto' pads only on Neuron). "
+            "With padding_free the packed forward has no padding either way.",
+        },
+    )
     generation_kwargs: dict | str | None = checked_field(
         InstanceOf(dict, what="a dict (or its JSON text)"),
         default=None,

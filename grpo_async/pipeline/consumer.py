@@ -68,6 +68,8 @@ class ConsumerSettings:
     support_replay: bool = True
     #: the sampler's cut, applied by the trainer to π_old for rows whose kept sets the backend did not report
     truncation: TruncationFilter | None = None
+    #: TRL's `pad_to_multiple_of`: the training micro-batches' prompt and completion widths (None: as trimmed)
+    pad_to_multiple_of: int | None = None
 
 
 class RoundConsumer:
@@ -117,7 +119,7 @@ class RoundConsumer:
         else:
             order = torch.randperm(len(local), generator=shuffler)  # [L]
         local = local.select(order)  # within the round
-        return [b.trim() for b in local.split(self.s.steps_per_generation)]
+        return [b.trim().pad_to_multiple(self.s.pad_to_multiple_of) for b in local.split(self.s.steps_per_generation)]
 
     def _shuffler(self, round_id: int) -> torch.Generator | None:
         """The round's own generator: torch's global RNG is shared with the generator thread (and an in-process vLLM

@@ -110,6 +110,24 @@ class MicroBatch:
             out["sampling_mask"] = mask[..., :k_keep] if k_keep else None
         return dataclasses.replace(self, **out)
 
+    def pad_to_multiple(self, multiple: int | None) -> MicroBatch:
+        """TRL's `pad_to_multiple_of`: prompt columns (left) and completion columns (right) padded so each width is a
+        multiple of `multiple` (masks 0, ids 0, log-probs 0, kept sets empty); `None` or 1: unchanged."""
+        if not multiple or multiple <= 1 or not len(self):
+            return self
+        P, T = self.prompt_ids.size(1), self.completion_ids.size(1)
+        dp, dt = -P % multiple, -T % multiple
+        if not (dp or dt):
+            return self
+        left = {"prompt_ids": self.prompt_ids, "prompt_mask": self.prompt_mask}
+        out = {k: torch.nn.functional.pad(v, (dp, 0)) for k, v in left.items()}
+        for k, v in self.tensors().items():
+            if k == "sampling_mask":  # [B, T, K]: a padded position keeps no set (−1)
+                out[k] = torch.nn.functional.pad(v, (0, 0, 0, dt), value=-1)
+            elif k in _PER_TOKEN or (k == "is_weights" and v.size(1) > 1):
+                out[k] = torch.nn.functional.pad(v, (0, dt))
+        return dataclasses.replace(self, **out)
+
     def to(self, device: torch.device | str) -> MicroBatch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 

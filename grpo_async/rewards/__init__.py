@@ -339,11 +339,14 @@ def score_completions(
     unscorable = torch.isnan(table).all(dim=1)  # [B]
     if unscorable.any():
         j = int(unscorable.nonzero()[0, 0])
-        logger.warning(
-            "every reward function returned None for %d completion(s) (first: index %d, completion %r); they get "
-            "advantage 0. Make sure at least one reward function applies to every completion.",
+        row = {k: v[j] for k, v in kwargs.items() if isinstance(v, list) and len(v) == n and k != "completion_ids"}
+        row = {"prompt": row.pop("prompts", None), "completion": row.pop("completions", None), **row}
+        logger.warning(  # TRL's words, then how many and what happens to them here
+            "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least one reward "
+            "function returns a valid reward. (%d completion(s) of this round, first at index %d; they get advantage "
+            "0.)",
+            row,
             int(unscorable.sum()),
             j,
-            completions[j],
         )
     return table
