@@ -18,6 +18,7 @@ from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
 from .pipeline.evaluation import Evaluator
 from .pipeline.metrics import ROUND_TOKENS, MetricWindows
 from .trainer_setup import bound_collectives, eval_chunk_prompts, needs_old_logps, reference_client, reference_scorer
+from .trl_attributes import generate_override_rollout, overrides_generate
 
 logger = logging.getLogger("grpo_async.trainer")
 
@@ -34,6 +35,8 @@ class TrainerPipeline:
         what, receives what, calls what); `ref_model` is the frozen reference copy (or None)."""
         a = self.args
         bound_collectives(self.accelerator.num_processes, a.ddp_timeout)
+        if rollout_func is None and overrides_generate(type(self)):  # TRL's `_generate` override generates
+            rollout_func = generate_override_rollout
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)

@@ -66,6 +66,25 @@ class TRLAttributes:
             ops = AcceleratorCollectives(self.accelerator)
         return high_entropy_mask(entropies, mask, threshold, ops)
 
+    def _generate(self, prompts: list):
+        """TRL's rollout dispatch: one completion for each of `prompts` (already repeated, as TRL passes a process's
+        rows), from this trainer's generation backend. Returns TRL's tuple `(prompt_ids, completion_ids, tool_mask,
+        completions, logprobs, extra_fields, images, tool_images)` (no tools here: `tool_mask`, `images` and
+        `tool_images` are None; `completions` are decoded texts, or assistant messages for conversational prompts).
+
+        A subclass that overrides it generates every training round through its override, as in TRL: the trainer
+        then calls it like a `rollout_func` (`generate_override_rollout`), so it must return the sampler's
+        `logprobs`."""
+        prompt_ids, outs = self.producer.generate_once(prompts)
+        ids = [c.completion_ids for c in outs]
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if prompts and isinstance(prompts[0], list):  # conversational: one assistant message each
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            completions = texts
+        return prompt_ids, ids, None, completions, [c.logprobs for c in outs], {}, None, None
+
     @staticmethod
     def get_off_policy_mask(
         advantages: torch.Tensor,
@@ -92,3 +111,26 @@ class TRLAttributes:
         return gamma_weights(
             advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg
         )
+
+
+def overrides_generate(trainer_type: type) -> bool:
+    """Whether a `GRPOTrainer` subclass replaced TRL's `_generate` (its rounds then go through it)."""
+    return trainer_type._generate is not TRLAttributes._generate
+
+
+def generate_override_rollout(prompts: list, trainer) -> dict:
+    """A `rollout_func` over a subclass's `_generate(prompts)` override: TRL's tuple into the rollout dict the
+    pipeline takes (`prompt_ids`, `completion_ids`, `logprobs`, `env_mask` from TRL's `tool_mask`, the extra
+    fields as reward-function columns)."""
+    prompt_ids, completion_ids, tool_mask, _completions, logprobs, extra, _images, _tool_images = trainer._generate(
+        prompts
+    )
+    if logprobs is None:
+        raise ValueError(
+            f"{type(trainer).__name__}._generate returned logprobs=None: return the sampler's log-probability of "
+            "each completion token (the importance-sampling correction and the old log-probs need them)"
+        )
+    out = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, **(extra or {})}
+    if tool_mask is not None:
+        out["env_mask"] = tool_mask
+    return out

@@ -145,3 +145,34 @@ def test_logs_buffer_holds_the_newest_rounds_samples_and_log_extra_columns(tiny_
     assert n == 16 and len(logs["completion"]) == n and len(logs["advantages"]) == n
     assert list(logs["rewards"]) == ["tagged"] and len(logs["rewards"]["tagged"]) == n
     assert logs["extra"]["tag"][:2] == ["c0", "c1"]
+
+
+def test_generate_is_trls_rollout_dispatch_and_an_override_generates_every_round(tiny_model_path, tmp_path):
+    """TRL's `_generate(prompts)`: called directly it returns TRL's 8-tuple from the trainer's backend; a subclass
+    that overrides it (here: TRL's habit of calling super and adding an extra field) generates every training round,
+    and its extra field reaches the reward functions as a column."""
+    seen_columns = []
+
+    def reward(completions, origin=None, **kwargs):
+        seen_columns.append(origin)
+        return _varied(completions)
+
+    class Overridden(GRPOTrainer):
+        calls = 0
+
+        def _generate(self, prompts):
+            Overridden.calls += 1
+            prompt_ids, ids, tool_mask, completions, logprobs, extra, images, tool_images = super()._generate(prompts)
+            return prompt_ids, ids, tool_mask, completions, logprobs, {"origin": ["mine"] * len(ids)}, images, None
+
+    args = tiny_config(tmp_path, max_steps=2)
+    t = Overridden(tiny_model_path, reward_funcs=reward, args=args, train_dataset=make_dataset(64))
+    prompts = [[{"role": "user", "content": "hi"}]] * 3
+    prompt_ids, ids, tool_mask, completions, logprobs, extra, images, tool_images = GRPOTrainer._generate(t, prompts)
+    assert len(prompt_ids) == len(ids) == len(completions) == len(logprobs) == 3 and tool_mask is None
+    assert all(len(lp) == len(c) for lp, c in zip(logprobs, ids)) and completions[0][0]["role"] == "assistant"
+    t.train()
+    t.close()
+    rounds = t.state.global_step * args.gradient_accumulation_steps // args.steps_per_generation
+    assert Overridden.calls == rounds >= 1
+    assert seen_columns and all(c == ["mine"] * len(c) for c in seen_columns)
