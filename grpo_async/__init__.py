@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AsyncBatchGenerator": ".pipeline.batch_generator",
     "AsyncDataLoaderWrapper": ".data.async_loader",
+    "AsyncGRPOConfig": ".trl_async",
+    "AsyncGRPOTrainer": ".trl_async",
     "BatchRequest": ".pipeline.batch_generator",
     "BatchResult": ".pipeline.batch_generator",
     "GRPOCallback": ".callbacks",
@@ -30,6 +32,8 @@ _EXPORTS = {
 __all__ = [
     "AsyncBatchGenerator",
     "AsyncDataLoaderWrapper",
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "BatchRequest",
     "BatchResult",
     "GRPOCallback",
@@ -51,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .pipeline.batch_generator import AsyncBatchGenerator, BatchRequest, BatchResult
     from .pipeline.types import Round, RoundRequest
     from .trainer import GRPOTrainer
+    from .trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 
 
 def __getattr__(name: str):
