@@ -119,7 +119,10 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
         self.environment = trainer_environment(
             environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
         )
-        rewards, weights = prepare_rewards(reward_funcs, reward_processing_classes, args, self.environment)
+        rollout = rollout_func is not None or type(self)._generate is not GRPOTrainer._generate
+        rewards, weights = prepare_rewards(
+            reward_funcs, reward_processing_classes, args, self.environment, train_dataset, adds_columns=rollout
+        )
         experimental_warnings(rollout_func, environment_factory)  # TRL's, verbatim
         self.tools = list(tools or [])  # TRL's attribute: the standalone tools
         # TRL's attribute: a reward model's tokenizer, None for a function

@@ -260,14 +260,23 @@ def trainer_environment(
     )
 
 
-def prepare_rewards(reward_funcs, reward_processing_classes, args: GRPOConfig, environment):
+def prepare_rewards(
+    reward_funcs, reward_processing_classes, args: GRPOConfig, environment, train_dataset=None, adds_columns=False
+):
     """The reward functions, their names and weights: the trainer's (`prepare_reward_funcs`, `args.reward_weights`),
     then the environment's own (`environment.reward_funcs`: `get_reward` of an `environment_factory` environment),
     weight 1 each, named after the function (the environment class), as in TRL. At least one reward source is
-    required, as TRL requires. Returns `((funcs, names), weights)`."""
-    from .rewards import prepare_reward_funcs
+    required, as TRL requires. Each function's signature is checked against the keywords a round will pass
+    (`rewards.check_reward_signatures`: TRL's, and `train_dataset`'s columns), so a wrong one fails here, not a
+    round into `train()`. Returns `((funcs, names), weights)`."""
+    from .rewards import check_reward_signatures, prepare_reward_funcs
 
     rewards = prepare_reward_funcs(reward_funcs, reward_processing_classes, args.model_init_kwargs, args.device)
+    columns = getattr(train_dataset, "column_names", None)
+    # an environment or a rollout function (`adds_columns`) adds columns known only when it runs; a stream may have no
+    # schema: only the required parameters are checked then
+    open_ended = environment is not None or adds_columns or columns is None
+    check_reward_signatures(rewards[0], rewards[1], columns or [], open_ended)
     weights = reward_weights_tensor(args.reward_weights, len(rewards[0]))
     funcs, names = list(rewards[0]), list(rewards[1])
     extra = list(getattr(environment, "reward_funcs", None) or [])

@@ -38,8 +38,10 @@ __all__ = [
     "length_penalty",
     "math_reward",
     "prepare_reward_funcs",
+    "check_reward_signatures",
     "reward_func_name",
     "score_completions",
+    "signature_problem",
 ]
 
 
@@ -150,6 +152,63 @@ def prepare_reward_funcs(
     return funcs, names
 
 
+#: the keywords every reward call passes besides the dataset's columns (`RoundProducer.score`)
+ALWAYS_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def signature_problem(func, name: str, passed) -> str | None:
+    """Why `func(**{k: ... for k in passed})` fails on its signature alone (an unexpected keyword, a required
+    parameter not among `passed`), as one message naming the function and the fix; None when it fits or when the
+    signature cannot be read. The trainer checks it at construction with the keywords it knows then (and the same
+    message explains a round's `TypeError`)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        unexpected = []
+    else:
+        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unexpected = sorted(k for k in passed if k not in takes)
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in passed)
+    ]
+    if not unexpected and not missing:
+        return None
+    what = []
+    if unexpected:
+        what.append(f"it does not take {', '.join(map(repr, unexpected))}")
+    if missing:
+        what.append(f"it requires {', '.join(map(repr, missing))}, which no dataset column or trainer argument gives")
+    own = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in passed]
+    example = ", ".join([*(own or ["completions"]), "**kwargs"])
+    return (
+        f"reward function {name!r} cannot be called the way the trainer calls it: {'; '.join(what)}. Reward "
+        f"functions are called with keywords only, as in TRL: {', '.join(sorted(passed))}. Name the ones you use "
+        f"and take the rest with **kwargs, e.g. `def {getattr(func, '__name__', name)}({example}): ...`"
+    )
+
+
+def check_reward_signatures(funcs: Sequence[RewardFunc], names: Sequence[str], columns, open_ended: bool) -> None:
+    """At construction: every reward function can take the keywords a round passes (`ALWAYS_PASSED` and the
+    dataset's `columns`); `open_ended` (an environment or rollout function adds fields known only at run time): only
+    the required parameters are checked. Raises `TypeError` with `signature_problem`'s message."""
+    passed = set(ALWAYS_PASSED) | {c for c in columns if c not in ("prompt", "completion", "completion_ids")}
+    for func, name in zip(funcs, names, strict=True):
+        from .reward_model import RewardModel
+
+        if isinstance(func, RewardModel) or not callable(func):  # a model scores texts: its own call, checked there
+            continue
+        target = func if inspect.isfunction(func) or inspect.ismethod(func) else func.__call__
+        problem = signature_problem(target, name, passed)
+        if problem and not (open_ended and "it does not take" in problem and "requires" not in problem):
+            raise TypeError(problem)
+
+
 def _timeout_error(names: list[str], timeout: float) -> RewardTimeoutError:
     which = ", ".join(repr(n) for n in names)
     return RewardTimeoutError(
@@ -218,11 +277,17 @@ def _call_sync(func, name: str, kwargs: dict, timeout: float | None, abort: thre
     if timeout is None and abort is None:
         try:
             return func(**kwargs)
+        except TypeError as e:
+            raise RuntimeError(
+                signature_problem(func, name, kwargs) or f"reward function {name!r} raised TypeError: {e}"
+            ) from e
         except Exception as e:
             raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
     finished, out, err = _in_worker(lambda: func(**kwargs), timeout, f"reward-{name}", abort)
     if not finished:
         raise _timeout_error([name], timeout)
+    if isinstance(err, TypeError) and signature_problem(func, name, kwargs):
+        raise RuntimeError(signature_problem(func, name, kwargs)) from err
     if err is not None:
         raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
     return out
