@@ -26,11 +26,7 @@ def right(completions, answer, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "func, says",
-    [
-        (wrong, "it does not take 'completion_ids', 'log_extra', 'log_metric', 'prompts', 'trainer_state'"),
-        (needs_solution, "it requires 'solution', which no dataset column or trainer argument gives"),
-    ],
+    "func, says", [(wrong, "it does not take 'completion_ids', 'log_extra', 'log_metric', 'prompts', 'trainer_state'")]
 )
 def test_a_reward_with_a_wrong_signature_fails_at_construction_naming_it_and_the_fix(
     tiny_model_path, tmp_path, func, says
@@ -47,6 +43,24 @@ def test_a_reward_with_a_wrong_signature_fails_at_construction_naming_it_and_the
     with pytest.raises(RuntimeError) as at_round:
         score_completions([func], [func.__name__], ["2 + 3 ="], ["5"], [[1]], kwargs)
     assert str(at_round.value).split(". Reward functions")[0] == message.split(". Reward functions")[0]
+
+
+def test_a_reward_requiring_a_column_the_train_set_lacks_warns_at_construction(tiny_model_path, tmp_path, caplog):
+    """It may come from an evaluation set's column (`evaluate(eval_dataset)`): a warning, with the fix, at once."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="grpo_async.rewards"):
+        t = GRPOTrainer(
+            tiny_model_path,
+            reward_funcs=needs_solution,
+            args=tiny_config(tmp_path),
+            train_dataset=Dataset.from_dict(DS),
+        )
+    t.close()
+    assert (
+        "reward function 'needs_solution' cannot be called the way the trainer calls it: it requires 'solution'"
+        in (caplog.text)
+    )
 
 
 def test_a_reward_with_trls_signature_builds_and_its_columns_are_checked_only_where_known(tiny_model_path, tmp_path):

@@ -194,19 +194,25 @@ def signature_problem(func, name: str, passed) -> str | None:
 
 
 def check_reward_signatures(funcs: Sequence[RewardFunc], names: Sequence[str], columns, open_ended: bool) -> None:
-    """At construction: every reward function can take the keywords a round passes (`ALWAYS_PASSED` and the
-    dataset's `columns`); `open_ended` (an environment or rollout function adds fields known only at run time): only
-    the required parameters are checked. Raises `TypeError` with `signature_problem`'s message."""
+    """At construction: every reward function can take the keywords a round passes (`ALWAYS_PASSED` and the train
+    set's `columns`). A keyword it cannot take fails every call: `TypeError` with `signature_problem`'s message
+    (not checked when `open_ended`: an environment or rollout function adds fields known only at run time). A
+    required parameter no column gives fails every training round but may come from an evaluation set's column: a
+    warning with the same message."""
+    from .reward_model import RewardModel
+
     passed = set(ALWAYS_PASSED) | {c for c in columns if c not in ("prompt", "completion", "completion_ids")}
     for func, name in zip(funcs, names, strict=True):
-        from .reward_model import RewardModel
-
         if isinstance(func, RewardModel) or not callable(func):  # a model scores texts: its own call, checked there
             continue
         target = func if inspect.isfunction(func) or inspect.ismethod(func) else func.__call__
         problem = signature_problem(target, name, passed)
-        if problem and not (open_ended and "it does not take" in problem and "requires" not in problem):
+        if problem is None:
+            continue
+        if "it does not take" in problem and not open_ended:
             raise TypeError(problem)
+        if "requires" in problem:
+            logger.warning("%s (an evaluation set with that column is fine; training rounds will fail)", problem)
 
 
 def _timeout_error(names: list[str], timeout: float) -> RewardTimeoutError:
