@@ -1,7 +1,7 @@
 """`grpo-async` console script.
 
 ```
-grpo-async serve --model PATH [vLLM server flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+grpo-async serve PATH_OR_HUB_ID [vLLM server flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 grpo-async plot OUTPUT_DIR            # PNG plots of reward, KL, length, timings, overlap from OUTPUT_DIR/metrics.jsonl
 grpo-async grpo --model_name_or_path PATH --dataset_name DATA --reward_funcs math_reward [any GRPOConfig flag]
 ```
@@ -26,7 +26,7 @@ COMMANDS = {
 }
 
 EPILOG = """examples:
-  grpo-async serve --model PATH --port 8000 --api-key SECRET
+  grpo-async serve PATH_OR_HUB_ID --port 8000 --api-key SECRET
   grpo-async plot OUTPUT_DIR [--out PNG]
   grpo-async grpo --model_name_or_path PATH --dataset_name DATA --reward_funcs math_reward --max_steps 10"""
 

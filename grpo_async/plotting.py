@@ -1,14 +1,21 @@
 """The metrics a run logs, read back and drawn: `metrics.jsonl` (written by `logging_utils.MetricsJsonlCallback`) and
 its plot, `metrics.png`. No torch or transformers here: `grpo-async plot` imports only this module and matplotlib
-(~1 s, where importing the callbacks' transformers took ~6)."""
+(~1 s, where importing the callbacks' transformers took ~6).
+
+The plot draws a panel only for what the run logged: `metrics.jsonl` holds the logged metrics, not the run's config,
+so a panel is drawn when at least one of its metrics is in the file. Stream mode's own metrics
+(`async/inflight_groups`, `async/group_latency/*`) are logged by the group stream only, so a rounds-mode run (or a
+synchronous one) draws no stream-mode panel."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, replace
 
 #: the JSON-lines log of every `Trainer.log` call, in `output_dir`
 METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -16,152 +23,261 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-#: the panels of `plot_metrics`: (title, y label, [(metric key, legend label)]); `rewards/<name>/mean` of each
-#: reward function is added to the reward panel
-PANELS = (
-    ("reward", "reward", [("reward", "reward (weighted sum)")]),
-    ("KL to the reference model", "KL", [("kl", "kl")]),
-    (
+@dataclass(frozen=True)
+class Panel:
+    """One panel of the plot. `name`: a short, stable id (what `metric_panels` returns; tests and callers key on it);
+    `title`: what the panel shows, in words; `ylabel`: the quantity and its unit; `series`: (metric key, legend
+    label). `percent`: the metrics are fractions in [0, 1], drawn × 100; `dashed_from`: series from this index on are
+    drawn thinner and dashed (per-function rewards, min / max, ...); `running_share`: 0/1 metrics drawn as their
+    running share of the steps so far (in percent)."""
+
+    name: str
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str], ...]
+    percent: bool = False
+    full_range: bool = False  # percent panels: the y axis spans 0-100 %
+    dashed_from: int | None = None
+    running_share: tuple[str, ...] = ()
+    eng_unit: str | None = None  # tick labels with SI prefixes (1.2 G) for this unit
+    integer: bool = False  # counts: whole-number ticks on the y axis
+
+
+#: every panel `plot_metrics` can draw, in order; `rewards/<name>/mean` of each reward function is added to "reward"
+PANEL_SPECS = (
+    Panel(
+        "reward",
+        "Reward (mean over the step's completions)",
+        "reward",
+        (("reward", "total (weighted sum of the functions)"),),
+        dashed_from=1,
+    ),
+    Panel(
+        "KL to the reference model",
+        "KL divergence of the policy from the reference model",
+        "KL (nats per token)",
+        (("kl", "KL(policy ‖ reference)"),),
+    ),
+    Panel(
         "completion length",
-        "tokens",
-        [
+        "Completion length",
+        "tokens per completion",
+        (
             ("completions/mean_length", "mean"),
-            ("completions/min_length", "min"),
-            ("completions/max_length", "max"),
-        ],
+            ("completions/min_length", "shortest"),
+            ("completions/max_length", "longest"),
+        ),
+        dashed_from=1,
     ),
-    (
+    Panel(
         "time per step",
+        "Time per optimizer step (generation runs beside training)",
         "seconds",
-        [
-            ("timing/generation", "generation (per round)"),
-            ("timing/train_step", "training (per optimizer step)"),
-            ("timing/wait_generation", "trainer waiting for a round"),
-        ],
+        (
+            ("timing/generation", "generating a round"),
+            ("timing/train_step", "training (one optimizer step)"),
+            ("timing/wait_generation", "trainer waiting for its round"),
+        ),
     ),
-    (
+    Panel(
         "overlap of generation and training",
-        "fraction",
-        [
-            ("async/overlap", "overlap: max(T_gen, T_train) / step time"),
-            ("async/bottleneck", "share of steps bound by generation"),
-        ],
+        "Overlap of generation and training (100 % = neither side waited)",
+        "percent (%)",
+        (
+            ("async/overlap", "overlap: max(generation, training) / step time"),
+            ("async/bottleneck", "steps where training waited on generation (running share)"),
+            ("async/engine_busy", "generator busy (share of wall time with work)"),
+        ),
+        percent=True,
+        full_range=True,
+        dashed_from=1,
+        running_share=("async/bottleneck",),
     ),
-    (
+    Panel(
         "idle time per step",
-        "seconds",
-        [
-            ("async/trainer_wait", "trainer waiting for the generator"),
-            ("async/generator_idle", "generator idle"),
-        ],
+        "Idle time per optimizer step",
+        "seconds idle",
+        (
+            ("async/trainer_wait", "trainer (waiting for a round, a push or queue room)"),
+            ("async/generator_idle", "generator (nothing to generate)"),
+        ),
     ),
-    (
+    Panel(
         "throughput",
+        "Throughput",
         "tokens per second",
-        [
-            ("perf/train_tokens_per_second", "trained (per device)"),
-            ("perf/generated_tokens_per_second", "generated"),
-        ],
+        (
+            ("perf/train_tokens_per_second", "trained (prompt + completion, per device)"),
+            ("perf/generated_tokens_per_second", "generated (completion tokens)"),
+        ),
     ),
-    (
-        "stream mode: the engine",
-        "fraction / groups",
-        [
-            ("async/engine_busy", "engine busy (share of wall time with work)"),
-            ("async/inflight_groups", "prompt groups in flight"),
-        ],
+    Panel(
+        "stream mode: groups in flight",
+        "Stream mode: prompt groups being generated at once",
+        "prompt groups",
+        (("async/inflight_groups", "groups in flight"),),
+        integer=True,
     ),
-    (
+    Panel(
         "stream mode: group latency",
+        "Stream mode: time from a group's start to its rewards",
         "seconds",
-        [("async/group_latency/p50", "p50 (start → scored)"), ("async/group_latency/p90", "p90")],
+        (("async/group_latency/p50", "median"), ("async/group_latency/p90", "90th percentile")),
     ),
-    (
+    Panel(
         "importance-sampling ratio (π_old / π_sampler)",
+        "Importance-sampling ratio π_old / π_sampler (1 = they agree)",
         "ratio",
-        [
+        (
             ("sampling/importance_sampling_ratio/mean", "mean"),
             ("sampling/importance_sampling_ratio/min", "min"),
             ("sampling/importance_sampling_ratio/max", "max"),
-        ],
+        ),
+        dashed_from=1,
     ),
-    (
+    Panel(
         "sampler vs trainer (mismatch)",
-        "nats / fraction",
-        [
-            ("sampling/kl", "KL(sampler ‖ π_old), k3"),
-            ("sampling/logp_diff/max", "|logp diff|, max"),
-            ("sampling/masked_fraction", "share masked / truncated by the IS mode"),
-        ],
+        "Log-probability mismatch between the sampler and the trainer",
+        "nats",
+        (
+            ("sampling/kl", "KL(sampler ‖ π_old) per token (k3)"),
+            ("sampling/logp_diff/max", "largest |log π_old − log π_sampler|"),
+        ),
     ),
-    ("training FLOPs per second", "FLOP/s (per device)", [("perf/flops_per_second", "FLOP/s")]),
-    ("model FLOPs utilisation", "% of the device's peak", [("perf/mfu", "MFU")]),
+    Panel(
+        "importance-sampling: outside the clip range",
+        "Importance sampling: ratios outside the clip range (masked or clipped)",
+        "% of tokens (or completions)",
+        (("sampling/masked_fraction", "outside [clip_min, clip_max]"),),
+        percent=True,
+    ),
+    Panel(
+        "training FLOPs per second",
+        "Training compute per device",
+        "FLOP/s per device",
+        (("perf/flops_per_second", "FLOP/s"),),
+        eng_unit="",
+    ),
+    Panel(
+        "model FLOPs utilisation",
+        "Model FLOPs utilisation (share of the device's peak)",
+        "% of the device's peak",
+        (("perf/mfu", "MFU"),),
+    ),
 )
-PLOT_FILE = "metrics.png"
 
 
-def metric_panels(rows: list[dict]) -> list[tuple[str, str, list[tuple[str, str]]]]:
-    """The panels `plot_metrics` draws for these log rows: only series present in at least one row."""
-    reward_funcs = sorted({k for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+def _present(rows: list[dict]) -> list[Panel]:
+    """The panels with at least one metric logged in `rows`, each with only its logged series (the reward panel
+    with each reward function's mean)."""
+    keys = {k for r in rows for k in r}
+    reward_funcs = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
     panels = []
-    for title, ylabel, series in PANELS:
-        if title == "reward":
-            series = series + [(k, k[len("rewards/") : -len("/mean")]) for k in reward_funcs]
-        present = [(k, label) for k, label in series if any(k in r for r in rows)]
+    for p in PANEL_SPECS:
+        series = p.series
+        if p.name == "reward":
+            series += tuple((k, f"{k[len('rewards/') : -len('/mean')]} (unweighted)") for k in reward_funcs)
+        present = tuple((k, label) for k, label in series if k in keys)
         if present:
-            panels.append((title, ylabel, present))
+            dashed = None if p.dashed_from is None else max(1, sum(1 for k, _ in series[: p.dashed_from] if k in keys))
+            panels.append(replace(p, series=present, dashed_from=dashed))
     return panels
 
 
-def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> str:
-    """One PNG with a panel each for reward (and each reward function), KL, completion length, the time per
-    step of generation and training, and (when logged) how well they overlapped (`async/overlap`, the share of
-    generation-bound steps) and the seconds each side sat idle per step (`async/trainer_wait`,
-    `async/generator_idle`), from the JSONL that `MetricsJsonlCallback` writes; x = optimizer step."""
+def metric_panels(rows: list[dict]) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """The panels `plot_metrics` draws for these log rows, as (name, y label, [(metric key, legend label)]): only
+    panels with a series present in at least one row, each with only those series."""
+    return [(p.name, p.ylabel, list(p.series)) for p in _present(rows)]
+
+
+def _points(rows: list[dict], key: str, running_share: bool) -> tuple[list, list]:
+    """(steps, values) of `key`; a running share is the step-weighted mean of the 0/1 values so far (a row logged
+    every `logging_steps` holds the mean of its window, so it counts for the steps since the previous row)."""
+    xs, ys = [], []
+    total = weight_sum = 0.0
+    prev = 0
+    for r in rows:
+        v = r.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        step = r.get("step", 0)
+        if running_share:
+            w = step - prev if isinstance(step, (int, float)) and step > prev else 1
+            total, weight_sum = total + w * v, weight_sum + w
+            v = total / weight_sum
+        prev = step if isinstance(step, (int, float)) else prev
+        xs.append(step)
+        ys.append(v)
+    return xs, ys
+
+
+def metrics_figure(rows: list[dict], title: str = "grpo_async"):
+    """The plot of these log rows (train_runtime summaries left out) as a `matplotlib` figure, one axis per panel of
+    what the run logged (`fig.axes[i].get_title()` is panel i's title); the caller saves and closes it. Raises
+    `ValueError` when the rows hold none of the plotted metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
-    rows = [r for r in read_metrics(metrics_path) if "train_runtime" not in r]
-    panels = metric_panels(rows)
+    rows = [r for r in rows if "train_runtime" not in r]
+    panels = _present(rows)
     if not panels:
-        raise ValueError(f"{metrics_path} has none of the metrics {[k for _, _, s in PANELS for k, _ in s]}")
+        raise ValueError(f"has none of the metrics {[k for p in PANEL_SPECS for k, _ in p.series]}")
     cols = 2 if len(panels) > 1 else 1
     nrows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.4 * nrows), squeeze=False)
-    for ax, (panel_title, ylabel, series) in zip(axes.flat, panels, strict=False):
-        for i, (key, label) in enumerate(series):
-            # per-function rewards, min/max lengths, the bottleneck share
-            secondary = i > 0 and panel_title in (
-                "reward",
-                "completion length",
-                "overlap of generation and training",
-                "importance-sampling ratio (π_old / π_sampler)",
-            )
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.4 * nrows), squeeze=False, layout="constrained")
+    for ax, p in zip(axes.flat, panels, strict=False):
+        for i, (key, label) in enumerate(p.series):
+            xs, ys = _points(rows, key, key in p.running_share)
+            if p.percent:
+                ys = [100 * y for y in ys]
+            dashed = p.dashed_from is not None and i >= p.dashed_from
             ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="." if len(pts) < 60 else None,
-                lw=1.0 if secondary else 1.4,
-                ls="--" if secondary else "-",
-                alpha=0.75 if secondary else 1.0,
+                xs,
+                ys,
+                marker="." if len(xs) < 60 else None,
+                lw=1.0 if dashed else 1.5,
+                ls="--" if dashed else "-",
+                alpha=0.8 if dashed else 1.0,
                 label=label,
             )
-        ax.set_title(panel_title)
+        ax.set_title(p.title, fontsize=10)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(ylabel)
-        if ylabel == "fraction":
-            ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel(p.ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if p.full_range:
+            ax.set_ylim(-5, 105)
+        elif p.percent:
+            ax.set_ylim(bottom=0)
+        if p.integer:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if p.eng_unit is not None:
+            ax.yaxis.set_major_formatter(EngFormatter(unit=p.eng_unit))
         ax.grid(alpha=0.3)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
+        if len(p.series) > 1:
+            ax.legend(fontsize=7.5)
     for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
+        fig.delaxes(ax)  # an odd panel count leaves one slot empty
     fig.suptitle(title)
-    fig.tight_layout()
+    return fig
+
+
+def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> str:
+    """Draw `metrics_figure` of the JSONL that `MetricsJsonlCallback` writes into `out_png`: a panel each for what
+    the run logged (reward and each reward function, KL, completion length, where a step's time went, how well
+    generation and training overlapped, idle time, throughput, stream mode's groups in flight and their latency,
+    the sampler / trainer mismatch, FLOP/s, MFU); x = optimizer step. Returns `out_png`."""
+    try:
+        fig = metrics_figure(read_metrics(metrics_path), title)
+    except ValueError as e:
+        raise ValueError(f"{metrics_path} {e}") from None
+    import matplotlib.pyplot as plt
+
     os.makedirs(os.path.dirname(out_png) or ".", exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out_png, dpi=110)
+    finally:
+        plt.close(fig)
     return out_png

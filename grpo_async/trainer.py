@@ -310,8 +310,10 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
     # ---- lifecycle and checkpoints -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; resuming also restores the pipeline (`pipeline/checkpointing.py`): the run continues with
-        exactly the prompts an uninterrupted run would have trained (rounds that were generated ahead but not
-        trained at the checkpoint are generated again, from the checkpoint's weights)."""
+        exactly the prompts an uninterrupted run would have trained. The rounds in flight at the checkpoint
+        (generated ahead from older weights, not yet trained) were saved whole in it (`grpo_async_rounds.safetensors`)
+        and are trained as generated, so the run ends where an uninterrupted one ends; only a round whose generation
+        failed is generated again, from the checkpoint's weights."""
         if resume_from_checkpoint:
             resume_from_checkpoint = ckpt.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
             self._restore_pipeline(resume_from_checkpoint)

@@ -158,18 +158,16 @@ def test_plot_written_at_the_end_of_training(run):
         "completions/max_length",
     ]
     assert panels["time per step"] == ["timing/generation", "timing/train_step", "timing/wait_generation"]
-    assert panels["overlap of generation and training"] == ["async/overlap", "async/bottleneck"]
+    assert panels["overlap of generation and training"] == ["async/overlap", "async/bottleneck", "async/engine_busy"]
     assert panels["idle time per step"] == ["async/trainer_wait", "async/generator_idle"]
     assert panels["importance-sampling ratio (π_old / π_sampler)"] == [
         "sampling/importance_sampling_ratio/mean",
         "sampling/importance_sampling_ratio/min",
         "sampling/importance_sampling_ratio/max",
     ]
-    assert panels["sampler vs trainer (mismatch)"] == [
-        "sampling/kl",
-        "sampling/logp_diff/max",
-        "sampling/masked_fraction",
-    ]
+    assert panels["sampler vs trainer (mismatch)"] == ["sampling/kl", "sampling/logp_diff/max"]  # nats
+    assert panels["importance-sampling: outside the clip range"] == ["sampling/masked_fraction"]  # percent
+    assert not [t for t in panels if "stream" in t]  # a rounds-mode run logs no stream-mode metric
 
 
 def _png_size(path):
@@ -315,14 +313,20 @@ def test_the_completions_table_cuts_the_prompt_at_a_word_boundary():
 
 
 def test_plot_draws_the_stream_panels_when_logged(tmp_path):
-    """Stream mode's live metrics (`async/engine_busy`, `async/inflight_groups`, `async/group_latency/p50|p90`) get
-    their two panels, only when logged."""
+    """Stream mode's live metrics (`async/inflight_groups`, `async/group_latency/p50|p90`) get their two panels,
+    only when logged; `async/engine_busy` (logged in either mode) is a series of the overlap panel."""
     path = str(tmp_path / METRICS_FILE)
     with open(path, "w") as f:
         for step in (1, 2, 3):
             row = {"step": step, "reward": 0.1 * step, "async/engine_busy": 0.95, "async/inflight_groups": 6.0}
             f.write(json.dumps({**row, "async/group_latency/p50": 0.4, "async/group_latency/p90": 2.5}) + "\n")
     panels = metric_panels(read_metrics(path))
-    assert [t for t, _, _ in panels] == ["reward", "stream mode: the engine", "stream mode: group latency"]
-    assert [k for k, _ in panels[2][2]] == ["async/group_latency/p50", "async/group_latency/p90"]
+    assert [t for t, _, _ in panels] == [
+        "reward",
+        "overlap of generation and training",
+        "stream mode: groups in flight",
+        "stream mode: group latency",
+    ]
+    assert [k for k, _ in panels[1][2]] == ["async/engine_busy"]
+    assert [k for k, _ in panels[3][2]] == ["async/group_latency/p50", "async/group_latency/p90"]
     assert _png_size(plot_metrics(path, str(tmp_path / "stream.png"))) == (1320, 748)
