@@ -12,7 +12,7 @@ policy term, by loss type:
   sapo:                              -σ(τ·(w - 1))·4/τ·A          (τ = τ_pos if A > 0 else τ_neg)
   vespo:                             -sg[φ(w_seq)]·A·logp          (φ: gamma weights, `gamma_weights`)
 loss_t = policy · off-policy mask [B, 1] · entropy mask [B, T] · IS weights (not vespo) + β·kl·(w if bias-corrected)
-loss   = REDUCTIONS[loss_type](loss_t, mask) scaled to one gradient-accumulation window
+loss   = LOSS_SPECS[loss_type].reduce(loss_t, mask), scaled to one accumulation window (one `LossSpec` per type)
 ```
 """
 
@@ -80,7 +80,7 @@ class LossSettings:
 
 # ---------------------------------------------------------------------------------------------- reductions
 # Each returns the loss of the micro-batch before gradient accumulation is accounted for, except the global token
-# mean, whose normaliser already spans one accumulation window (`_PER_WINDOW`).
+# mean, whose normaliser already spans one accumulation window (`LossSpec.per_window`).
 def _seq_mean_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     # grpo, sapo: average each sequence over its own tokens, then over sequences
     per_sequence = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
@@ -114,25 +114,78 @@ def _seq_sum_then_mean(x: torch.Tensor, mask: torch.Tensor, ctx: LossContext) ->
     return per_sequence.mean() if ctx.micro_batch_rows is None else per_sequence.sum() / ctx.micro_batch_rows
 
 
-REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossContext], torch.Tensor]] = {
-    "grpo": _seq_mean_then_mean,
-    "bnpo": _token_mean,
-    "dr_grpo": _fixed_length,
-    "dapo": _global_token_mean,
-    "cispo": _global_token_mean,
-    "sapo": _seq_mean_then_mean,
-    "luspo": _seq_sum_then_mean,
-    "vespo": _global_token_mean,
+# ---------------------------------------------------------------------------------------------- per-token terms
+def _clipped_surrogate(ratio, advantages, logps, log_ratio, mask, weights, s) -> dict:
+    # grpo, bnpo, dr_grpo, dapo, luspo: -min(min(w, δ)·A, clip(w, 1-ε_low, 1+ε_high)·A)
+    clipped = torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)  # [B, T']
+    if s.delta is not None:
+        ratio = torch.clamp(ratio, max=s.delta)
+    return {
+        "per_token_loss": -torch.min(ratio * advantages, clipped * advantages),  # [B, T']
+        "ratio": ratio,
+        "is_low_clipped": (ratio < 1 - s.epsilon_low) & (advantages < 0),
+        "is_high_clipped": (ratio > 1 + s.epsilon_high) & (advantages > 0),
+    }
+
+
+def _cispo(ratio, advantages, logps, log_ratio, mask, weights, s) -> dict:
+    return {
+        "per_token_loss": -torch.clamp(ratio, max=s.epsilon_high).detach() * advantages * logps,  # [B, T]
+        "cispo_clipped": (ratio > s.epsilon_high) & (advantages > 0),
+    }
+
+
+def _sapo(ratio, advantages, logps, log_ratio, mask, weights, s) -> dict:
+    tau = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+    return {"per_token_loss": -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * advantages}  # [B, T']
+
+
+def _vespo(ratio, advantages, logps, log_ratio, mask, weights, s) -> dict:
+    k = (s.vespo_k_pos, s.vespo_lambda_pos, s.vespo_k_neg, s.vespo_lambda_neg)
+    phi_seq = gamma_weights(advantages, log_ratio, mask, weights, *k)  # [B, 1]
+    return {"per_token_loss": -phi_seq * advantages * logps, "phi_seq": phi_seq}  # [B, T]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss type, everything about it in one entry of `LOSS_SPECS` (a new loss type is one entry here).
+
+    - `term(ratio, advantages, logps, log_ratio, mask, importance_weights, settings) -> dict`: the per-token policy
+      loss (`"per_token_loss"`), and optionally a changed `"ratio"` and the `LossOutput` metric tensors it defines
+      (`is_low_clipped` / `is_high_clipped`, `cispo_clipped`, `phi_seq`).
+    - `reduce(per_token_loss, mask, ctx)`: the normaliser (`[B, T] → []`).
+    - `per_window`: the normaliser already spans one accumulation window (no division by its steps).
+    - `token_summed`: it sums token terms, so a sequence-level ratio weights each sequence by its length (TRL's
+      warning).
+    - `folds_importance_weights`: the importance-sampling weights enter its term, not multiplied into the loss.
+    """
+
+    term: Callable[..., dict]
+    reduce: Callable[[torch.Tensor, torch.Tensor, LossContext], torch.Tensor]
+    per_window: bool = False
+    token_summed: bool = False
+    folds_importance_weights: bool = False
+
+
+LOSS_SPECS: dict[str, LossSpec] = {
+    "grpo": LossSpec(_clipped_surrogate, _seq_mean_then_mean),
+    "bnpo": LossSpec(_clipped_surrogate, _token_mean, token_summed=True),
+    "dr_grpo": LossSpec(_clipped_surrogate, _fixed_length, token_summed=True),
+    "dapo": LossSpec(_clipped_surrogate, _global_token_mean, per_window=True, token_summed=True),
+    "cispo": LossSpec(_cispo, _global_token_mean, per_window=True, token_summed=True),
+    "sapo": LossSpec(_sapo, _seq_mean_then_mean),
+    "luspo": LossSpec(_clipped_surrogate, _seq_sum_then_mean),
+    "vespo": LossSpec(_vespo, _global_token_mean, per_window=True, folds_importance_weights=True),
 }
+REDUCTIONS = {name: spec.reduce for name, spec in LOSS_SPECS.items()}
 #: loss types whose normaliser is the micro-batch's own token count: which rows share a micro-batch changes the
 #: gradient (every other loss type's micro-batch losses sum to the same step loss however the rows are dealt)
-MICRO_BATCH_NORMALISED_LOSS_TYPES = tuple(name for name, reduce in REDUCTIONS.items() if reduce is _token_mean)
-_PER_WINDOW = ("dapo", "cispo", "vespo")  # the normaliser already covers the accumulation window
-LOSS_TYPES = tuple(REDUCTIONS)
+MICRO_BATCH_NORMALISED_LOSS_TYPES = tuple(name for name, spec in LOSS_SPECS.items() if spec.reduce is _token_mean)
+LOSS_TYPES = tuple(LOSS_SPECS)
 #: loss types with the clipped surrogate `-min(w·A, clip(w)·A)` (clip_ratio/* metrics)
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+CLIPPED_LOSS_TYPES = tuple(name for name, spec in LOSS_SPECS.items() if spec.term is _clipped_surrogate)
 #: loss types that sum token terms, so a sequence-level ratio weights each sequence by its length
-TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
+TOKEN_SUMMED_LOSS_TYPES = tuple(name for name, spec in LOSS_SPECS.items() if spec.token_summed)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -167,8 +220,8 @@ class LossOutput:
     per_token_loss: torch.Tensor  # [B, T] (or [B, 1]: a sequence-level loss with nothing per token added)
     ratio: torch.Tensor  # [B, T'] the importance ratio w (after two-sided clipping)
     per_token_kl: torch.Tensor | None  # [B, T] (β > 0; × w when bias-corrected)
-    is_low_clipped: torch.Tensor | None  # [B, T'] bool (clipped loss types)
-    is_high_clipped: torch.Tensor | None  # [B, T'] bool (clipped loss types)
+    is_low_clipped: torch.Tensor | None = None  # [B, T'] bool (clipped loss types)
+    is_high_clipped: torch.Tensor | None = None  # [B, T'] bool (clipped loss types)
     cispo_clipped: torch.Tensor | None = None  # [B, T'] bool (cispo: w > ε_high with A > 0)
     phi_seq: torch.Tensor | None = None  # [B, 1] (vespo: the gamma weights)
     off_policy_mask: torch.Tensor | None = None  # [B, 1] 1 = kept (off_policy_mask_threshold)
@@ -267,7 +320,7 @@ def grpo_loss(
         ctx (`LossContext`): normalisation scalars.
     """
     s = dataclasses.replace(settings or LossSettings(), **knobs)
-    if s.loss_type not in REDUCTIONS:
+    if s.loss_type not in LOSS_SPECS:
         raise ValueError(f"Unknown loss_type {s.loss_type!r}; choose one of {LOSS_TYPES}")
     ctx = ctx or LossContext()
     mask = mask.to(per_token_logps.dtype)
@@ -289,44 +342,21 @@ def grpo_loss(
         if s.use_bias_correction_kl:
             per_token_kl = per_token_kl * ratio  # [B, T]
 
-    low = high = cispo_clipped = phi_seq = None
-    if s.loss_type == "cispo":
-        per_token_loss = -torch.clamp(ratio, max=s.epsilon_high).detach() * advantages * per_token_logps  # [B, T]
-        cispo_clipped = (ratio > s.epsilon_high) & (advantages > 0)
-    elif s.loss_type == "sapo":
-        tau = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
-        per_token_loss = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * advantages  # [B, T']
-    elif s.loss_type == "vespo":
-        phi_seq = gamma_weights(
-            advantages,
-            log_ratio,
-            mask,
-            importance_weights,
-            s.vespo_k_pos,
-            s.vespo_lambda_pos,
-            s.vespo_k_neg,
-            s.vespo_lambda_neg,
-        )  # [B, 1]
-        per_token_loss = -phi_seq * advantages * per_token_logps  # [B, T]
-    else:  # the clipped surrogate
-        clipped = torch.clamp(ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)  # [B, T']
-        if s.delta is not None:
-            ratio = torch.clamp(ratio, max=s.delta)
-        per_token_loss = -torch.min(ratio * advantages, clipped * advantages)  # [B, T']
-        low = (ratio < 1 - s.epsilon_low) & (advantages < 0)
-        high = (ratio > 1 + s.epsilon_high) & (advantages > 0)
+    spec = LOSS_SPECS[s.loss_type]
+    term = spec.term(ratio, advantages, per_token_logps, log_ratio, mask, importance_weights, s)
+    per_token_loss, ratio = term.pop("per_token_loss"), term.pop("ratio", ratio)
 
     if keep is not None:
         per_token_loss = per_token_loss * keep
     if token_mask is not None:
         per_token_loss = per_token_loss * token_mask
-    if importance_weights is not None and s.loss_type != "vespo":
+    if importance_weights is not None and not spec.folds_importance_weights:
         per_token_loss = per_token_loss * importance_weights
     if per_token_kl is not None:
         per_token_loss = per_token_loss + s.beta * per_token_kl
-    loss = REDUCTIONS[s.loss_type](per_token_loss, mask, ctx)
+    loss = spec.reduce(per_token_loss, mask, ctx)
     policy_loss = loss.detach()
-    if s.loss_type not in _PER_WINDOW:
+    if not spec.per_window:
         loss = loss / ctx.grad_accum_steps
     return LossOutput(
         loss=loss,
@@ -334,10 +364,7 @@ def grpo_loss(
         per_token_loss=per_token_loss,
         ratio=ratio,
         per_token_kl=per_token_kl,
-        is_low_clipped=low,
-        is_high_clipped=high,
-        cispo_clipped=cispo_clipped,
-        phi_seq=phi_seq,
+        **term,  # the loss type's metric tensors (is_low_clipped, is_high_clipped, cispo_clipped, phi_seq)
         off_policy_mask=keep,
     )
 
