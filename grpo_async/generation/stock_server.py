@@ -349,14 +349,12 @@ class StockVLLMServerBackend(VLLMServerBackend):
         if transport != "none":
             self.server_info = {c.url: check_stock_server(c) for c in self.router.live}
 
-    def _transport(self, client: ServerClient, device: torch.device):
-        tr = self.transports.get(client.url)
-        if tr is None:
-            tr = StockServerTransport(
-                client, self.transport_name, master_address=self.master_address, group_timeout=self.group_timeout
-            )
-            tr.pause = "keep" if self.inflight_updates else "wait"
-            self.transports[client.url] = tr
+    def _new_transport(self, client: ServerClient, device: torch.device):
+        """A stock server's weight transport (vLLM's RL API into our weight-transfer engine), for the fan-out."""
+        tr = StockServerTransport(
+            client, self.transport_name, master_address=self.master_address, group_timeout=self.group_timeout
+        )
+        tr.pause = "keep" if self.inflight_updates else "wait"
         return tr
 
     def weight_version(self, url: str) -> str:

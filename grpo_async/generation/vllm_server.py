@@ -30,9 +30,9 @@ from grpo_async.generation.vllm_common import (
     to_completions_body,
     validate_sampling,
 )
-from grpo_async.weight_sync.buckets import iter_buckets
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
+from grpo_async.weight_sync.server_fanout import ServerFanout
 from grpo_async.weight_sync.transports import make_transport
 
 logger = logging.getLogger(__name__)
@@ -162,11 +162,6 @@ class CompletionsRouter:
             c.close()
 
 
-def _discard(transport) -> None:
-    """Release a server transport without a goodbye request when it has `discard` (`WeightTransport`), else `close`."""
-    getattr(transport, "discard", transport.close)()
-
-
 def _model_name(client: ServerClient) -> str:
     resp = client.get("/v1/models")
     data = resp.get("data") if isinstance(resp, dict) else None
@@ -255,8 +250,6 @@ class VLLMServerBackend:
         for c in clients:
             if c.url in left_out:
                 self.router.mark_dead(c, left_out[c.url])
-        self.rejoin_interval = rejoin_interval
-        self.router_timeout = float(timeout)
         self.base_model = model  # the router asks for the policy adapter's name instead after load_adapter
         self._lora_checked = False
         self.transport_name = transport
@@ -264,7 +257,9 @@ class VLLMServerBackend:
         self.master_address = master_address
         self.inflight_updates = inflight_updates
         self.group_timeout = float(group_timeout)
-        self.transports: dict[str, object] = {}
+        self.sink = ServerFanout(
+            self.router, self._new_transport, bucket_mb, rejoin_interval, min(float(timeout), 5.0), type(self).__name__
+        )  # the weights' way to every server (weight_sync/server_fanout.py)
         self.version: int | None = None
 
     @property
@@ -278,17 +273,16 @@ class VLLMServerBackend:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         return self.router.generate(prompt_ids, sampling)
 
-    def _transport(self, client: ServerClient, device: torch.device):
-        tr = self.transports.get(client.url)
-        if tr is None:
-            kwargs = {}
-            if self.transport_name == "broadcast":
-                kwargs = {"master_address": self.master_address, "device": device, "group_timeout": self.group_timeout}
-            elif self.transport_name == "cuda_ipc":
-                kwargs = {"device": device}
-            tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)
-            tr.pause = "keep" if self.inflight_updates else "wait"
-            self.transports[client.url] = tr
+    def _new_transport(self, client: ServerClient, device: torch.device):
+        """A server's weight transport (`ServerFanout`'s `make_transport`): the wire transport this backend was built
+        with, pausing or keeping requests in flight during a load as `inflight_updates` says."""
+        kwargs = {}
+        if self.transport_name == "broadcast":
+            kwargs = {"master_address": self.master_address, "device": device, "group_timeout": self.group_timeout}
+        elif self.transport_name == "cuda_ipc":
+            kwargs = {"device": device}
+        tr = make_transport(self.transport_name, client, self.bucket_mb, **kwargs)
+        tr.pause = "keep" if self.inflight_updates else "wait"
         return tr
 
     def load_weights(self, groups: Groups, version: int) -> None:
@@ -335,55 +329,7 @@ class VLLMServerBackend:
                 f"{type(self).__name__}(transport='none') generates only (GRPOConfig.weight_sync_transport='none'): "
                 "it takes no weights; build it with a wire transport ('broadcast', 'shm', 'cuda_ipc') to push them"
             )
-        errors: list[str] = []
-        sessions = {}
-        for client in list(self.router.live):
-            sessions[client.url] = (client, None)
-        returning = []
-        if self.rejoin_interval is not None:  # servers that answer again get this push, then rejoin the rotation
-            returning = self.router.answering_again(self.rejoin_interval, min(self.router_timeout, 5.0))
-            for client in returning:
-                stale = self.transports.pop(client.url, None)  # a restarted server knows nothing of the old one
-                if stale is not None:
-                    _discard(stale)
-                sessions[client.url] = (client, None)
-
-        def drop(url: str, e: BaseException) -> None:
-            client, _ = sessions.pop(url)
-            errors.append(f"{url}: {e}")
-            self.router.mark_dead(client, e)
-            tr = self.transports.pop(url, None)
-            if tr is not None:
-                _discard(tr)  # it stopped answering: no goodbye request (another timeout)
-
-        def each(fn) -> None:
-            for url, (client, _) in list(sessions.items()):
-                try:
-                    fn(url, client)
-                except (ServerError, RuntimeError, OSError) as e:
-                    drop(url, e)
-
-        def open_stream(url, client):
-            sessions[url] = (client, self._transport(client, device).stream(version, lora=lora))
-
-        device = None
-        for bucket in iter_buckets(groups, self.bucket_mb):
-            if device is None:
-                device = bucket[0][1].device
-                each(open_stream)
-            each(lambda url, client, b=bucket: sessions[url][1].send(b))
-        if device is None:  # a model without parameters: nothing to send, still close the session
-            device = torch.device("cpu")
-            each(open_stream)
-        each(lambda url, client: sessions[url][1].close())
-        for client in returning:
-            if client.url in sessions:  # loaded this push: serves the next rounds
-                self.router.rejoin(client)
-        if not self.router.live:
-            raise RuntimeError(
-                f"VLLMServerBackend: no vLLM server left in rotation while pushing weights version {version} "
-                f"(all of {[c.url for c in self.router.clients]} stopped answering); last errors: {errors}"
-            )
+        self.sink.push(groups, version, lora)
         self.version = version
 
     def abort(self) -> None:
@@ -396,7 +342,5 @@ class VLLMServerBackend:
 
     def close(self) -> None:
         """Close the weight transports and the router (idempotent)."""
-        for tr in self.transports.values():
-            tr.close()
-        self.transports.clear()
+        self.sink.close()
         self.router.close()
