@@ -373,27 +373,28 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def wait_for_servers(self, poll_interval_s: float = 2.0) -> None:
         """Block until every server of `args.server_urls` answers `GET /health` with 200 (vllm_server backend only),
         or raise `TimeoutError` after `vllm_server_timeout` (the one `args` was given with) seconds."""
-        import requests
+        from .generation.http_client import health_problem, probe_health
 
         if self.args.generation_backend != "vllm_server":
             return
-        headers = {"Authorization": f"Bearer {self.args.vllm_api_key}"} if self.args.vllm_api_key else {}
         start = time.monotonic()
         for url in self.args.server_urls:
-            while True:
-                try:
-                    if requests.get(f"{str(url).rstrip('/')}/health", headers=headers, timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
+            url = str(url).rstrip("/")
+            while (error := probe_health(url, self.args.vllm_api_key, timeout=5.0)) is not None:
                 waited = time.monotonic() - start
+                problem = health_problem(url, error)  # nothing answered, or something answered with an error
                 if waited >= self.server_ready_timeout:
-                    raise TimeoutError(
-                        f"Timed out after {waited:.0f}s waiting for the vLLM server at {url} (GET /health). Start it "
-                        "(grpo-async serve MODEL, or vllm serve), or if it is still loading the model, raise "
+                    hint = (
+                        "Start it (grpo-async serve MODEL, or vllm serve), or if it is still loading the model, raise "
                         "vllm_server_timeout in your AsyncGRPOConfig."
+                        if not error.answered
+                        else "Check vllm_server_base_url (host and port) and the server's log."
                     )
-                logger.info("waiting for the vLLM server at %s (%.0fs)", url, waited)
+                    raise TimeoutError(
+                        f"Timed out after {waited:.0f}s waiting for the vLLM server at {url} (GET /health): "
+                        f"{problem}. {hint}"
+                    )
+                logger.info("waiting for the vLLM server at %s (%.0fs): %s", url, waited, problem)
                 time.sleep(poll_interval_s)
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from grpo_async.generation.http_client import free_port
+from grpo_async.generation.http_client import free_port, health_problem, probe_health
 
 logger = logging.getLogger(__name__)
 
@@ -246,22 +246,24 @@ def server_log_path(port: int) -> str:
 
 
 def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
-    """Block until the server printed its ready line and answers `/health`; kill it and raise otherwise."""
-    import requests
-
-    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    """Block until the server answers `/health` with 200; kill it and raise otherwise, saying what the last probe
+    got: no answer (still loading, or not listening) or an error status (another program on that port, or an engine
+    that is not healthy)."""
     deadline = time.monotonic() + timeout
+    problem = None
     while time.monotonic() < deadline:
         if not server.alive:
             raise RuntimeError(f"grpo-async serve exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            if requests.get(server.url + "/health", headers=headers, timeout=2).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
+        problem = probe_health(server.url, server.api_key, timeout=2.0)
+        if problem is None:
+            return server
         time.sleep(0.5)
     server.stop()
-    raise TimeoutError(f"grpo-async serve at {server.url} not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+    last = health_problem(server.url, problem) if problem is not None else "never probed"
+    log = server.log_tail()
+    raise TimeoutError(
+        f"grpo-async serve at {server.url} not healthy after {timeout:.0f} s (last probe: {last}):\n{log}"
+    )
 
 
 _parent_watch: threading.Thread | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import replace
 
@@ -104,6 +105,7 @@ class VLLMColocateBackend:
                 llm_kwargs["kv_cache_memory_bytes"] = size
         if not enforce_eager and vllm_cpu.default_cpu_aot_compile(os.environ):  # a restart: inductor cache
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
+        hook, single = sys.excepthook, not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -115,6 +117,10 @@ class VLLMColocateBackend:
             worker_extension_cls="grpo_async.weight_sync.worker.WeightSyncWorker",
             **llm_kwargs,
         )
+        if single and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+            # the engine made a one-process torch.distributed group of its own, and `init_process_group` prefixed
+            # every line of this process's uncaught tracebacks with `[rank0]:`: not a distributed run, no prefix
+            sys.excepthook = hook
         self.separate_process = separate_process
         #: the sampler's kept sets (`generation.sampling_mask`): recorded in the worker, which must be in this process
         self.sampling_masks: SamplingMaskRecorder | None = None

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
-from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError
+from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError, health_problem
 from grpo_async.generation.vllm_common import (
     Groups,
     check_prompts,
@@ -104,7 +104,7 @@ class CompletionsRouter:
                 client.get("/health", timeout=timeout)
                 back.append(client)
             except ServerError as e:
-                logger.info("%s: %s still out of rotation (%s)", self.name, client.url, e)
+                logger.info("%s: still out of rotation: %s", self.name, health_problem(client.url, e))
             with self.lock:
                 self.left_at[client.url] = time.monotonic()
         return back
@@ -227,8 +227,10 @@ class VLLMServerBackend:
         clients = [ServerClient(u, api_key=api_key, timeout=timeout) for u in urls]
         live, why, left_out = [], [], {}
         for c in clients:
+            probing = True  # GET /health; then /v1/models
             try:
                 c.get("/health", timeout=min(timeout, 10.0))
+                probing = False
                 model = model or _model_name(c)
                 live.append(c)
             except ServerAuthError as e:  # running, but the key is wrong: not "not answering"
@@ -241,11 +243,16 @@ class VLLMServerBackend:
                     model = model or _model_name(c)
                     live.append(c)
                     continue
-                logger.warning("VLLMServerBackend: %s is not answering (%s); left out of rotation", c.url, e)
-                why.append(f"{c.url} is not answering: {e}")
+                # /health: nothing answered, or an error status (not a vLLM server, an engine not healthy)
+                problem = health_problem(c.url, e) if probing else f"{c.url}: {e}"
+                logger.warning("VLLMServerBackend: %s; left out of rotation", problem)
+                why.append(problem)
                 left_out[c.url] = e
         if not live:
-            raise RuntimeError(f"VLLMServerBackend: none of the servers {urls} answered /health: {'; '.join(why)}")
+            reasons = "; ".join(why)
+            raise RuntimeError(
+                f"VLLMServerBackend: none of the servers {urls} answered /health (200) and /v1/models: {reasons}"
+            )
         self.router = CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend")
         for c in clients:
             if c.url in left_out:

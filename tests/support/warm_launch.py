@@ -233,9 +233,12 @@ def _rank_main(
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
     except BaseException as e:
-        traceback.print_exc()
         code = 1
         interrupted = isinstance(e, KeyboardInterrupt)
+        if interrupted:  # as the interpreter: its hook (the trainer's ends the process itself: grpo_async.interrupt)
+            sys.excepthook(type(e), e, e.__traceback__)
+        else:
+            traceback.print_exc()
     if real_exit and not interrupted:
         import ctypes
 
