@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import time
 
 import torch
@@ -32,7 +31,7 @@ from .callbacks import notify_micro_batch
 from .config import GRPOConfig
 from .data.async_loader import AsyncDataLoaderWrapper, wrapper_skips_batches
 from .data.sampler import RepeatSampler
-from .interrupt import TrainingInterrupted, debug_enabled, install_exit_hook, interrupted
+from .interrupt import debug_enabled
 from .logging_utils import MetricsJsonlCallback
 from .model_card import write_model_card
 from .model_config import check_context_length, needs_find_unused_parameters
@@ -325,23 +324,6 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             raise self._interrupted() from (e if debug_enabled() else None)
         finally:
             self.rounds.stop()
-
-    def _interrupted(self) -> TrainingInterrupted:
-        """Ctrl-C in `train()` (`grpo_async/interrupt.py`): stop the job-queue thread without waiting out a round,
-        shut the backend down (a second Ctrl-C skips what is left of that), print one line on the main process and
-        return the `TrainingInterrupted` to raise; uncaught, it ends the process with exit status 130 at once
-        (`GRPO_ASYNC_DEBUG=1`: the interpreter prints the whole traceback and ends as it would by itself)."""
-        logger.info("interrupted: stopping the generator thread and the generation backend")
-        try:
-            self.close(timeout=2.0)
-        except KeyboardInterrupt:
-            logger.info("interrupted again: the generation backend is left to the process exit")
-        err = interrupted(self.state.global_step, self.state.max_steps, self.args.output_dir, self.args.save_strategy)
-        if self.accelerator.is_main_process:
-            print(err, file=sys.stderr, flush=True)
-        if not debug_enabled():
-            install_exit_hook()
-        return err
 
     def _run_epoch(self, *args, **kwargs):
         if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:

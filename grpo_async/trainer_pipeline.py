@@ -6,12 +6,14 @@ backend, shutting the pipeline down, recording its metrics, its checkpoint state
 from __future__ import annotations
 
 import logging
+import sys
 
 from transformers import Trainer
 
 from .algo.objective import PolicyObjective
 from .algo.ref_sync import RefModelSyncCallback
 from .algo.throughput import throughput_meter
+from .interrupt import TrainingInterrupted, debug_enabled, install_exit_hook, interrupted
 from .logging_utils import log_completions
 from .pipeline import checkpointing as ckpt
 from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
@@ -113,6 +115,23 @@ class TrainerPipeline:
             self.metric_windows.set_total("num_tokens", self.state.num_input_tokens_seen)
         else:
             self.metric_windows.record(key, value)
+
+    def _interrupted(self) -> TrainingInterrupted:
+        """Ctrl-C in `train()` (`grpo_async/interrupt.py`): stop the job-queue thread without waiting out a round,
+        shut the backend down (a second Ctrl-C skips what is left of that), print one line on the main process and
+        return the `TrainingInterrupted` to raise; uncaught, it ends the process with exit status 130 at once
+        (`GRPO_ASYNC_DEBUG=1`: the interpreter prints the whole traceback and ends as it would by itself)."""
+        logger.info("interrupted: stopping the generator thread and the generation backend")
+        try:
+            self.close(timeout=2.0)
+        except KeyboardInterrupt:
+            logger.info("interrupted again: the generation backend is left to the process exit")
+        err = interrupted(self.state.global_step, self.state.max_steps, self.args.output_dir, self.args.save_strategy)
+        if self.accelerator.is_main_process:
+            print(err, file=sys.stderr, flush=True)
+        if not debug_enabled():
+            install_exit_hook()
+        return err
 
     def complete(self, prompts: list, temperature: float = 0.0, max_tokens: int | None = None) -> list[str]:
         """The texts this trainer's generation engine writes for `prompts` with the policy's current weights (the

@@ -247,7 +247,8 @@ def test_console_script_runs_the_cli():
 def test_serve_commands_as_written(tiny_model_path):
     """Both `grpo-async serve` commands of the README, as written (only the model and a free port substituted): the
     policy server answers a completion; the frozen reference server answers logprobs and refuses weight updates."""
-    policy_line, ref_line = (c for c in readme_commands() if c.startswith("grpo-async serve"))
+    # the distinct ones (docs/trl_compatibility.md repeats the policy server's line as written)
+    policy_line, ref_line = dict.fromkeys(c for c in readme_commands() if c.startswith("grpo-async serve"))
     servers = []
     try:
         for line in (policy_line, ref_line):  # one after the other: the second start compiles from the first's cache
