@@ -26,6 +26,7 @@ _EXPORTS = {
     "RepeatSampler": ".data.sampler",
     "Round": ".pipeline.types",
     "RoundRequest": ".pipeline.types",
+    "TrainingInterrupted": ".interrupt",
     "compute_advantages": ".algo.advantages",
 }
 
@@ -42,6 +43,7 @@ __all__ = [
     "RepeatSampler",
     "Round",
     "RoundRequest",
+    "TrainingInterrupted",
     "compute_advantages",
 ]
 assert sorted(_EXPORTS) == __all__
@@ -52,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .config import GRPOConfig
     from .data.async_loader import AsyncDataLoaderWrapper
     from .data.sampler import RepeatSampler
+    from .interrupt import TrainingInterrupted
     from .pipeline.batch_generator import AsyncBatchGenerator, BatchRequest, BatchResult
     from .pipeline.types import Round, RoundRequest
     from .trainer import GRPOTrainer

@@ -141,9 +141,11 @@ def _ctrl_c_at(step: int):
 def test_train_raises_training_interrupted_after_shutting_the_pipeline_down(
     tiny_model_path, tmp_path, own_excepthook, monkeypatch, capsys, case
 ):
-    from grpo_async import GRPOTrainer
+    from grpo_async import (
+        GRPOTrainer,
+        TrainingInterrupted,  # exported
+    )
     from grpo_async.demo_task import letter_reward, make_dataset
-    from grpo_async.interrupt import TrainingInterrupted
     from grpo_async.testing import tiny_config
 
     if case == "debug":
