@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _runs import launch_bench_server  # noqa: E402
 
-from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.server_process import TWO_PROCESS_ENV  # noqa: E402
+from grpo_async.net import ServerClient
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
 from grpo_async.weight_sync.buckets import group_by_module, iter_buckets  # noqa: E402
 from grpo_async.weight_sync.transports import BroadcastTransport, CudaIpcTransport, ShmTransport

@@ -373,7 +373,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def wait_for_servers(self, poll_interval_s: float = 2.0) -> None:
         """Block until every server of `args.server_urls` answers `GET /health` with 200 (vllm_server backend only),
         or raise `TimeoutError` after `vllm_server_timeout` (the one `args` was given with) seconds."""
-        from .generation.http_client import health_problem, probe_health
+        from .net import health_problem, probe_health
 
         if self.args.generation_backend != "vllm_server":
             return

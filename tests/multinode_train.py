@@ -25,7 +25,7 @@ from vllm_utils import hf_logprobs
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
-from grpo_async.generation.http_client import ServerClient
+from grpo_async.net import ServerClient
 from grpo_async.testing import tiny_config
 
 SEQUENCES = [([7, 8, 9, 10, 11], [12, 40, 41, 3]), ([20, 21, 22], [23, 24, 60, 61, 62]), ([30, 31], [5])]

@@ -135,8 +135,8 @@ def guarded_server():
 
 
 def test_a_wrong_api_key_is_reported_as_refused_with_the_url(guarded_server):
-    from grpo_async.generation.http_client import ServerAuthError, ServerClient
     from grpo_async.generation.vllm_server import VLLMServerBackend
+    from grpo_async.net import ServerAuthError, ServerClient
 
     with pytest.raises(ServerAuthError, match=rf"the server at {guarded_server} is running but refused the API key"):
         ServerClient(guarded_server, api_key="wrong").get("/health")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from support.warm_launch import start_script
 
-from grpo_async.generation.http_client import free_port
+from grpo_async.net import free_port
 
 HERE = os.path.dirname(__file__)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from test_faults import Proc
 
-from grpo_async.generation.http_client import free_port
+from grpo_async.net import free_port
 
 HERE = os.path.dirname(__file__)
 

@@ -17,9 +17,9 @@ import torch
 from faults_helpers import FakeServer, models_routes, reply_json
 
 from grpo_async.generation.base import SamplingConfig
-from grpo_async.generation.http_client import ServerClient, ServerError, free_port
 from grpo_async.generation.openai_remote import OpenAIRemoteBackend
 from grpo_async.generation.vllm_server import VLLMServerBackend
+from grpo_async.net import ServerClient, ServerError, free_port
 from grpo_async.testing import push_state_dict
 
 HERE = os.path.dirname(__file__)

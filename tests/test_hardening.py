@@ -22,8 +22,8 @@ import requests
 import torch
 from support.warm_launch import run_script
 
-from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.net import free_port
 from grpo_async.testing import push_state_dict
 
 KEY = "hardening-test-key"

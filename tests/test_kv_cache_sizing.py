@@ -13,8 +13,8 @@ import psutil
 import pytest
 from support.warm_launch import start_server_command
 
-from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, server_command, wait_ready
+from grpo_async.net import free_port
 
 GiB, MiB = 2**30, 2**20
 

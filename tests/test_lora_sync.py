@@ -9,8 +9,8 @@ from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, hf_greedy, hf_logpro
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
 from grpo_async.generation.base import SamplingConfig
-from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.shared import SharedBackend
+from grpo_async.net import ServerClient
 from grpo_async.pipeline.publisher import PolicyPublisher
 from grpo_async.testing import tiny_config
 from grpo_async.weight_sync.lora import (

@@ -16,7 +16,7 @@ import time
 import pytest
 from vllm_utils import API_KEY, running_servers
 
-from grpo_async.generation.http_client import ServerError, address_seen_by, free_port
+from grpo_async.net import ServerError, address_seen_by, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

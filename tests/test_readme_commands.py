@@ -15,8 +15,8 @@ import pytest
 import requests
 from support.warm_launch import CPU_FLAGS, accelerate_env, run_2cpu, run_script, start_server_command
 
-from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import wait_ready
+from grpo_async.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -10,8 +10,8 @@ from vllm_utils import API_KEY, running_servers
 from grpo_async import GRPOConfig
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
-from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.ref_client import RefLogpsClient
+from grpo_async.net import ServerClient, ServerError
 from grpo_async.testing import tiny_config
 
 pytestmark = pytest.mark.vllm

@@ -15,9 +15,9 @@ import requests
 import torch
 from support.warm_launch import start_server
 
-from grpo_async.generation.http_client import ServerClient, ServerError
 from grpo_async.generation.server_process import TWO_PROCESS_ENV, wait_ready
 from grpo_async.generation.vllm_server import VLLMServerBackend
+from grpo_async.net import ServerClient, ServerError
 from grpo_async.weight_sync.transports import make_transport
 
 KEY = "reload-session-test-key"
@@ -201,7 +201,7 @@ def test_an_aborted_push_loads_nothing(server, weights):
 KILLED_TRAINER = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
-from grpo_async.generation.http_client import ServerClient
+from grpo_async.net import ServerClient
 from grpo_async.weight_sync.transports import make_transport
 url, key, model, upto = sys.argv[1:5]
 state = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()

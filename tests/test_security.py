@@ -19,8 +19,8 @@ import pytest
 import requests
 from support.warm_launch import start_server_command
 
-from grpo_async.generation.http_client import free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, wait_ready
+from grpo_async.net import free_port
 
 KEY = "security-test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]

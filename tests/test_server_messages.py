@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo_async.generation.http_client import free_port, health_problem, probe_health
+from grpo_async.net import free_port, health_problem, probe_health
 
 
 @pytest.fixture

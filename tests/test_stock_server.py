@@ -20,9 +20,9 @@ from vllm_utils import hf_logprobs
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
-from grpo_async.generation.http_client import ServerClient, free_port
 from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
 from grpo_async.generation.stock_server import StockVLLMServerBackend, detect_server_kind
+from grpo_async.net import ServerClient, free_port
 from grpo_async.testing import tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -162,7 +162,7 @@ def test_trainer_copy_of_the_config_and_the_server_wait(tiny_model_path, tmp_pat
     left as it was. train() waits `vllm_server_timeout` seconds for a server that never answers, then raises."""
     from datasets import Dataset
 
-    from grpo_async.generation.http_client import free_port
+    from grpo_async.net import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     args = _config(

@@ -23,11 +23,11 @@ from vllm_utils import (
 )
 
 from grpo_async.generation.base import GenerationBackend, SamplingConfig
-from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.openai_remote import OpenAIRemoteBackend
 from grpo_async.generation.vllm_colocate import VLLMColocateBackend
 from grpo_async.generation.vllm_common import to_completions_body, validate_sampling
 from grpo_async.generation.vllm_server import CompletionsRouter, VLLMServerBackend
+from grpo_async.net import ServerClient
 from grpo_async.testing import push_state_dict
 
 pytestmark = pytest.mark.vllm

@@ -18,7 +18,7 @@ from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.generation.base import SamplingConfig
-from grpo_async.generation.http_client import ServerClient
+from grpo_async.net import ServerClient
 from grpo_async.testing import tiny_config
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ import pytest
 import requests
 from vllm_utils import API_KEY, PROMPTS, assert_matches_hf, digests, hf_greedy, perturbed_state_dict, running_servers
 
-from grpo_async.generation.http_client import ServerClient
+from grpo_async.net import ServerClient
 from grpo_async.testing import push_state_dict
 from grpo_async.weight_sync.buckets import group_by_module
 from grpo_async.weight_sync.transports import BroadcastTransport, ShmTransport

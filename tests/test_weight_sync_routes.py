@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from grpo_async.generation.http_client import free_port
+from grpo_async.net import free_port
 from grpo_async.weight_sync.routes import probe_store
 
 

@@ -8,9 +8,9 @@ import os
 from typing import Literal
 
 from grpo_async.generation.base import Completion, SamplingConfig
-from grpo_async.generation.http_client import ServerClient
 from grpo_async.generation.vllm_common import Groups
 from grpo_async.generation.vllm_server import CompletionsRouter
+from grpo_async.net import ServerClient
 from grpo_async.weight_sync.buckets import iter_buckets
 
 

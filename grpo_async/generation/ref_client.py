@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_async.generation.http_client import ServerClient
+from grpo_async.net import ServerClient
 
 
 class RefLogpsClient:

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from grpo_async.generation.http_client import free_port, health_problem, probe_health
+from grpo_async.net import free_port, health_problem, probe_health
 
 logger = logging.getLogger(__name__)
 

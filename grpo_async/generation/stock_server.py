@@ -40,8 +40,8 @@ from typing import Literal
 
 import torch
 
-from grpo_async.generation.http_client import ServerClient, ServerError, address_seen_by, free_port, is_loopback
 from grpo_async.generation.vllm_server import VLLMServerBackend
+from grpo_async.net import ServerClient, ServerError, address_seen_by, free_port, is_loopback
 from grpo_async.weight_sync.buckets import NamedTensors, bucket_layout, pack_bucket
 from grpo_async.weight_sync.names import STOCK_TRANSPORTS, StockTransport, check_transport
 from grpo_async.weight_sync.transports import pooled_segment, unlink_segments

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo_async.generation.base import Completion, SamplingConfig
-from grpo_async.generation.http_client import ServerError
+from grpo_async.net import ServerError
 from grpo_async.weight_sync.buckets import NamedTensors
 
 #: module-grouped weights, as the publisher sends them: `(module, [(name, tensor), ...])` in order

@@ -22,7 +22,6 @@ from typing import Literal
 import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
-from grpo_async.generation.http_client import ServerAuthError, ServerClient, ServerError, health_problem
 from grpo_async.generation.vllm_common import (
     Groups,
     check_prompts,
@@ -30,6 +29,7 @@ from grpo_async.generation.vllm_common import (
     to_completions_body,
     validate_sampling,
 )
+from grpo_async.net import ServerAuthError, ServerClient, ServerError, health_problem
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
 from grpo_async.weight_sync.server_fanout import ServerFanout

@@ -45,7 +45,7 @@ def server_transport(setting: str, urls: list[str], cuda: bool) -> WireTransport
 
     Example: `server_transport("auto", ["http://10.0.0.3:8000"], cuda=False) == "broadcast"`.
     """
-    from grpo_async.generation.http_client import is_loopback
+    from grpo_async.net import is_loopback
 
     check_transport(setting, ("auto", "broadcast", "ipc", "none"), "weight_sync_transport for a server")
     ipc = "cuda_ipc" if cuda else "shm"

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from grpo_async.generation.http_client import ServerClient, ServerError
+from grpo_async.net import ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import ClassVar
 
-from grpo_async.generation.http_client import ServerClient, ServerError
+from grpo_async.net import ServerClient, ServerError
 from grpo_async.weight_sync.buckets import BucketPlan, NamedTensors, bucket_layout, iter_buckets
 
 logger = logging.getLogger("grpo_async.weight_sync")

@@ -31,7 +31,7 @@ from datetime import timedelta
 
 import torch
 
-from grpo_async.generation.http_client import ServerClient, ServerError, address_seen_by, free_port
+from grpo_async.net import ServerClient, ServerError, address_seen_by, free_port
 from grpo_async.weight_sync.buckets import BucketPlan, iter_buckets, pack_bucket
 from grpo_async.weight_sync.names import WireTransport
 from grpo_async.weight_sync.transport_base import (

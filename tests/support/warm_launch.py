@@ -71,7 +71,7 @@ import threading
 import time
 import traceback
 
-from grpo_async.generation.http_client import free_port
+from grpo_async.net import free_port
 
 #: imported once by the fork server, before any rank forks: the stack every training script imports
 PRELOAD = [
