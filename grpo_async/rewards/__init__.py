@@ -156,11 +156,9 @@ def prepare_reward_funcs(
 ALWAYS_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
-def signature_problem(func, name: str, passed) -> str | None:
-    """Why `func(**{k: ... for k in passed})` fails on its signature alone (an unexpected keyword, a required
-    parameter not among `passed`), as one message naming the function and the fix; None when it fits or when the
-    signature cannot be read. The trainer checks it at construction with the keywords it knows then (and the same
-    message explains a round's `TypeError`)."""
+def _signature_gaps(func, passed) -> tuple[list[str], list[str], list[str]] | None:
+    """`(unexpected, missing, own)` of calling `func(**{k: ... for k in passed})`: keywords it cannot take, required
+    parameters not among `passed`, and the passed ones it names; None when the signature cannot be read."""
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
@@ -177,20 +175,33 @@ def signature_problem(func, name: str, passed) -> str | None:
         and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         and (p.kind is p.POSITIONAL_ONLY or p.name not in passed)
     ]
-    if not unexpected and not missing:
-        return None
+    own = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in passed]
+    return unexpected, missing, own
+
+
+def _problem_text(func, name: str, passed, unexpected: list[str], missing: list[str], own: list[str]) -> str:
     what = []
     if unexpected:
         what.append(f"it does not take {', '.join(map(repr, unexpected))}")
     if missing:
         what.append(f"it requires {', '.join(map(repr, missing))}, which no dataset column or trainer argument gives")
-    own = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in passed]
     example = ", ".join([*(own or ["completions"]), "**kwargs"])
     return (
         f"reward function {name!r} cannot be called the way the trainer calls it: {'; '.join(what)}. Reward "
         f"functions are called with keywords only, as in TRL: {', '.join(sorted(passed))}. Name the ones you use "
         f"and take the rest with **kwargs, e.g. `def {getattr(func, '__name__', name)}({example}): ...`"
     )
+
+
+def signature_problem(func, name: str, passed) -> str | None:
+    """Why `func(**{k: ... for k in passed})` fails on its signature alone (an unexpected keyword, a required
+    parameter not among `passed`), as one message naming the function and the fix; None when it fits or when the
+    signature cannot be read. The trainer checks it at construction with the keywords it knows then (and the same
+    message explains a round's `TypeError`)."""
+    gaps = _signature_gaps(func, passed)
+    if gaps is None or not (gaps[0] or gaps[1]):
+        return None
+    return _problem_text(func, name, passed, *gaps)
 
 
 def check_reward_signatures(funcs: Sequence[RewardFunc], names: Sequence[str], columns, open_ended: bool) -> None:
@@ -206,12 +217,14 @@ def check_reward_signatures(funcs: Sequence[RewardFunc], names: Sequence[str], c
         if isinstance(func, RewardModel) or not callable(func):  # a model scores texts: its own call, checked there
             continue
         target = func if inspect.isfunction(func) or inspect.ismethod(func) else func.__call__
-        problem = signature_problem(target, name, passed)
-        if problem is None:
+        gaps = _signature_gaps(target, passed)
+        if gaps is None:
             continue
-        if "it does not take" in problem and not open_ended:
-            raise TypeError(problem)
-        if "requires" in problem:
+        unexpected, missing, _ = gaps
+        if unexpected and not open_ended:
+            raise TypeError(_problem_text(target, name, passed, *gaps))
+        if missing:
+            problem = _problem_text(target, name, passed, *gaps)
             logger.warning("%s (an evaluation set with that column is fine; training rounds will fail)", problem)
 
 
