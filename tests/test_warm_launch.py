@@ -213,3 +213,34 @@ def test_a_forked_scripts_vllm_worker_is_a_fork_of_the_fork_server_with_the_scri
     assert info["ppid"] == info["script_ppid"] != info["script_pid"], info
     assert info["marker"] == "set by the script", info
     assert "worker says hello on stdout" in proc.stdout and "worker says hello on stderr" in proc.stdout, proc.stdout
+
+
+def test_an_exit_status_polled_from_several_threads_at_once_is_the_real_one(tmp_path):
+    """`test_faults.Proc` polls a forked script from its log reader while the test waits for its exit. The stock
+    forkserver handle lets a second reader of the status pipe record 255 over the real status (a CI run failed so);
+    every thread must see the script's own exit status, in each of three runs."""
+    import threading
+
+    from support.warm_launch import start_script
+
+    script = tmp_path / "exit7.py"
+    script.write_text("import sys\nsys.exit(7)\n")
+    for run in range(3):
+        proc = start_script(str(script), [], log_path=str(tmp_path / f"run{run}.log"))
+        seen: list = []
+        go = threading.Barrier(9)
+
+        def spin(proc=proc, seen=seen, go=go):
+            go.wait()
+            while (code := proc.poll()) is None:
+                pass
+            seen.append(code)
+
+        threads = [threading.Thread(target=spin) for _ in range(8)]
+        for t in threads:
+            t.start()
+        go.wait()
+        seen.append(proc.wait(60))
+        for t in threads:
+            t.join(60)
+        assert seen == [7] * 9, (run, seen)

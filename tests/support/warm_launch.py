@@ -61,6 +61,7 @@ import argparse
 import atexit
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import runpy
 import signal
@@ -70,6 +71,7 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing import popen_forkserver
 
 from grpo_async.net import free_port
 
@@ -103,10 +105,41 @@ _CTX = None
 _IN_WARM_FORK = False  # set in a process this module forked (`_rank_main`)
 
 
+class _ThreadSafePopen(popen_forkserver.Popen):
+    """The fork server's child handle, safe to poll from several threads at once. The stock one is not: its exit
+    status arrives as 8 bytes on a pipe that the fork server then closes, and two threads that both see the pipe
+    readable both read it; the one that comes second meets end-of-file and records exit status 255 ("perhaps the
+    forkserver process itself got killed"), over the real one. `test_faults.Proc` polls from its log reader while
+    the test waits for the exit (a CI run recorded 255 for a worker that had exited 130). Here one thread reads the
+    status and every other one gets what it recorded; a blocking wait waits for the pipe outside the lock."""
+
+    def __init__(self, process_obj):
+        self._poll_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None and flag != os.WNOHANG:
+            multiprocessing.connection.wait([self.sentinel])
+        with self._poll_lock:
+            return super().poll(os.WNOHANG)
+
+
+class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _ThreadSafePopen(process_obj)
+
+
+class _ForkServerContext(multiprocessing.context.ForkServerContext):
+    """The `forkserver` start method, its processes' handles thread-safe (`_ThreadSafePopen`)."""
+
+    Process = _ForkServerProcess
+
+
 def _context():
     global _CTX
     if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
+        _CTX = _ForkServerContext()
         _CTX.set_forkserver_preload(PRELOAD)
         if _IN_WARM_FORK:
             _use_the_parent_fork_server()
