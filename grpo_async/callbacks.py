@@ -10,7 +10,8 @@ The `micro_batch` is the `grpo_async.pipeline.types.MicroBatch` of this process,
 consumer filled `old_logps`, `ref_logps` and `is_weights`: `completion_ids [B, T]`, `loss_mask [B, T]`,
 `advantages [B]`, `policy_version [B]` (the weights that sampled the row), `round_id [B]` and `row_index [B]` (the
 row's identity: the same pair is never trained twice), `rollout_logps [B, T]`. Read it; a callback that changes it
-changes what is trained.
+changes what is trained. The other keyword arguments are those of every `TrainerCallback` event (`model`,
+`processing_class`, `optimizer`, `lr_scheduler`, `train_dataloader`, `eval_dataloader`).
 
 Example:
     >>> class Lengths(GRPOCallback):
@@ -37,7 +38,15 @@ def notify_micro_batch(handler, args, state, control, micro_batch) -> None:
     """Call `on_micro_batch` of every callback of `handler` (a Trainer's `callback_handler`) that has one: a
     `GRPOCallback`, or any callback defining the method (transformers' own `call_event` would call it on every
     callback, and its base class has none)."""
+    objects = {  # what transformers' `CallbackHandler.call_event` hands every event
+        "model": handler.model,
+        "processing_class": handler.processing_class,
+        "optimizer": handler.optimizer,
+        "lr_scheduler": handler.lr_scheduler,
+        "train_dataloader": handler.train_dataloader,
+        "eval_dataloader": handler.eval_dataloader,
+    }
     for callback in handler.callbacks:
         event = getattr(callback, "on_micro_batch", None)
         if event is not None:
-            event(args, state, control, micro_batch=micro_batch, model=handler.model)
+            event(args, state, control, micro_batch=micro_batch, **objects)

@@ -13,8 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from support.recorders import recorded
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOConfig
 from grpo_async.algo.logprobs import selective_log_softmax
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.envs import Environment
@@ -43,20 +44,17 @@ def replies_match(prompts, completions, env_state, **kwargs):
     return [0.0] * len(completions)
 
 
-class Recorder(GRPOTrainer):
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        completions = [ids[m.bool()].tolist() for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
-        self.seen.append(
-            {
-                "round": inputs["round_id"].tolist(),
-                "row": inputs["row_index"].tolist(),
-                "prompt": self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True),
-                "completion": self.processing_class.batch_decode(completions, skip_special_tokens=True),
-                "advantage": inputs["advantages"].tolist(),
-            }
-        )
-        return super().compute_loss(model, inputs, *a, **k)
+def _rows(micro_batch, state, processing_class):
+    """Which rows a micro-batch trained (round, row index), their prompts, completions and advantages."""
+    ids, mask = micro_batch.completion_ids, micro_batch.completion_mask
+    completions = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    return {
+        "round": micro_batch.round_id.tolist(),
+        "row": micro_batch.row_index.tolist(),
+        "prompt": processing_class.batch_decode(micro_batch.prompt_ids, skip_special_tokens=True),
+        "completion": processing_class.batch_decode(completions, skip_special_tokens=True),
+        "advantage": micro_batch.advantages.tolist(),
+    }
 
 
 def engine_counter(backend) -> int:
@@ -129,8 +127,8 @@ def main():
         **extra,
     )
     evals = {"eval_dataset": make_dataset(8, seed=5)} if backend == "vllm_eval" else {}
-    trainer = Recorder(
-        model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), **env, **evals
+    trainer, seen = recorded(
+        model=model_path, reward_funcs=rewards, args=args, train_dataset=make_dataset(64), record=_rows, **env, **evals
     )
     evaluated = sorted(trainer.evaluate()) if evals else []
     trainer.train()
@@ -145,7 +143,7 @@ def main():
             {
                 "rank": trainer.accelerator.process_index,
                 "world": trainer.accelerator.num_processes,
-                "seen": trainer.seen,
+                "seen": seen.records,
                 "engine_counter": counted,
                 "engine_processes": children,
                 "evaluated": evaluated,

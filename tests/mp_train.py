@@ -13,23 +13,20 @@ import sys
 
 import torch
 import torch.distributed as dist
+from support.recorders import recorded
 from transformers import TrainerCallback
 
-from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async import GRPOConfig
 from grpo_async.demo_task import letter_reward, make_dataset
 
 
-class Recorder(GRPOTrainer):
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        self.seen.append(
-            {
-                "round": inputs["round_id"].tolist(),
-                "row": inputs["row_index"].tolist(),
-                "prompt": self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True),
-            }
-        )
-        return super().compute_loss(model, inputs, *a, **k)
+def _rows(micro_batch, state, processing_class):
+    """Which rows a micro-batch trained (round, row index) and their prompts."""
+    return {
+        "round": micro_batch.round_id.tolist(),
+        "row": micro_batch.row_index.tolist(),
+        "prompt": processing_class.batch_decode(micro_batch.prompt_ids, skip_special_tokens=True),
+    }
 
 
 class StopAt(TrainerCallback):
@@ -73,8 +70,13 @@ def main():
         **server,
     )
     callbacks = [StopAt(int(os.environ["GRPO_TEST_STOP_AT"]))] if "GRPO_TEST_STOP_AT" in os.environ else []
-    trainer = Recorder(
-        model=model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64), callbacks=callbacks
+    trainer, seen = recorded(
+        model=model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=make_dataset(64),
+        callbacks=callbacks,
+        record=_rows,
     )
     trainer.train(resume_from_checkpoint=os.environ.get("GRPO_TEST_RESUME"))
     trainer.close()
@@ -85,7 +87,7 @@ def main():
             {
                 "rank": rank,
                 "world": trainer.accelerator.num_processes,
-                "seen": trainer.seen,
+                "seen": seen.records,
                 "param_checksum": float(params.double().sum()),
                 "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
                 "is_ratio_mean": [

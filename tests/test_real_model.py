@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
+from support.recorders import recorded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
 from grpo_async.envs import ToolEnv, template_ids
 from grpo_async.envs import calculator as _calculator
@@ -157,7 +157,7 @@ class ScriptedToolCaller:
 
 
 def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_path):
-    calls, seen_completions, batches = [], [], []
+    calls, seen_completions = [], []
 
     def calculator(expression: str) -> str:
         """Evaluate an arithmetic expression."""
@@ -167,11 +167,6 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
     def saw_the_tool(completions, **kw):
         seen_completions.extend(completions)
         return [float(any(m["role"] == "tool" and m["content"] == "47" for m in c)) for c in completions]
-
-    class Recorder(GRPOTrainer):
-        def compute_loss(self, model, inputs, *a, **k):
-            batches.append({k2: v.detach().clone() for k2, v in inputs.items() if isinstance(v, torch.Tensor)})
-            return super().compute_loss(model, inputs, *a, **k)
 
     samplers = []
 
@@ -198,7 +193,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
             max_steps=1,
             learning_rate=1e-6,
         )
-        t = Recorder(smollm2_path, saw_the_tool, args=args, train_dataset=ds, environment=env)
+        t, trained = recorded(smollm2_path, saw_the_tool, args=args, train_dataset=ds, environment=env)
         t.train()
         t.close()
     finally:
@@ -207,7 +202,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
     assert samplers[0].scripted == 4 and calls == ["12+35"] * 4  # the real tool ran once per rollout
     assert all(any(m["role"] == "tool" and m["content"] == "47" for m in c) for c in seen_completions)
     assert t.state.log_history[0]["reward"] == 1.0
-    for b in batches:
+    for b in trained.records:
         for ids, attend, train in zip(b["completion_ids"], b["completion_mask"], b["loss_mask"], strict=True):
             env_tokens = ids[(attend == 1) & (train == 0)]
             trained = ids[train == 1]

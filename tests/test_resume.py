@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from mp_utils import launch
+from support.recorders import recorded
 from transformers import TrainerCallback
 
 from grpo_async import GRPOConfig, GRPOTrainer
@@ -18,18 +19,13 @@ from grpo_async.pipeline.checkpointing import PIPELINE_STATE_FILE
 S = 3  # checkpoint step; dataset of 8 prompts, 4 per round → 2 optimizer steps per epoch: step 3 is mid-epoch 1
 
 
-class Recorder(GRPOTrainer):
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        prompts = self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)
-        self.seen.append(
-            {
-                "step": self.state.global_step + 1,
-                "prompts": sorted(prompts),
-                "completions": sorted(map(tuple, inputs["completion_ids"].tolist())),
-            }
-        )
-        return super().compute_loss(model, inputs, *a, **k)
+def _prompts_and_completions(micro_batch, state, processing_class):
+    """The step a micro-batch trains, its prompts' text and its completions' token ids (each sorted)."""
+    return {
+        "step": state.global_step + 1,
+        "prompts": sorted(processing_class.batch_decode(micro_batch.prompt_ids, skip_special_tokens=True)),
+        "completions": sorted(map(tuple, micro_batch.completion_ids.tolist())),
+    }
 
 
 class StopAt(TrainerCallback):
@@ -62,23 +58,24 @@ def _args(out, ahead):
 
 
 def _run(out, ahead, resume=None, callbacks=()):
-    t = Recorder(
+    t, seen = recorded(
         model=_run.model_path,
         reward_funcs=letter_reward,
         args=_args(out, ahead),
         train_dataset=make_dataset(8),
         callbacks=list(callbacks),
+        record=_prompts_and_completions,
     )
     t.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
-    return t, losses
+    return t, losses, seen.records
 
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_resume_trains_exactly_the_remaining_prompts(tiny_model_path, tmp_path, ahead):
     _run.model_path = tiny_model_path
-    straight, straight_losses = _run(str(tmp_path / "straight"), ahead)
-    first, _ = _run(str(tmp_path / "split"), ahead, callbacks=[StopAt(S)])
+    straight, straight_losses, straight_seen = _run(str(tmp_path / "straight"), ahead)
+    first, _, first_seen = _run(str(tmp_path / "split"), ahead, callbacks=[StopAt(S)])
     assert first.state.global_step == S
     ckpt = str(tmp_path / "split" / f"checkpoint-{S}")
     state = json.load(open(os.path.join(ckpt, PIPELINE_STATE_FILE)))
@@ -89,23 +86,23 @@ def test_resume_trains_exactly_the_remaining_prompts(tiny_model_path, tmp_path, 
     in_flight = state.get("in_flight", [])
     assert [r["round_id"] for r in in_flight] == state["submitted_rounds"]
     assert all(r["policy_version"] < S for r in in_flight)
-    resumed, resumed_losses = _run(str(tmp_path / "split"), ahead, resume=ckpt)
+    resumed, resumed_losses, resumed_seen = _run(str(tmp_path / "split"), ahead, resume=ckpt)
 
-    after = [b for b in straight.seen if b["step"] > S]
-    assert [b["step"] for b in resumed.seen] == [b["step"] for b in after] == [4, 4, 5, 5, 6, 6]
+    after = [b for b in straight_seen if b["step"] > S]
+    assert [b["step"] for b in resumed_seen] == [b["step"] for b in after] == [4, 4, 5, 5, 6, 6]
     # the same prompts step by step (none skipped, none repeated), and with the first part exactly the straight run's
-    assert per_step(resumed.seen) == per_step(after)
-    assert per_step(first.seen + resumed.seen) == per_step(straight.seen)
+    assert per_step(resumed_seen) == per_step(after)
+    assert per_step(first_seen + resumed_seen) == per_step(straight_seen)
     # deterministic: completions seeded by (seed, round, row) (seeded_generation), the rounds in flight restored as
     # generated, weights, optimizer and RNG restored
-    assert per_step(resumed.seen, "completions") == per_step(after, "completions")
+    assert per_step(resumed_seen, "completions") == per_step(after, "completions")
     for step in range(S + 1, 2 * S + 1):
         assert resumed_losses[step] == pytest.approx(straight_losses[step], abs=1e-6)
     for (name, p), q in zip(resumed.model.named_parameters(), straight.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
     if ahead == 0:
-        assert [b["prompts"] for b in resumed.seen] == [b["prompts"] for b in after]  # same shuffle too
-        assert [b["completions"] for b in resumed.seen] == [b["completions"] for b in after]
+        assert [b["prompts"] for b in resumed_seen] == [b["prompts"] for b in after]  # same shuffle too
+        assert [b["completions"] for b in resumed_seen] == [b["completions"] for b in after]
 
 
 def per_step(seen, key="prompts"):
@@ -136,15 +133,21 @@ def test_resume_from_the_last_checkpoint_trains_nothing_more(tiny_model_path, tm
     args.max_steps = S  # 2 steps per epoch: step 3 is mid-epoch 1
 
     def run(resume=None):
-        t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(8))
+        t, seen = recorded(
+            model=tiny_model_path,
+            reward_funcs=letter_reward,
+            args=args,
+            train_dataset=make_dataset(8),
+            record=_prompts_and_completions,
+        )
         t.train(resume_from_checkpoint=resume)
         t.end()
-        return t
+        return t, seen.records
 
-    first = run()
+    first, _ = run()
     assert first.state.global_step == S and os.path.isdir(tmp_path / "run" / f"checkpoint-{S}")
-    again = run(resume=True)
-    assert getattr(again, "seen", []) == []  # no micro-batch trained
+    again, again_seen = run(resume=True)
+    assert again_seen == []  # no micro-batch trained
     assert again.state.global_step == S
     assert [h["step"] for h in again.state.log_history if "loss" in h] == [1, 2, 3]  # restored, none added
     assert not os.path.isdir(tmp_path / "run" / f"checkpoint-{S + 1}")

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from mp_utils import launch
+from support.recorders import recorded
 from transformers import TrainerCallback
 
 from grpo_async import GRPOTrainer
@@ -48,18 +49,15 @@ def _args(out, **kw):
     return tiny_config(out, **{**fields, **kw})
 
 
-class Recorder(GRPOTrainer):
-    """Records what every micro-batch trained (observation only) and, with `events`, when."""
+def _rows(micro_batch, state, processing_class):
+    """What a micro-batch trained: its rows' `(round_id, row_index)` and a copy of every tensor."""
+    rows = list(zip(micro_batch.round_id.tolist(), micro_batch.row_index.tolist(), strict=True))
+    return {"rows": rows, **{n: v.detach().clone() for n, v in micro_batch.tensors().items()}}
 
-    events: list | None = None
 
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        rows = list(zip(inputs["round_id"].tolist(), inputs["row_index"].tolist(), strict=True))
-        self.seen.append({"rows": rows, **{n: v.detach().clone() for n, v in inputs.tensors().items()}})
-        if self.events is not None:
-            self.events.append(("train", rows))
-        return super().compute_loss(model, inputs, *a, **k)
+def _recorded(*args, **kwargs):
+    """A `GRPOTrainer` and the record of what each micro-batch trained (with `events=`: when, as `("train", rows)`)."""
+    return recorded(*args, record=_rows, **kwargs)
 
 
 def _scoring_reward(events: list):
@@ -72,8 +70,8 @@ def _scoring_reward(events: list):
     return letter
 
 
-def _trained_rows(trainer) -> list[tuple[int, int]]:
-    return [r for b in trainer.seen for r in b["rows"]]
+def _trained_rows(seen) -> list[tuple[int, int]]:
+    return [r for b in seen.records for r in b["rows"]]
 
 
 def test_a_straggler_group_does_not_hold_back_the_groups_after_it(tiny_model_path, tmp_path):
@@ -81,18 +79,21 @@ def test_a_straggler_group_does_not_hold_back_the_groups_after_it(tiny_model_pat
     finished first (round 1's among them), the straggler is trained later, once; every row of rounds 0..3 exactly
     once (μ = 1)."""
     events: list = []
-    trainer = Recorder(
-        model=tiny_model_path, reward_funcs=_scoring_reward(events), args=_args(tmp_path), train_dataset=_dataset()
+    trainer, seen = _recorded(
+        model=tiny_model_path,
+        reward_funcs=_scoring_reward(events),
+        args=_args(tmp_path),
+        train_dataset=_dataset(),
+        events=events,
     )
-    trainer.events = events
     try:
         trainer.train()
     finally:
         trainer.close()
-    rows = _trained_rows(trainer)
+    rows = _trained_rows(seen)
     assert sorted(rows) == [(r, i) for r in range(4) for i in range(ROUND)], "every row of rounds 0..3 once"
     straggler = {(0, i) for i in range(G)}
-    first_round = {r for b in trainer.seen[:2] for r in b["rows"]}  # GA 2: a round is 2 micro-batches
+    first_round = {r for b in seen.records[:2] for r in b["rows"]}  # GA 2: a round is 2 micro-batches
     assert not first_round & straggler, "the first round waited for the straggler"
     assert any(r[0] == 1 for r in first_round), "the first round took groups submitted after the straggler"
     # order of events: the straggler was scored after the trainer had trained other groups
@@ -158,7 +159,7 @@ def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path
     monkeypatch.setattr(LLMEngine, "step", slow_step)
     weights = Weights()
     args = _args(tmp_path, weight_sync_inflight=True, num_batches_ahead=2)  # 3 rounds of groups in the stream
-    trainer = Recorder(
+    trainer, seen = _recorded(
         model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=_dataset(), callbacks=[weights]
     )
     try:
@@ -166,7 +167,7 @@ def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path
     finally:
         trainer.close()
     spans = []
-    for b in trainer.seen:
+    for b in seen.records:
         for i in range(len(b["rows"])):
             mask = b["completion_mask"][i].bool()
             versions = b["token_version"][i][mask]
@@ -208,7 +209,7 @@ def test_stream_resume_trains_every_row_once(tiny_model_path, tmp_path):
     """A checkpoint at step 2 saves the groups in flight (assembled into the rounds submitted: here round 2, with
     the straggler of round 0); the run resumed from it trains them and round 3: run A's steps 1-2 and run B's 3-4
     train every row of rounds 0..3 exactly once."""
-    first = Recorder(
+    first, first_seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path / "a", save_strategy="steps", save_steps=2),
@@ -218,8 +219,8 @@ def test_stream_resume_trains_every_row_once(tiny_model_path, tmp_path):
         first.train()
     finally:
         first.close()
-    before = [r for b in first.seen[:4] for r in b["rows"]]  # steps 1-2: 2 micro-batches each
-    resumed = Recorder(
+    before = [r for b in first_seen.records[:4] for r in b["rows"]]  # steps 1-2: 2 micro-batches each
+    resumed, resumed_seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path / "a"),
@@ -229,9 +230,9 @@ def test_stream_resume_trains_every_row_once(tiny_model_path, tmp_path):
         resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     finally:
         resumed.close()
-    after = _trained_rows(resumed)
+    after = _trained_rows(resumed_seen)
     assert sorted(before + after) == [(r, i) for r in range(4) for i in range(ROUND)]
-    assert sorted(_trained_rows(first)) == sorted(before + after)  # the same rows as the run that went on
+    assert sorted(_trained_rows(first_seen)) == sorted(before + after)  # the same rows as the run that went on
 
 
 def test_a_hung_reward_in_stream_mode_fails_within_its_timeout(tiny_model_path, tmp_path):
@@ -282,12 +283,12 @@ def test_stream_mode_on_a_served_backend(tiny_model_path, tiny_server, tmp_path)
         vllm_api_key=API_KEY,
         max_steps=3,
     )
-    trainer = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=_dataset())
+    trainer, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=_dataset())
     try:
         trainer.train()
     finally:
         trainer.close()
-    rows = _trained_rows(trainer)
+    rows = _trained_rows(seen)
     assert sorted(rows) == [(r, i) for r in range(3) for i in range(ROUND)]  # every row once
     # Which groups the first step trains is not asserted here: in the full suite (another worker loading the cores)
     # the straggler group was once in the first step on the server, whose batching the test does not control. The
@@ -301,14 +302,14 @@ def test_stream_mode_on_a_served_backend(tiny_model_path, tiny_server, tmp_path)
         vllm_api_key=API_KEY,
         max_steps=2,
     )
-    trainer = Recorder(
+    trainer, seen = _recorded(
         model=tiny_model_path, reward_funcs=_scoring_reward(events), args=args, train_dataset=_dataset()
     )
     try:
         trainer.train()
     finally:
         trainer.close()
-    assert sorted(_trained_rows(trainer)) == [(r, i) for r in range(2) for i in range(ROUND)]
+    assert sorted(_trained_rows(seen)) == [(r, i) for r in range(2) for i in range(ROUND)]
     assert sorted(n for _, n in events) == sorted([LONG] + [SHORT] * (2 * ROUND // G - 1))  # each group scored once
     assert "async/group_latency/p50" in trainer.state.log_history[0]
 
@@ -342,7 +343,7 @@ def test_rollout_func_in_stream_mode_gets_one_group_per_call(tiny_model_path, tm
             with lock:
                 active[0] -= 1
 
-    trainer = Recorder(
+    trainer, seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path, max_steps=2),
@@ -355,8 +356,8 @@ def test_rollout_func_in_stream_mode_gets_one_group_per_call(tiny_model_path, tm
         trainer.close()
     assert all(len(p) == G and all(q == p[0] for q in p) for p in calls), "one group (G copies of a prompt) a call"
     assert most[0] > 1, "the groups' rollouts never ran concurrently"
-    assert sorted(_trained_rows(trainer)) == [(r, i) for r in range(2) for i in range(ROUND)]
-    for b in trainer.seen:
+    assert sorted(_trained_rows(seen)) == [(r, i) for r in range(2) for i in range(ROUND)]
+    for b in seen.records:
         mask = b["completion_mask"].bool()
         assert (b["rollout_logps"][mask] < 0).all()  # the rollout's sampler log-probs, kept
         assert {int(n) for n in mask.sum(1)} <= {4, 40}

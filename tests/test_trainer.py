@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from support.recorders import recorded, tensors
 from transformers import AutoTokenizer
 
 from grpo_async import GRPOTrainer
@@ -17,20 +18,18 @@ def _args(tmp_path, **kw):
     return tiny_config(tmp_path / "out", **kw)
 
 
-class Recorder(GRPOTrainer):
-    """Records every micro-batch handed to compute_loss (observation only, nothing replaced)."""
+def _record(micro_batch, state, processing_class):
+    """Every field (`support.recorders.tensors`), and whether the two masks the trainer handed over share memory."""
+    record = tensors(micro_batch, state, processing_class)
+    record["masks_share_storage"] = (
+        micro_batch.loss_mask.untyped_storage().data_ptr() == micro_batch.completion_mask.untyped_storage().data_ptr()
+    )
+    return record
 
-    def compute_loss(self, model, inputs, *a, **k):
-        self.seen = getattr(self, "seen", [])
-        record = {k2: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k2, v in inputs.items()}
-        # what the trainer handed over, before the copies above: do the two masks share memory?
-        storage = (
-            inputs["loss_mask"].untyped_storage().data_ptr(),
-            inputs["completion_mask"].untyped_storage().data_ptr(),
-        )
-        record["masks_share_storage"] = storage[0] == storage[1]
-        self.seen.append(record)
-        return super().compute_loss(model, inputs, *a, **k)
+
+def _recorded(*args, **kwargs):
+    """A `GRPOTrainer` and the record of every micro-batch it trains (`support.recorders.recorded`)."""
+    return recorded(*args, record=_record, **kwargs)
 
 
 def _changed(before, model):
@@ -39,7 +38,7 @@ def _changed(before, model):
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
-    t = Recorder(
+    t, seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path, num_batches_ahead=ahead),
@@ -68,12 +67,12 @@ def test_trains_and_logs(tiny_model_path, tmp_path, ahead):
     stale = [h["async/staleness_max"] for h in logs]
     assert max(stale) == min(ahead, 2) and all(s <= ahead for s in stale)
     # attention mask and loss mask are separate tensors
-    assert not any(b["masks_share_storage"] for b in t.seen)
+    assert not any(b["masks_share_storage"] for b in seen.records)
     assert t.rounds.generator is None  # thread stopped after train()
 
 
 def test_synchronous_mode_is_on_policy(tiny_model_path, tmp_path):
-    t = Recorder(
+    t, seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=_args(tmp_path, num_batches_ahead=0),
@@ -81,19 +80,19 @@ def test_synchronous_mode_is_on_policy(tiny_model_path, tmp_path):
     )
     t.train()
     # each round generated from the weights of the step it is trained at
-    assert all(int(b["policy_version"][0]) == i // 2 for i, b in enumerate(t.seen))
+    assert all(int(b["policy_version"][0]) == i // 2 for i, b in enumerate(seen.records))
 
 
 def test_round_reuse_old_logps_and_reference(tiny_model_path, tmp_path):
     # μ = 2: rounds are reused, old logps are computed; β > 0: reference logps and KL
     args = _args(tmp_path, num_iterations=2, beta=0.1, max_steps=4, num_batches_ahead=1)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    assert "old_logps" in t.seen[0] and "ref_logps" in t.seen[0]
+    assert "old_logps" in seen.records[0] and "ref_logps" in seen.records[0]
     # generation every GA·μ = 4 micro-steps; epoch order a b | a b
-    rounds = [int(b["round_id"][0]) for b in t.seen]
+    rounds = [int(b["round_id"][0]) for b in seen.records]
     assert rounds == [0] * 4 + [1] * 4
-    rows = [sorted(b["row_index"].tolist()) for b in t.seen[:4]]
+    rows = [sorted(b["row_index"].tolist()) for b in seen.records[:4]]
     assert rows[0] == rows[2] and rows[1] == rows[3] and rows[0] != rows[1]
     assert sorted(rows[0] + rows[1]) == list(range(16))
     assert any("kl" in h for h in t.state.log_history)
@@ -103,9 +102,9 @@ def test_importance_sampling_correction(tiny_model_path, tmp_path):
     # round 0 is sampled and trained with the initial weights: π_old = π_sampler, ratio 1. Round 1 was sampled with
     # the initial weights too but is trained after one optimizer step (num_batches_ahead = 1): ratio ≠ 1.
     args = _args(tmp_path, num_batches_ahead=1, importance_sampling_mode="token_truncate", max_steps=2)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    by_round = {int(b["round_id"][0]): b for b in t.seen}
+    by_round = {int(b["round_id"][0]): b for b in seen.records}
     r0, r1 = by_round[0], by_round[1]
     m0, m1 = r0["loss_mask"].bool(), r1["loss_mask"].bool()
     assert r0["is_weights"].shape == r0["loss_mask"].shape  # token level
@@ -118,13 +117,13 @@ def test_importance_sampling_correction(tiny_model_path, tmp_path):
         assert f"sampling/importance_sampling_ratio/{key}" in logs[1]
     # sequence level: one weight per completion; off: no weights at all
     args = _args(tmp_path, importance_sampling_mode="sequence_mask", max_steps=1)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    assert t.seen[0]["is_weights"].shape == (8, 1)
+    assert seen.records[0]["is_weights"].shape == (8, 1)
     args = _args(tmp_path, importance_sampling_correction=False, max_steps=1)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    assert "is_weights" not in t.seen[0] and "old_logps" not in t.seen[0]
+    assert "is_weights" not in seen.records[0] and "old_logps" not in seen.records[0]
 
 
 def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_path, caplog):
@@ -132,9 +131,9 @@ def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_
     # weights of round r − 2 and is trained at version r → dropped (loss mask zeroed, counted); rounds 0, 1 are not.
     # staleness_policy="drop": the default, "pace", never generates those rounds that early (tests/test_pacing.py)
     args = _args(tmp_path, num_batches_ahead=2, max_staleness=1, max_steps=4, staleness_policy="drop")
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    for b in t.seen:
+    for b in seen.records:
         stale = int(b["round_id"][0]) - int(b["policy_version"][0]) > 1
         assert (b["loss_mask"].sum() == 0) == stale, (int(b["round_id"][0]), int(b["policy_version"][0]))
     dropped = [h["async/dropped_stale"] for h in t.state.log_history if "async/dropped_stale" in h]
@@ -142,7 +141,7 @@ def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_
     assert "older than max_staleness=1 policy versions were not trained" in caplog.text
     # the default bound (num_batches_ahead) never drops anything in the normal pipeline
     args = _args(tmp_path, num_batches_ahead=2)
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     assert all(h.get("async/dropped_stale", 0) == 0 for h in t.state.log_history)
 
@@ -150,9 +149,9 @@ def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_
 def test_consecutive_reuse_order(tiny_model_path, tmp_path):
     # seed 000's order: each micro-batch μ = 2 times in a row, a a b b (the default epoch order is a b a b)
     args = _args(tmp_path, num_iterations=2, max_steps=4, reuse_order="consecutive")
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    rows = [sorted(b["row_index"].tolist()) for b in t.seen[:4]]
+    rows = [sorted(b["row_index"].tolist()) for b in seen.records[:4]]
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
     assert sorted(rows[0] + rows[2]) == list(range(16))
 
@@ -171,7 +170,7 @@ def test_per_stage_micro_batches(tiny_model_path, tmp_path):
         ref_logps_micro_batch_size=16,
         old_logps_micro_batch_size=4,
     )
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     logs = [h for h in t.state.log_history if "reward" in h]
     assert logs[0]["chunks/rollout"] == 2 and logs[0]["chunks/ref_logps"] == 1 and logs[0]["chunks/old_logps"] == 4
@@ -180,7 +179,7 @@ def test_per_stage_micro_batches(tiny_model_path, tmp_path):
     # chunking changes nothing: the frozen reference's logps of the trained rows, recomputed in one pass, agree
     from grpo_async.algo.logprobs import completion_logps
 
-    for b in t.seen[:2]:
+    for b in seen.records[:2]:
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
         am = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
         with torch.no_grad():
@@ -198,11 +197,11 @@ def test_per_stage_micro_batches(tiny_model_path, tmp_path):
         ref_logps_micro_batch_size=2,
         old_logps_micro_batch_size=3,
     )
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     assert [h for h in t.state.log_history if "reward" in h][0]["chunks/rollout"] == 4
     group_prompt = {}
-    for b in t.seen:
+    for b in seen.records:
         for row, ids, mask in zip(b["row_index"].tolist(), b["prompt_ids"], b["prompt_mask"], strict=True):
             assert group_prompt.setdefault(row // 4, ids[mask.bool()].tolist()) == ids[mask.bool()].tolist()
     assert len(group_prompt) == 6
@@ -215,7 +214,7 @@ def test_conversational_and_peft(tiny_model_path, tmp_path):
     from grpo_async.algo.logprobs import completion_logps
 
     args = _args(tmp_path, beta=0.05, max_steps=2, num_batches_ahead=0)
-    t = Recorder(
+    t, seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=args,
@@ -228,7 +227,7 @@ def test_conversational_and_peft(tiny_model_path, tmp_path):
     assert t.ref_model is None  # no copy: the adapter-disabled base is the reference
     # the reference logps the loss got are the base model's (never trained), not the adapted policy's
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    last = t.seen[-1]
+    last = seen.records[-1]
     ids = torch.cat([last["prompt_ids"], last["completion_ids"]], 1)
     mask = torch.cat([last["prompt_mask"], last["completion_mask"]], 1)
     T, trained = last["completion_ids"].size(1), last["loss_mask"].bool()
@@ -310,7 +309,7 @@ def test_reward_function_wrong_length_is_named(tiny_model_path, tmp_path):
 
 def test_evaluate_generates_once_and_leaves_training_alone(tiny_model_path, tmp_path):
     args = _args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, num_batches_ahead=1)
-    t = Recorder(
+    t, seen = _recorded(
         model=tiny_model_path,
         reward_funcs=letter_reward,
         args=args,
@@ -324,7 +323,7 @@ def test_evaluate_generates_once_and_leaves_training_alone(tiny_model_path, tmp_
         assert key in evals[0]
     # training rounds kept their own weights and bookkeeping: staleness still bounded by num_batches_ahead,
     # and every trained round carries a training policy version (evaluation versions are negative)
-    assert all(int(b["policy_version"].min()) >= 0 for b in t.seen)
+    assert all(int(b["policy_version"].min()) >= 0 for b in seen.records)
     assert max(h.get("async/staleness_max", 0) for h in t.state.log_history) <= 1
     m = t.evaluate()
     assert m["eval_completions/mean_length"] > 0
@@ -344,7 +343,7 @@ def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_
         max_steps=2,
     )
     sizes = {"ref": [], "old": []}
-    t = Recorder(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
 
     def counting(name, scorer):  # observes the rows of each forward pass the consumer asks for
         def score(ids, mask, T, *support):  # the old-logps stage also passes the sampler's kept sets

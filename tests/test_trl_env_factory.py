@@ -9,6 +9,7 @@ import inspect
 import pytest
 import torch
 from datasets import Dataset
+from support.recorders import recorded
 
 from grpo_async import GRPOTrainer
 from grpo_async.algo.logprobs import completion_logps
@@ -19,15 +20,6 @@ from grpo_async.generation import register_backend, unregister_backend
 from grpo_async.generation.base import Completion, SamplingConfig
 from grpo_async.generation.hf import HFBackend
 from grpo_async.testing import tiny_config
-
-
-class Recorder(GRPOTrainer):
-    """Keeps every micro-batch the loss saw."""
-
-    def compute_loss(self, model, inputs, *a, **k):
-        self.batches = getattr(self, "batches", [])
-        self.batches.append({n: v.detach().clone() for n, v in inputs.items() if isinstance(v, torch.Tensor)})
-        return super().compute_loss(model, inputs, *a, **k)
 
 
 def _rows(batches, key):
@@ -114,7 +106,7 @@ def test_rollout_func_generates_trains_and_forwards_its_fields(tiny_model_path, 
         return letter_reward(None, completions, None, letter)
 
     args = tiny_config(tmp_path, max_steps=2, num_batches_ahead=0, per_device_train_batch_size=4)  # rounds of 8
-    t = Recorder(tiny_model_path, reward, args, make_dataset(16), rollout_func=rollout_func)
+    t, trained = recorded(tiny_model_path, reward, args, make_dataset(16), rollout_func=rollout_func)
     t.train()
     t.close()
     tok = t.processing_class
@@ -124,7 +116,7 @@ def test_rollout_func_generates_trains_and_forwards_its_fields(tiny_model_path, 
         assert all(prompts[i] == prompts[i - i % 4] for i in range(8))
     assert [v for *_, v in calls] == [0, 1]  # the backend received the weights of step 1 before round 2
     assert seen["source"][0] == [f"rollout {i}" for i in range(8)]
-    batches = t.batches
+    batches = trained.records
     columns = ("prompt_ids", "completion_ids", "completion_mask", "loss_mask", "rollout_logps")
     for p, ids, attend, train, sampler in zip(*(_rows(batches, k) for k in columns), strict=True):
         prompt = tok.decode(p[p != tok.pad_token_id])
@@ -189,7 +181,7 @@ def test_environment_factory_without_tools_on_the_tiny_model(tiny_model_path, tm
         return [0.0] * len(prompts)
 
     args = tiny_config(tmp_path, max_steps=2, num_batches_ahead=0, per_device_train_batch_size=4, reward_weights=[0.5])
-    t = Recorder(tiny_model_path, probe, args, make_dataset(16), environment_factory=Greeter)
+    t, trained = recorded(tiny_model_path, probe, args, make_dataset(16), environment_factory=Greeter)
     assert t.reward_func_names == ["probe", "Greeter"] and t.reward_weights.tolist() == [0.5, 1.0]
     t.train()
     t.close()
@@ -202,7 +194,7 @@ def test_environment_factory_without_tools_on_the_tiny_model(tiny_model_path, tm
         for p, e, obs, c in zip(prompts, envs, observations, letters, strict=True):
             assert obs == f" ({e.serial})" and p[-1]["content"] == f"Say {c}{obs}"  # TRL: appended
     # each rollout trained on its own prompt, the reward of its own instance
-    prompts = [tok.decode(p[p != tok.pad_token_id]) for p in _rows(t.batches, "prompt_ids")]
+    prompts = [tok.decode(p[p != tok.pad_token_id]) for p in _rows(trained.records, "prompt_ids")]
     assert len(set(prompts)) > 4 and all(p.endswith(")<|end|><|assistant|>") for p in prompts)
     assert t.state.log_history[0]["rewards/Greeter/mean"] == pytest.approx(4.5)  # serials 1..8
 
@@ -345,7 +337,9 @@ def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_
             learning_rate=1e-6,
             temperature=1.0,
         )
-        t = Recorder(smollm2_path, None, args, train_dataset=ds, environment_factory=Counter)  # reward_funcs=None
+        t, trained = recorded(
+            smollm2_path, None, args, train_dataset=ds, environment_factory=Counter
+        )  # reward_funcs=None
         assert t.reward_func_names == ["Counter"] and not t.environment.template_tools  # SmolLM2 ignores tools=
         t.train()
         t.close()
@@ -360,7 +354,7 @@ def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_
     assert t.state.log_history[0]["rewards/Counter/mean"] == 1.0  # get_reward: the tool really ran, count == 3
     assert t.state.log_history[0]["reward"] == 1.0
     columns = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask")
-    for p, p_mask, ids, attend, train in zip(*(_rows(t.batches, k) for k in columns), strict=True):
+    for p, p_mask, ids, attend, train in zip(*(_rows(trained.records, k) for k in columns), strict=True):
         assert tok.decode(p[p_mask == 1]) == first[0]  # trained on the prompt it was generated from
         env_tokens = ids[(attend == 1) & (train == 0)]
         assert "<|im_start|>tool\n3<|im_end|>" in tok.decode(env_tokens)  # the tool's answer: attended, not trained
