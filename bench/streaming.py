@@ -88,7 +88,7 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(1)
     from _runs import StepClock
 
-    from grpo_async import GRPOConfig, GRPOTrainer
+    from grpo_async import GRPOCallback, GRPOConfig, GRPOTrainer
     from grpo_async.demo_task import letter_reward, make_dataset
 
     P, G = spec["prompts"], spec["G"]
@@ -99,12 +99,11 @@ def child(spec: dict) -> dict:
     limits = {"max_staleness": spec["max_staleness"], "staleness_policy": policy} if policy else {}
     rows: list[list[int]] = []  # [completion length, trained 0/1] of every row delivered to the trainer, by step
 
-    class RowRecorder(GRPOTrainer):
-        def compute_loss(self, model, inputs, *a, **k):
-            lengths = inputs["completion_mask"].sum(1).tolist()  # [B]
-            trained = inputs["loss_mask"].any(1).tolist()  # [B] False: dropped as stale
-            rows.extend([self.state.global_step, int(n), int(t)] for n, t in zip(lengths, trained, strict=True))
-            return super().compute_loss(model, inputs, *a, **k)
+    class RowRecorder(GRPOCallback):  # what each micro-batch delivers to the loss (`on_micro_batch`)
+        def on_micro_batch(self, args, state, control, micro_batch=None, **kwargs):
+            lengths = micro_batch.completion_mask.sum(1).tolist()  # [B]
+            trained = micro_batch.loss_mask.any(1).tolist()  # [B] False: dropped as stale
+            rows.extend([state.global_step, int(n), int(t)] for n, t in zip(lengths, trained, strict=True))
 
     with tempfile.TemporaryDirectory(prefix="bench_streaming_") as workdir:
         args = GRPOConfig(
@@ -134,8 +133,9 @@ def child(spec: dict) -> dict:
             **limits,
         )
         clock = StepClock()
-        trainer = RowRecorder(
-            model=spec["model"], reward_funcs=[letter_reward], args=args, train_dataset=ds, callbacks=[clock.callback]
+        callbacks = [clock.callback, RowRecorder()]
+        trainer = GRPOTrainer(
+            model=spec["model"], reward_funcs=[letter_reward], args=args, train_dataset=ds, callbacks=callbacks
         )
         trainer.train()
         trainer.close()
