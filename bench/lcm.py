@@ -40,10 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_async import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_async.algo.objective import SingleProcess  # noqa: E402
 from grpo_async.demo_task import letter_reward, make_dataset  # noqa: E402
-from grpo_async.pipeline.consumer import RoundConsumer  # noqa: E402
+from grpo_async.pipeline.consumer import (
+    ConsumerSettings,  # noqa: E402
+    RoundConsumer,  # noqa: E402
+)
 from grpo_async.pipeline.types import MicroBatch, Round  # noqa: E402
 from grpo_async.testing import TinyModelSpec, build_tiny_model  # noqa: E402
-from grpo_async.trainer_setup import consumer_settings  # noqa: E402
 
 SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, seed=0)
 
@@ -97,7 +99,7 @@ def make_round(rows: int, prompt_len: int, completion_len: int, vocab: int, seed
 def consumer_of(trainer: GRPOTrainer, log) -> RoundConsumer:
     """The trainer's round consumer (its settings and log-prob scorers), one process, reporting to `log`."""
     return RoundConsumer(
-        consumer_settings(trainer.args),
+        ConsumerSettings.from_config(trainer.args),
         collectives=SingleProcess(),
         old_logps=trainer.consumer.old_logps,
         ref_logps=trainer.consumer.ref_logps,

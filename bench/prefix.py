@@ -18,7 +18,7 @@ fewer token-FLOPs (attention over 512² pairs once vs 288² eight times). Fixed 
 A round's micro-batches (`--groups` prompts × G rows dealt to `--steps` micro-batches, one optimizer step over all of
 them, sharing on in both): rows shuffled (the consumer's deal before `keep_groups`: a micro-batch holds a few rows of
 each of several groups) against whole groups kept together (`algo.prefix_sharing.group_permutation`, what the
-consumer deals when `trainer_setup.keep_groups_together`), the same seed. The tokens each deal computes are printed.
+consumer deals when `keep_groups_together` says so), the same seed. The tokens each deal computes are printed.
 
 How to read it: `prefix_logps_speedup = time(unshared) / time(shared)` on the old-logps stage (goal ≥ 2.5),
 `prefix_step_speedup` likewise on the training step (goal ≥ 2); `prefix_long_completion_ratio` is the old-logps ratio

@@ -17,9 +17,9 @@ from .interrupt import TrainingInterrupted, debug_enabled, install_exit_hook, in
 from .logging_utils import log_completions
 from .pipeline import checkpointing as ckpt
 from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
-from .pipeline.evaluation import Evaluator
+from .pipeline.evaluation import Evaluator, eval_chunk_prompts
 from .pipeline.metrics import ROUND_TOKENS, MetricWindows
-from .trainer_setup import bound_collectives, eval_chunk_prompts, needs_old_logps, reference_client, reference_scorer
+from .trainer_setup import bound_collectives, needs_old_logps, reference_client, reference_scorer
 from .trl_attributes import generate_override_rollout, overrides_generate
 
 logger = logging.getLogger("grpo_async.trainer")

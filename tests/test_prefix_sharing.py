@@ -103,8 +103,8 @@ def test_group_permutation_keeps_groups_together():
     ],
 )
 def test_keep_groups_together_where_the_deal_changes_no_step(tmp_path, overrides, together):
+    from grpo_async.pipeline.consumer import keep_groups_together
     from grpo_async.testing import tiny_config
-    from grpo_async.trainer_setup import keep_groups_together
 
     assert keep_groups_together(tiny_config(tmp_path, **overrides)) is together
 

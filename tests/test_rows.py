@@ -6,9 +6,8 @@ That every stage then runs only full chunks of its own size in a real round is t
 import pytest
 
 from grpo_async.pipeline.rows import REUSE_ORDERS, chunk_slices, reuse_order
-from grpo_async.pipeline.scheduler import RoundScheduler
+from grpo_async.pipeline.scheduler import RoundScheduler, SchedulerSettings
 from grpo_async.testing import tiny_config
-from grpo_async.trainer_setup import scheduler_settings
 
 
 def test_the_module_diagram_chunks_every_row_once_in_full_chunks():
@@ -59,5 +58,5 @@ def test_reuse_order_both_orders():
 def test_the_scheduler_trains_micro_batches_in_the_configured_reuse_order(order, expected, tmp_path):
     """`GRPOConfig.reuse_order` → the scheduler's settings → the micro-batch index trained at each micro-step."""
     config = tiny_config(tmp_path, gradient_accumulation_steps=3, num_iterations=2, reuse_order=order)
-    scheduler = RoundScheduler(scheduler_settings(config), None, None, None, publisher=None, log=print)
+    scheduler = RoundScheduler(SchedulerSettings.from_config(config), None, None, None, publisher=None, log=print)
     assert scheduler.order == expected

@@ -128,7 +128,7 @@ NON_DEFAULT = {
 #: `NON_DEFAULT[field]`, or the third element when given, puts there; the same config with the field at TRL's default
 #: puts something else there).
 WIRED = {
-    # the sampler's parameters and the round producer (trainer_setup.producer_settings)
+    # the sampler's parameters and the round producer (ProducerSettings.from_config)
     "temperature": ("producer.sampling.temperature", 0.7),
     "top_p": ("producer.sampling.top_p", 0.9),
     "top_k": ("producer.sampling.top_k", 20),
@@ -141,13 +141,13 @@ WIRED = {
     "multi_objective_aggregation": ("producer.multi_objective_aggregation", "normalize_then_sum"),
     "num_generations_eval": ("producer.num_generations_eval", 2),  # TRL's None: num_generations (4)
     "mask_truncated_completions": ("producer.mask_truncated_completions", True),
-    # importance sampling against the sampler (trainer_setup.consumer_settings), TRL's names of our knobs
+    # importance sampling against the sampler (ConsumerSettings.from_config), TRL's names of our knobs
     "vllm_importance_sampling_correction": ("consumer.importance_sampling_correction", False),
     "vllm_importance_sampling_mode": ("consumer.importance_sampling_mode", "token_truncate"),
     "vllm_importance_sampling_clip_max": ("consumer.importance_sampling_clip_max", 2.0),
     "vllm_importance_sampling_clip_min": ("consumer.importance_sampling_clip_min", 0.5),
     "vllm_importance_sampling_cap": ("consumer.importance_sampling_clip_max", 2.0),  # deprecated name of clip_max
-    # the round schedule (trainer_setup.scheduler_settings): 4 rows per micro-step, so 8 rows = 2 micro-steps
+    # the round schedule (SchedulerSettings.from_config): 4 rows per micro-step, so 8 rows = 2 micro-steps
     "generation_batch_size": ("scheduler.steps_per_generation", 2),
     "steps_per_generation": ("scheduler.steps_per_generation", 2),
     "num_iterations": ("scheduler.num_iterations", 2),
@@ -333,22 +333,19 @@ def wiring(c) -> dict:
 
     from grpo_async.algo.objective import PolicyObjective, SingleProcess
     from grpo_async.algo.ref_sync import RefModelSyncCallback
-    from grpo_async.trainer_setup import (
-        consumer_settings,
-        make_environment,
-        producer_settings,
-        reward_weights_tensor,
-        scheduler_settings,
-    )
+    from grpo_async.pipeline.consumer import ConsumerSettings
+    from grpo_async.pipeline.producer import ProducerSettings
+    from grpo_async.pipeline.scheduler import SchedulerSettings
+    from grpo_async.trainer_setup import make_environment, reward_weights_tensor
 
     objective = PolicyObjective.from_config(c, _moe_config(), SingleProcess())
     entropy = objective.entropy
     ref_sync = RefModelSyncCallback.from_config(c, torch.nn.Linear(1, 1), lambda: None)
     return _flat(
         {
-            "producer": dataclasses.asdict(producer_settings(c)),
-            "consumer": dataclasses.asdict(consumer_settings(c)),
-            "scheduler": dataclasses.asdict(scheduler_settings(c)),
+            "producer": dataclasses.asdict(ProducerSettings.from_config(c)),
+            "consumer": dataclasses.asdict(ConsumerSettings.from_config(c)),
+            "scheduler": dataclasses.asdict(SchedulerSettings.from_config(c)),
             "loss": dataclasses.asdict(objective.settings),
             "entropy": {
                 "top_entropy_quantile": objective.top_entropy_quantile,

@@ -14,9 +14,9 @@ from accelerate import Accelerator
 from datasets import Dataset
 
 from grpo_async import GRPOConfig, GRPOTrainer
+from grpo_async.algo.sampling_support import TruncationFilter
 from grpo_async.demo_task import make_dataset
 from grpo_async.testing import tiny_config
-from grpo_async.trainer_setup import run_truncation_filter
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +46,10 @@ def test_generation_kwargs_that_cut_the_vocabulary_train_with_unbiased_importanc
     assert len(changed) == len(list(t.model.parameters())), "some parameters did not move"
     assert first["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
     assert first["sampling/support_exact"] == 1.0
-    filt = run_truncation_filter(tiny_config(tmp_path, top_k=0, top_p=0.9, generation_kwargs={"top_k": 7}))
+    filt = TruncationFilter.from_config(tiny_config(tmp_path, top_k=0, top_p=0.9, generation_kwargs={"top_k": 7}))
     assert (filt.top_k, filt.top_p) == (7, 0.9)
-    filt = run_truncation_filter(tiny_config(tmp_path, top_p=0.9, generation_kwargs={"top_p": 0.5, "min_p": 0.1}))
+    config = tiny_config(tmp_path, top_p=0.9, generation_kwargs={"top_p": 0.5, "min_p": 0.1})
+    filt = TruncationFilter.from_config(config)
     assert (filt.top_k, filt.top_p, filt.min_p) == (0, 0.5, 0.1)
 
 

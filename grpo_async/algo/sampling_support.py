@@ -49,6 +49,14 @@ class TruncationFilter:
     top_p: float = 1.0
     min_p: float = 0.0
 
+    @classmethod
+    def from_config(cls, a) -> TruncationFilter:
+        """The run's top-k / top-p / min-p (`a`, a `GRPOConfig`), for rows whose kept sets the sampler did not report
+        (servers): `generation_kwargs` override the config's fields, as they do in every backend's sampling."""
+        extra = a.generation_kwargs or {}
+        top_k, top_p, min_p = extra.get("top_k", a.top_k), extra.get("top_p", a.top_p), extra.get("min_p", a.min_p)
+        return cls(top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0)
+
     @property
     def cuts(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

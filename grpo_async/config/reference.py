@@ -29,7 +29,7 @@ class ReferenceFields:
             "float64; in float32 within the summation-order noise of the unshared path itself); a cost model groups "
             "the completions into the rows that cost least, so long completions behind a short prompt stay "
             "unshared. Where it changes no optimizer step, a round is dealt to micro-batches in whole groups so the "
-            "training forward shares each prompt (trainer_setup.keep_groups_together). Needs an attention that "
+            "training forward shares each prompt (pipeline.consumer.keep_groups_together). Needs an attention that "
             "takes a 4D mask (sdpa, eager): with FlashAttention or FlexAttention, sliding-window attention, or a "
             "model found to ignore the mask: one warning and unshared rows."
         },

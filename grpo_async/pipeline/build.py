@@ -10,13 +10,13 @@ engine           generation/       generation_backend,        the unwrapped poli
 PolicyPublisher  pipeline/         syncs_weights,             the engine (where there is    engine.load_weights /
                  publisher.py      weight_sync_inflight,      one)                          engine.load_adapter
                                    vllm_lora_sync
-RoundProducer    pipeline/         producer_settings(): G,    engine, tokenizer, reward     engine.generate, reward
+RoundProducer    pipeline/         Settings.from_config: G, engine, tokenizer, reward     engine.generate, reward
                  producer.py       sampling, lengths,         functions, names, weights,    functions, environment
                                    rewards, seed              environment, trainer columns  or rollout_func
-RoundConsumer    pipeline/         consumer_settings():       collectives (sum, gather),    the old / ref log-prob
+RoundConsumer    pipeline/         Settings.from_config:     collectives (sum, gather),    the old / ref log-prob
                  consumer.py       stage sizes, staleness,    old / ref log-prob scorers,   scorers
                                    importance sampling        the metric sink
-RoundScheduler   pipeline/         scheduler_settings():      collectives (gather,          AsyncBatchGenerator or
+RoundScheduler   pipeline/         Settings.from_config:     collectives (gather,          AsyncBatchGenerator or
                  scheduler.py      rounds ahead, μ, reuse     broadcast), producer,         GroupStream (producer),
                                    order, queue, timeout      consumer, publisher, metric   consumer, publisher
                                                               sink, steps left, joiner
@@ -50,11 +50,11 @@ from ..generation.registry import backend_spec
 from ..generation.shared import SharedBackend
 from ..weight_sync.lora import lora_sync_mode
 from .collectives import AcceleratorCollectives
-from .consumer import RoundConsumer
+from .consumer import ConsumerSettings, RoundConsumer
 from .join import JoinSettings, RoundJoiner
-from .producer import RoundProducer
+from .producer import ProducerSettings, RoundProducer
 from .publisher import PolicyPublisher
-from .scheduler import RoundScheduler
+from .scheduler import RoundScheduler, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def build_pipeline(
     """Build the round pipeline from `config` (a `GRPOConfig`) and join its components.
 
     Args:
-        config (`GRPOConfig`): read through `producer_settings`, `consumer_settings`, `scheduler_settings` and the
+        config (`GRPOConfig`): read through the settings' `from_config` (producer, consumer, scheduler) and the
             fields of the module's table.
         link (`TrainerLink`): the trainer, read at call time.
         collectives (`AcceleratorCollectives`).
@@ -182,8 +182,6 @@ def build_pipeline(
         ref_logps (`LogpsFn` or `None`): the reference log-prob scorer (`trainer_setup.reference_scorer`); `None`
             when `beta == 0`.
     """
-    from ..trainer_setup import consumer_settings, producer_settings, scheduler_settings
-
     per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
     has_engine = per_rank or collectives.is_main
     alone = not per_rank and collectives.num_processes > 1
@@ -199,13 +197,13 @@ def build_pipeline(
         tokenizer,
         *rewards,
         reward_weights,
-        producer_settings(config),
+        ProducerSettings.from_config(config),
         environment=environment,
         extra_columns=link.reward_columns,
         rollout_func=link.rollout if link.rollout_func is not None else None,
     )
     consumer = RoundConsumer(
-        consumer_settings(config),
+        ConsumerSettings.from_config(config),
         collectives=collectives,
         old_logps=LogpsScorer(link.policy, **scoring).scores if old_logps else None,
         ref_logps=ref_logps,
@@ -213,14 +211,14 @@ def build_pipeline(
     )
     joiner = None
     if per_rank or config.async_mode == "stream":  # stream mode joins prompt groups into rounds the same way
-        ps = producer_settings(config)
+        ps = ProducerSettings.from_config(config)
         joiner = RoundJoiner(
             JoinSettings(ps.num_generations, ps.scale_rewards, ps.multi_objective_aggregation, tokenizer.pad_token_id),
             reward_weights=lambda: producer.reward_weights,
             reward_names=lambda: producer.reward_names,
         )
     scheduler = RoundScheduler(
-        scheduler_settings(config),
+        SchedulerSettings.from_config(config),
         collectives,
         producer,
         consumer,

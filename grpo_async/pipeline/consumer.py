@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algo.loss import importance_sampling_outside, importance_sampling_weights
+from ..algo.loss import MICRO_BATCH_NORMALISED_LOSS_TYPES, importance_sampling_outside, importance_sampling_weights
 from ..algo.prefix_sharing import group_permutation
 from ..algo.sampling_support import TruncationFilter
 from ..algo.throughput import generated_tokens_per_second
 from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
-from .rows import process_slice
+from .rows import process_slice, reuse_order
 from .staleness import too_stale
 from .types import MicroBatch, Round
 
@@ -63,13 +63,65 @@ class ConsumerSettings:
     importance_sampling_clip_max: float | None
     seed: int | None = None  # the shuffle within a round: a generator seeded from (seed, round); None: torch's global
     token_budget: int | None = None  # tokens per logps forward pass instead of the stages' row counts (per device)
-    keep_groups: bool = False  # shuffle whole groups, not rows (trainer_setup.keep_groups_together says when)
+    keep_groups: bool = False  # shuffle whole groups, not rows (`keep_groups_together` says when)
     #: put the sampler's log-probs on the trainer's support where it cut the vocabulary (module docstring)
     support_replay: bool = True
     #: the sampler's cut, applied by the trainer to π_old for rows whose kept sets the backend did not report
     truncation: TruncationFilter | None = None
     #: TRL's `pad_to_multiple_of`: the training micro-batches' prompt and completion widths (None: as trimmed)
     pad_to_multiple_of: int | None = None
+
+    @classmethod
+    def from_config(cls, a) -> ConsumerSettings:
+        """From a `GRPOConfig`."""
+        return cls(
+            steps_per_generation=a.steps_per_generation,
+            old_logps_micro_batch_size=a.old_logps_micro_batch_size,
+            ref_logps_micro_batch_size=a.ref_logps_micro_batch_size,
+            staleness_limit=a.staleness_limit,
+            importance_sampling_correction=a.importance_sampling_correction,
+            importance_sampling_mode=a.importance_sampling_mode,
+            importance_sampling_clip_min=a.importance_sampling_clip_min,
+            importance_sampling_clip_max=a.importance_sampling_clip_max,
+            seed=a.seed,  # the shuffle within a round: its own generator, whatever else draws from torch's global RNG
+            token_budget=a.token_budget,  # algo/token_budget.py
+            keep_groups=keep_groups_together(a),  # the training forward shares each group's prompt
+            support_replay=a.importance_sampling_support_replay,
+            truncation=TruncationFilter.from_config(a),  # servers' rows
+            pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
+        )
+
+
+def keep_groups_together(a) -> bool:
+    """Whether the consumer deals a round to micro-batches in whole groups (`share_prompt_prefix`: the training
+    forward then computes each prompt once for all its completions) instead of shuffled rows. Only where which rows
+    share a micro-batch changes no optimizer step, so a run with sharing on trains exactly as one with it off:
+
+    - every optimizer step accumulates whole passes over rounds (`steps_per_generation = gradient_accumulation_steps`
+      with μ = 1 or the "epoch" reuse order, or steps spanning whole rounds), not some micro-batches of a round;
+    - the loss type's normaliser is not the micro-batch's own token count (`bnpo`), and nothing else in the loss is a
+      statistic of the micro-batch (`top_entropy_quantile < 1`, the entropy bonus's per-micro-batch mean).
+
+    Elsewhere rows are shuffled as before and each micro-batch shares what prompts its rows happen to have in common.
+    `a` is a `GRPOConfig`.
+
+    Example: TRL's defaults (dapo, steps_per_generation = gradient_accumulation_steps) → True; `loss_type="bnpo"` or
+    `steps_per_generation = 2 × gradient_accumulation_steps` → False.
+    """
+    if not a.share_prompt_prefix or a.loss_type in MICRO_BATCH_NORMALISED_LOSS_TYPES:
+        return False
+    if a.top_entropy_quantile < 1.0 or a.entropy_coef != 0.0 or a.use_adaptive_entropy:
+        return False
+    passes = reuse_order(list(range(a.steps_per_generation)), a.num_iterations, a.reuse_order)  # micro-steps
+    window = a.gradient_accumulation_steps
+    if window % len(passes) == 0:
+        return True  # each optimizer step accumulates whole rounds
+    if len(passes) % window:
+        return False  # a step would end inside one round and take part of the next
+    spg = a.steps_per_generation
+    whole_pass = sorted(list(range(spg)) * (window // spg))  # each micro-batch of the round equally often
+    steps = [passes[i : i + window] for i in range(0, len(passes), window)]
+    return window % spg == 0 and all(sorted(step) == whole_pass for step in steps)
 
 
 class RoundConsumer:

@@ -22,6 +22,15 @@ from ..algo.objective import PolicyObjective, SingleProcess
 from .types import MicroBatch
 
 
+def eval_chunk_prompts(a) -> int:
+    """Prompts generated and scored together by `evaluate` (`a`: a `GRPOConfig`), in whole groups of
+    `num_generations_eval` completions: as many rows as a training round or TRL's global eval batch
+    (`per_device_eval_batch_size × processes`), whichever is larger. The results do not depend on it; larger calls are
+    what keeps a vLLM engine busy (TRL's default eval batch of 8 rows with G = 8 would be one prompt per call)."""
+    rows = max(a.generation_batch_size, a.per_device_eval_batch_size * a.world_size)
+    return max(1, rows // (a.num_generations_eval or a.num_generations))
+
+
 @torch.no_grad()
 def eval_loss(
     config,
@@ -88,7 +97,7 @@ class Evaluator:
         collectives (`AcceleratorCollectives`): `is_main`, `broadcast`, `num_processes`.
         ref_logps (`LogpsFn`, *optional*): the reference scorer when `beta > 0`.
         device (`torch.device`): this process's.
-        chunk_prompts (`int`): prompts generated at a time (`trainer_setup.eval_chunk_prompts`).
+        chunk_prompts (`int`): prompts generated at a time (`eval_chunk_prompts`).
     """
 
     def __init__(self, config, producer, collectives, ref_logps: Callable | None, device, chunk_prompts: int):

@@ -64,6 +64,34 @@ class ProducerSettings:
     seed: int | None = None  # sampling seeds derived from (seed, round, row): `_sampling`; None: unseeded
     chat_template_kwargs: dict | None = None  # extra apply_chat_template arguments (GRPOConfig's)
 
+    @classmethod
+    def from_config(cls, a) -> ProducerSettings:
+        """From a `GRPOConfig`."""
+        sampling = SamplingConfig(
+            max_tokens=a.max_completion_length, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p
+        )
+        sampling.stop = a.stop
+        sampling.repetition_penalty = a.repetition_penalty
+        sampling.extra = dict(a.generation_kwargs) if a.generation_kwargs else None
+        return cls(
+            num_generations=a.num_generations,
+            sampling=sampling,
+            max_completion_length=a.max_completion_length,
+            max_prompt_length=a.max_prompt_length,
+            prompt_truncation=a.prompt_truncation,
+            rollout_micro_batch_size=a.rollout_micro_batch_size,
+            scale_rewards=a.scale_rewards,
+            multi_objective_aggregation=a.multi_objective_aggregation,
+            num_generations_eval=a.num_generations_eval or a.num_generations,  # TRL: None means num_generations
+            mask_truncated_completions=a.mask_truncated_completions,
+            mask_env_responses=a.mask_env_responses,
+            chat_template_kwargs=dict(a.chat_template_kwargs) if a.chat_template_kwargs else None,
+            reward_timeout=a.reward_timeout,
+            syncs_weights=a.syncs_weights,
+            # completion seeds: (seed, round, row); README Reproducibility
+            seed=a.seed if a.seeded_generation else None,
+        )
+
 
 class RoundProducer:
     """Turns requests into rounds.

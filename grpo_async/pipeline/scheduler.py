@@ -99,6 +99,24 @@ class SchedulerSettings:
     staleness_limit: int | None = None  # policy versions a trained row may lag (`GRPOConfig.staleness_limit`)
     staleness_policy: str = "drop"  # "pace": hold back starts that would exceed the limit; "drop": the consumer drops
 
+    @classmethod
+    def from_config(cls, a) -> SchedulerSettings:
+        """From a `GRPOConfig`."""
+        return cls(
+            steps_per_generation=a.steps_per_generation,
+            num_iterations=a.num_iterations,
+            rounds_ahead=a.rounds_ahead,
+            reuse_order=a.reuse_order,
+            max_queue_size=a.async_max_queue_size,
+            generation_timeout=a.async_generation_timeout,
+            gradient_accumulation_steps=a.gradient_accumulation_steps,  # the horizon: rounds past max_steps never made
+            async_mode=a.async_mode,
+            num_generations=a.num_generations,
+            max_inflight_groups=a.max_inflight_groups,
+            staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
+            staleness_policy=a.staleness_policy,
+        )
+
 
 class RoundScheduler:
     """Feeds the trainer one micro-batch per micro-step.
