@@ -51,7 +51,7 @@ def test_a_killed_groups_segments_are_removed_and_no_one_elses():
 
 
 def _watching_child(path: str) -> None:
-    from grpo_async.generation.server_process import exit_with_parent
+    from grpo_async.parent_watch import exit_with_parent
 
     assert exit_with_parent(interval=0.05, grace=1.0)
     time.sleep(1.0)  # twenty polls of the watch

@@ -2,8 +2,8 @@
 
 Each server runs in its own session (process group), so `stop()` / `kill()` take down the API process together with
 vLLM's engine-core and worker children: no orphans. When only the API process dies (out of memory, `kill -9` of its
-pid), its engine and worker processes notice within about a second and exit (`exit_with_parent`, started in every
-process vLLM starts with the worker extension loaded).
+pid), its engine and worker processes notice within about a second and exit (`parent_watch.exit_with_parent`,
+started in every process vLLM starts with the worker extension loaded).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -264,38 +263,3 @@ def wait_ready(server: ServerProcess, timeout: float = 240.0) -> ServerProcess:
     raise TimeoutError(
         f"grpo-async serve at {server.url} not healthy after {timeout:.0f} s (last probe: {last}):\n{log}"
     )
-
-
-_parent_watch: threading.Thread | None = None
-
-
-def exit_with_parent(interval: float = 0.5, grace: float = 10.0) -> bool:
-    """In a process started by `multiprocessing` (vLLM's engine core and workers): watch the parent and exit when it
-    dies, so an API server or trainer killed by SIGKILL or the OOM killer leaves no engine holding memory and
-    `/dev/shm`. Does nothing (returns False) in a process not started by `multiprocessing`, or when already watching.
-
-    A named daemon thread polls `os.getppid()` every `interval` seconds; once the parent is gone (the process was
-    re-parented) it sends this process SIGTERM (vLLM's handlers shut the engine down), then SIGKILL after `grace`
-    seconds if it is still alive. A poll rather than `prctl(PR_SET_PDEATHSIG)`, which fires when the *thread* that
-    started the process ends, e.g. a trainer's generation thread, not the process.
-    """
-    import multiprocessing
-
-    global _parent_watch
-    if multiprocessing.parent_process() is None or _parent_watch is not None:
-        return False
-    # the process that forked this one: `parent_process()` names the one that asked for it, which under the
-    # forkserver start method is not the parent (the fork server is)
-    ppid = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == ppid:
-            time.sleep(interval)
-        logger.warning("exit-with-parent: parent process %d is gone; pid %d exits", ppid, os.getpid())
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    _parent_watch = threading.Thread(target=watch, name=f"exit-with-parent-{ppid}", daemon=True)
-    _parent_watch.start()
-    return True

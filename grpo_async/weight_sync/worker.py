@@ -46,7 +46,7 @@ from datetime import timedelta
 
 import torch
 
-from grpo_async.generation.server_process import exit_with_parent
+from grpo_async.parent_watch import exit_with_parent
 from grpo_async.weight_sync.buckets import unpack_bucket
 from grpo_async.weight_sync.requests import (
     AttachedSegment,
