@@ -55,7 +55,9 @@ def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
     """What one micro-batch's loss reports over every process, with TRL 1.16's names: `kl`, `entropy` (means over
     trained tokens), `clip_ratio/{low,high,region}_mean`, `clip_ratio/low_min`, `clip_ratio/high_max` (clipped loss
     types), `cispo_clip_ratio`, `vespo/phi_seq_mean`, `policy_loss` and `entropy_coef` (entropy bonus on),
-    `aux_loss` (MoE), and staleness (`version` − the policy version that sampled each row: min / mean / max).
+    `aux_loss` (MoE), and staleness (`version` − the policy version that sampled each row: min / mean / max; per
+    trained token, `async/token_staleness`, and `async/tokens_after_weight_load`, the fraction of trained tokens
+    sampled with newer weights than their row's first token: in-flight weight updates).
 
     A sequence-level term (`[B, 1]`) is averaged over sequences, a token-level one (`[B, T]`) over trained tokens.
 
@@ -112,6 +114,14 @@ def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
     m["async/staleness"] = stale.mean().item()
     m["async/staleness_max"] = stale.max().item()
     m["async/staleness_min"] = stale.min().item()
+    if batch.token_version is not None:  # the version of each token's weights (in-flight loads: newer than the row's)
+        token_version = batch.token_version.to(mask.device)  # [B, T]
+        token_stale = staleness(version, token_version).float()  # [B, T]
+        after_load = (token_version > batch.policy_version.to(mask.device)[:, None]).float()  # [B, T]
+        local = torch.stack([(token_stale * mask).sum(), (after_load * mask).sum(), mask.sum()])
+        totals = collectives.reduce_sum(local)  # one collective for both metrics
+        m["async/token_staleness"] = (totals[0] / totals[2].clamp(min=1.0)).item()
+        m["async/tokens_after_weight_load"] = (totals[1] / totals[2].clamp(min=1.0)).item()
     return m
 
 
