@@ -36,6 +36,7 @@ VIOLATIONS = {
     "inflight_needs_a_server": {"weight_sync_inflight": True},  # hf cannot pause a generate call
     "lora_adapter_needs_vllm": {"vllm_lora_sync": "adapter"},  # hf
     "transport_fits_backend": {"weight_sync_transport": "ipc"},  # hf syncs in place
+    "delta_needs_a_server_push": {"weight_sync_delta": True},  # hf syncs in place: nothing moves
     "openai_needs_a_url": {"generation_backend": "openai"},
     "ref_server_is_http": {"beta": 0.1, "ref_server_url": "ftp://ref"},
     "ref_server_needs_beta": {"ref_server_url": "http://ref:1"},

@@ -266,6 +266,27 @@ def _lora_adapter_needs_vllm(c) -> str | None:
     )
 
 
+def _delta_needs_a_server_push(c) -> str | None:
+    spec = backend_spec(c.generation_backend)
+    if not c.weight_sync_delta or (spec.delta and c.weight_sync_transport != "none"):
+        return None
+    if not spec.delta:
+        why = (
+            "its engine lives in this process and takes the weights by reference: no bytes move, so a delta would "
+            "only add the work of coding it and a copy of the model"
+            if spec.in_process
+            else f"it takes no delta pushes ({spec.why})"
+        )
+    else:
+        why = "weight_sync_transport='none' sends no weights at all"
+    takers = ", ".join(n for n in registered_backends() if backend_spec(n).delta)
+    return (
+        f"sends only the changed values of each weight push to a server that keeps a copy of the last one "
+        f"(generation_backend {takers}, with a weight-sync transport); generation_backend={c.generation_backend!r}, "
+        f"weight_sync_transport={c.weight_sync_transport!r}: {why}. Set weight_sync_delta=False"
+    )
+
+
 def _openai_needs_a_url(c) -> str | None:
     if c.generation_backend != "openai" or c.openai_base_url:
         return None
@@ -396,6 +417,11 @@ RULES: tuple[Rule, ...] = (
         _lora_adapter_needs_vllm,
     ),
     Rule("transport_fits_backend", ("weight_sync_transport", "generation_backend"), _transport_fits_backend),
+    Rule(
+        "delta_needs_a_server_push",
+        ("weight_sync_delta", "generation_backend", "weight_sync_transport"),
+        _delta_needs_a_server_push,
+    ),
     Rule("openai_needs_a_url", ("openai_base_url", "generation_backend"), _openai_needs_a_url),
     Rule("ref_server_is_http", ("ref_server_url",), _ref_server_is_http),
     Rule("ref_server_needs_beta", ("ref_server_url", "beta"), _ref_server_needs_beta),

@@ -32,6 +32,24 @@ class WeightSyncFields:
             "weights it started with. Samples record the version their round started with."
         },
     )
+    weight_sync_delta: bool = field(
+        default=False,
+        metadata={
+            "help": "vllm_server (grpo-async serve) only: a weight push sends only the values that changed in the "
+            "engine's dtype since the last push the server acknowledged (per tensor: nothing, flat indices + values, "
+            "a bitmask + values, or the whole tensor, whichever is smallest), checked by a checksum; a full push on "
+            "the first sync, after a failed or aborted one, to a restarted server and every "
+            "weight_sync_delta_full_every pushes. Worth it with a lower-precision engine (a bfloat16 server: most "
+            "bf16 values do not move in an RL step) on a slow link; it costs the trainer one copy of the weights in "
+            "the engine's dtype (2 bytes per parameter in bf16), and each server another. Refused by the in-process "
+            "backends (hf, vllm: nothing moves), openai and stock vLLM servers. See grpo_async.weight_sync.delta."
+        },
+    )
+    weight_sync_delta_full_every: int = checked_field(
+        Number(ge=1, integer=True),
+        default=50,
+        metadata={"help": "With weight_sync_delta: every this-many-th push to a server is whole (1: every push)."},
+    )
     vllm_lora_sync: Literal["auto", "adapter", "merged"] = field(
         default="auto",
         metadata={

@@ -93,6 +93,8 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
         inflight_updates=args.weight_sync_inflight,
+        delta=args.weight_sync_delta,
+        delta_full_every=args.weight_sync_delta_full_every,
     )
 
 
@@ -111,6 +113,7 @@ def _make_stock_server(args, urls: list[str], transport: str):
         max_concurrency=args.vllm_max_concurrency,
         master_address=args.vllm_master_address,
         inflight_updates=args.weight_sync_inflight,
+        delta=args.weight_sync_delta,  # refused: a stock server takes whole pushes only
     )
 
 
@@ -155,6 +158,7 @@ for _spec in (
         why="a grpo-async serve server takes a broadcast or, on this machine, shared memory / CUDA IPC; "
         "it does not watch a checkpoint folder",
         streams=True,
+        delta=True,
     ),
     BackendSpec(
         "openai",

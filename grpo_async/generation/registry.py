@@ -26,6 +26,8 @@ class BackendSpec:
       (when each rank's rows are whole groups) instead of the main process generating for all.
     - `streams`: it takes concurrent `generate` calls, one per prompt group, so `async_mode="stream"` can use it (a
       backend with a `start_streaming()` method has it called once before the first group).
+    - `delta`: it takes delta pushes (`GRPOConfig.weight_sync_delta`, `weight_sync.delta`): its factory passes
+      `args.weight_sync_delta` on and honours it.
     """
 
     name: str
@@ -34,6 +36,7 @@ class BackendSpec:
     why: str = ""
     in_process: bool = False
     streams: bool = False
+    delta: bool = False
 
     def __post_init__(self):
         unknown = [t for t in self.weight_sync if t not in SYNC_SETTINGS]

@@ -328,7 +328,8 @@ class _StockStream:
 
 class StockVLLMServerBackend(VLLMServerBackend):
     """Generate on stock `vllm serve` servers (OpenAI API, least-outstanding routing and failover as
-    `VLLMServerBackend`); push weights through vLLM's RL API into our `grpo_async` weight-transfer engine.
+    `VLLMServerBackend`); push weights through vLLM's RL API into our `grpo_async` weight-transfer engine. Every push
+    is whole: `delta=True` (`GRPOConfig.weight_sync_delta`) is refused.
 
     Args:
         urls (`list[str]`): server base URLs.
@@ -341,6 +342,8 @@ class StockVLLMServerBackend(VLLMServerBackend):
         `RuntimeError`: at construction, when a server lacks the RL routes (`VLLM_SERVER_DEV_MODE=1`) or the
             `grpo_async` weight-transfer engine (`--weight-transfer-config '{"backend": "grpo_async"}'`).
     """
+
+    takes_delta = False  # vLLM's weight-transfer API keeps no copy a delta could apply to
 
     def __init__(self, urls: list[str], *, transport: StockTransport | Literal["none"] = "broadcast", **kwargs):
         check_transport(transport, (*STOCK_TRANSPORTS, "none"), "a stock vLLM server's transport")

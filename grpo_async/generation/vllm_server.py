@@ -30,6 +30,7 @@ from grpo_async.generation.vllm_common import (
     validate_sampling,
 )
 from grpo_async.net import ServerAuthError, ServerClient, ServerError, health_problem
+from grpo_async.weight_sync.delta import DeltaSync
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS, WireTransport, check_transport
 from grpo_async.weight_sync.server_fanout import ServerFanout
@@ -196,9 +197,14 @@ class VLLMServerBackend:
             at construction) is probed with `GET /health` at the next weight push at least this many seconds after
             it left or was last probed (the probe waits at most `min(timeout, 5)` s); one that answers gets that push
             and rejoins the rotation once it has loaded it. `None`: a server that left never comes back.
+        delta (`bool`, *optional*, defaults to `False`): send only the values that changed in the engines' dtype
+            since the last push each server acknowledged (`weight_sync.delta`; `GRPOConfig.weight_sync_delta`); the
+            statistics of the last push are in `sink.delta.last`.
+        delta_full_every (`int`, *optional*, defaults to 50): with `delta`, every this-many-th push is a full one.
     """
 
     takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+    takes_delta = True  # `delta=True` (weight_sync.delta) works with its servers
 
     def __init__(
         self,
@@ -214,12 +220,20 @@ class VLLMServerBackend:
         inflight_updates: bool = False,
         group_timeout: float = 60.0,
         rejoin_interval: float | None = 10.0,
+        delta: bool = False,
+        delta_full_every: int = 50,
     ):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
             raise ValueError("VLLMServerBackend needs at least one server url")
         check_transport(transport, (*WIRE_TRANSPORTS, "none"), f"{type(self).__name__} transport")
+        if delta and not self.takes_delta:
+            raise ValueError(
+                f"GRPOConfig.weight_sync_delta: {type(self).__name__} ({urls}) cannot take a delta push: stock vLLM "
+                "servers load through vLLM's weight-transfer API, which keeps no copy of the weights to apply it to; "
+                "serve the model with `grpo-async serve`, or set weight_sync_delta=False"
+            )
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if rejoin_interval is not None and not rejoin_interval >= 0:
@@ -265,8 +279,14 @@ class VLLMServerBackend:
         self.inflight_updates = inflight_updates
         self.group_timeout = float(group_timeout)
         self.sink = ServerFanout(
-            self.router, self._new_transport, bucket_mb, rejoin_interval, min(float(timeout), 5.0), type(self).__name__
-        )  # the weights' way to every server (weight_sync/server_fanout.py)
+            self.router,
+            self._new_transport,
+            bucket_mb,
+            rejoin_interval,
+            min(float(timeout), 5.0),
+            type(self).__name__,
+            delta=DeltaSync(delta_full_every) if delta else None,
+        )  # the weights' way to every server (weight_sync/server_fanout.py; delta: weight_sync/delta.py)
         self.version: int | None = None
 
     @property

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from grpo_async.weight_sync.buckets import validate_layout
+from grpo_async.weight_sync.delta import validate_delta_spec
 from grpo_async.weight_sync.names import WIRE_TRANSPORTS
 
 logger = logging.getLogger("grpo_async.ws_worker")
@@ -47,6 +48,7 @@ def validate_update_request(req: object) -> dict:
         "session",
         "abort",
         "expect",
+        "delta",
     }
     unknown = set(req) - allowed
     if unknown:
@@ -77,6 +79,8 @@ def validate_update_request(req: object) -> dict:
     for key in ("begin", "end", "load", "digests", "abort"):
         if key in req and not isinstance(req[key], bool):
             raise ValueError(f"'{key}' must be true or false, got {req[key]!r}")
+    if "delta" in req:  # a delta-mode push (weight_sync.delta)
+        validate_delta_spec(req["delta"], req)
     if req["transport"] == "shm":
         segs = req.get("segments")
         if not isinstance(segs, list) or len(segs) != len(buckets):

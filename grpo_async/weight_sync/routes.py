@@ -22,8 +22,13 @@ server end of the wire whose trainer end is `grpo_async.weight_sync.transports`;
  "session": str,                    # the id the begin request was answered with (optional, recommended)
  "abort": true,                     # drop the open push: nothing of it is loaded
  "expect": [str, ...],              # with begin (optional): every tensor name the push will send, checked at end
- "lora": {"name": str, "id": int, "config": {...}, "keep": 2}}   # optional: the buckets are a LoRA adapter
+ "lora": {"name": str, "id": int, "config": {...}, "keep": 2},  # optional: the buckets are a LoRA adapter
+ "delta": {"mode": "full" | "delta", "id": str, "base": str, "checksum": str}}  # optional: delta sync, see below
 ```
+With `delta` (`GRPOConfig.weight_sync_delta`, `grpo_async.weight_sync.delta`) the workers keep a copy of the weights
+the push leaves (id `id`); a `"delta"` push's buckets hold only the changed values against the copy `base`, and is
+refused (409, `DeltaRefused`) when the workers hold another copy or none (a restarted server), or when the copy's
+checksum after the push is not the closing request's `checksum`: nothing is loaded then.
 With `lora` (LoRA adapter-only sync, `GRPOConfig.vllm_lora_sync`; the server must run with `--enable-lora
 --max-lora-rank R`, and `--max-cpu-loras 2` for in-flight updates) the buckets hold only the adapter's `lora_A` /
 `lora_B` tensors; the base weights never move. The closing request installs the adapter in every worker under `id`

@@ -9,6 +9,10 @@ fan-out only reads it and reports to it: a server whose push fails leaves the ro
 rotation that answers `GET /health` again (probed at a push at least `rejoin_interval` seconds after it left) gets
 this push on a fresh transport and rejoins once it has loaded it (`rejoin`), so it never serves a round on other
 weights than the live servers'. A new wire transport is a `make_transport` of the backend; nothing here changes.
+
+With `delta` (`weight_sync.delta.DeltaSync`, `GRPOConfig.weight_sync_delta`) each bucket is coded once against the
+trainer's copy and each server gets its delta or the full bucket in the engine's dtype; a server that refuses the
+delta (restarted, or its copy disagrees) gets a full push of the trainer's copy right after the others closed theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from grpo_async.net import ServerClient, ServerError
 from grpo_async.weight_sync.buckets import NamedTensors, iter_buckets
+from grpo_async.weight_sync.delta import DeltaSync, is_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,8 @@ class ServerFanout:
         rejoin_interval (`float` or `None`): seconds before a server out of rotation is probed again; None: never.
         probe_timeout (`float`): seconds a `GET /health` probe waits.
         name (`str`): who pushes, for the error when no server is left.
+        delta (`DeltaSync`, *optional*): send full-weight pushes as deltas (`weight_sync.delta`); adapter pushes
+            (`lora`) are always whole.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class ServerFanout:
         rejoin_interval: float | None,
         probe_timeout: float,
         name: str,
+        delta: DeltaSync | None = None,
     ):
         self.rotation = rotation
         self.make_transport = make_transport
@@ -74,6 +82,7 @@ class ServerFanout:
         self.probe_timeout = probe_timeout
         self.name = name
         self.transports: dict[str, object] = {}  # server url -> its transport
+        self.delta = delta
 
     def _transport(self, client: ServerClient, device: torch.device):
         tr = self.transports.get(client.url)
@@ -94,6 +103,9 @@ class ServerFanout:
                 if stale is not None:
                     discard(stale)
                 sessions[client.url] = (client, None)
+                if self.delta is not None:
+                    self.delta.forget(client.url)
+        refused: list[ServerClient] = []  # servers that refused the delta: a full push of the trainer's copy next
 
         def drop(url: str, e: BaseException) -> None:
             client, _ = sessions.pop(url)
@@ -102,29 +114,63 @@ class ServerFanout:
             tr = self.transports.pop(url, None)
             if tr is not None:
                 discard(tr)  # it stopped answering: no goodbye request (another timeout)
+            if self.delta is not None:
+                self.delta.forget(url)
 
-        def each(fn) -> None:
+        def each(fn, retry: bool = True) -> None:
             for url, (client, _) in list(sessions.items()):
                 try:
                     fn(url, client)
                 except (ServerError, RuntimeError, OSError) as e:
-                    drop(url, e)
+                    if retry and plan is not None and is_refusal(e):  # nothing loaded: a full push next
+                        sessions.pop(url)
+                        plan.refused(url)
+                        refused.append(client)
+                    else:
+                        drop(url, e)
+
+        plan = None
+        if self.delta is not None and lora is None:
+            each(lambda url, client: self.delta.engine_dtype(client))
+            plan = self.delta.plan(list(sessions))
 
         def open_stream(url, client):
-            sessions[url] = (client, self._transport(client, device).stream(version, lora=lora))
+            delta = {} if plan is None else {"delta": plan.spec(url)}
+            sessions[url] = (client, self._transport(client, device).stream(version, lora=lora, **delta))
+
+        def send(url: str, coded) -> None:
+            bucket = coded if plan is None else plan.payload(url, coded)
+            if bucket is not None:  # a delta push sends nothing of an unchanged bucket
+                sessions[url][1].send(bucket)
+
+        def close(url: str) -> None:
+            answer = sessions[url][1].close(None if plan is None else plan.close_extra(url))
+            if plan is not None:
+                plan.acknowledged(url, answer)
 
         device = None
         for bucket in iter_buckets(groups, self.bucket_mb):
             if device is None:
                 device = bucket[0][1].device
                 each(open_stream)
-            each(lambda url, client, b=bucket: sessions[url][1].send(b))
+            coded = bucket if plan is None else plan.encode(bucket)
+            each(lambda url, client, c=coded: send(url, c))
         if device is None:  # a model without parameters: nothing to send, still close the session
             device = torch.device("cpu")
             each(open_stream)
-        each(lambda url, client: sessions[url][1].close())
+        each(lambda url, client: close(url))
+        loaded = set(sessions)
+        if refused:  # a full push of the trainer's copy, which holds this push's weights in the engine's dtype
+            sessions = {c.url: (c, None) for c in refused}
+            each(open_stream, retry=False)
+            for bucket in iter_buckets(plan.baseline_groups(), self.bucket_mb):
+                each(lambda url, client, b=bucket: send(url, {"full": b}), retry=False)
+            each(lambda url, client: close(url), retry=False)
+            loaded |= set(sessions)
+        if plan is not None:
+            plan.finish()
         for client in returning:
-            if client.url in sessions:  # loaded this push: serves the next rounds
+            if client.url in loaded:  # loaded this push: serves the next rounds
                 self.rotation.rejoin(client)
         if not self.rotation.live:
             raise RuntimeError(

@@ -127,14 +127,23 @@ class ServerTransport(WeightTransport):
         return stream.close()
 
     def stream(
-        self, version: int | None = None, *, digests: bool = False, load: bool = True, lora: dict | None = None
+        self,
+        version: int | None = None,
+        *,
+        digests: bool = False,
+        load: bool = True,
+        lora: dict | None = None,
+        delta: dict | None = None,
     ) -> PushStream:
         """Open a push that is fed bucket by bucket: `send(bucket)` each, then `close()` (or `abort()`); with `lora`
-        every request carries the adapter spec and the closing one installs the adapter (an abort installs nothing)."""
+        every request carries the adapter spec and the closing one installs the adapter (an abort installs nothing).
+        `delta`: the push's `delta` spec (`weight_sync.delta.DeltaPush.spec`), carried by every request."""
         self._start_push()
         base = {"digests": digests, "load": load, "pause": self.pause}
         if lora is not None:
             base["lora"] = lora
+        if delta is not None:
+            base["delta"] = delta
         return PushStream(self, version, base)
 
     @staticmethod
@@ -184,12 +193,15 @@ class PushStream:
     def _id(self) -> dict:
         return {"session": self.session} if self.session else {}
 
-    def close(self) -> dict:
-        extra = {**self.base, **self._id(), "begin": not self.begun, "end": True, "version": self.version}
-        out = self.transport._session([], extra)
+    def close(self, extra: dict | None = None) -> dict:
+        """The closing request (`extra`: fields it alone carries, e.g. the delta's checksum); the push's summary."""
+        body = {**self.base, **self._id(), "begin": not self.begun, "end": True, "version": self.version}
+        out = self.transport._session([], {**body, **(extra or {})})
         self.ended = True
         ServerTransport._add(self.total, out)
         self.total["version"] = out.get("version")
+        if "delta" in out:
+            self.total["delta"] = out["delta"]
         if not self.base["digests"]:
             self.total.pop("digests")
         return self.total

@@ -48,6 +48,7 @@ import torch
 
 from grpo_async.parent_watch import exit_with_parent
 from grpo_async.weight_sync.buckets import unpack_bucket
+from grpo_async.weight_sync.delta import DeltaRefused, DeltaShadow
 from grpo_async.weight_sync.requests import (
     AttachedSegment,
     IncompletePushError,
@@ -86,6 +87,7 @@ class WeightSyncWorker:
             st["staged"] = None  # a staged full-weights session: the buckets received so far, loaded at `end`
             st["names"], st["expect"] = set(), None  # names received in the open session; the trainer's `expect`
             st["coverage"] = None  # PushCoverage of the served model (computed once, outside a reload)
+            st["shadow"] = DeltaShadow()  # the last weights of a delta-mode push (weight_sync/delta.py)
             self.__dict__["_ws"] = st
         return st
 
@@ -96,10 +98,20 @@ class WeightSyncWorker:
         dev = getattr(self, "device", None)
         return dev if isinstance(dev, torch.device) else torch.device("cpu")
 
-    def _ws_begin(self, lora: dict | None = None, staged: bool = False, expect: list[str] | None = None) -> None:
+    def _ws_dtype(self) -> torch.dtype:
+        return self.vllm_config.model_config.dtype
+
+    def _ws_begin(
+        self,
+        lora: dict | None = None,
+        staged: bool = False,
+        expect: list[str] | None = None,
+        delta: dict | None = None,
+    ) -> None:
         """Open a session: an adapter (`lora`), a staged full-weights push (`staged`: nothing touches the model before
         a complete `end`) or a direct one (each bucket loaded as it comes; colocate). `expect`: every name the push
-        will send (checked at `end`)."""
+        will send (checked at `end`). `delta` (staged only): a delta-mode push (`weight_sync.delta`), refused with
+        `DeltaRefused` when it is a delta on weights this worker's copy does not hold."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -111,6 +123,8 @@ class WeightSyncWorker:
             self._ws_lora_manager()  # fail now if the engine has no LoRA support
             st["lora"] = {}
         elif staged:
+            if delta is not None:
+                st["shadow"].begin(delta)
             if st["coverage"] is None:
                 st["coverage"] = PushCoverage(self._ws_model())
             st["staged"] = []
@@ -126,6 +140,8 @@ class WeightSyncWorker:
         st = self._ws_state()
         if not st["open"]:
             raise RuntimeError("weights sent without an open reload session (send begin=true first)")
+        if st["staged"] is not None and st["shadow"].open:  # delta mode: staged from the copy, updated in place
+            named, copy = st["shadow"].take(named, self._ws_dtype(), copy), False
         st["names"].update(n for n, _ in named)
         if st["lora"] is not None:  # copies: the received tensors may be views of shared memory or live parameters
             st["lora"].update({n: t.detach().to("cpu", copy=True) for n, t in named})
@@ -219,15 +235,27 @@ class WeightSyncWorker:
             return
         if st["staged"] is not None:
             staged, st["staged"] = st["staged"], None
+            shadow = st["shadow"]
             try:
                 if not abort:
+                    if shadow.open and shadow.spec["mode"] == "delta":  # the tensors the delta left unchanged
+                        rest = shadow.complete(names)
+                        staged.append(rest)
+                        names |= {n for n, _ in rest}
                     self._ws_check_complete(names, expect)
+                    total = shadow.verify(shadow.expected) if shadow.open else None  # before touching the model
+                    if not shadow.open:
+                        shadow.drop()  # weights from a push without delta: the copy no longer matches them
                     self._ws_reload(staged)
+                    if shadow.open:
+                        shadow.commit(total)
             finally:
+                shadow.abort()  # a push dropped or failed with its copy half-updated: the copy goes
                 staged.clear()
                 st["open"] = False
                 self._ws_release()
             return
+        st["shadow"].drop()  # a direct session (colocate) loaded weights the copy does not know
         try:
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
@@ -306,11 +334,14 @@ class WeightSyncWorker:
 
     # ------------------------------------------------------------------ public methods (ws_*)
     def ws_info(self) -> dict:
-        """`{"rank", "world_size", "device", "version", "reload_open", "lora", "received"}` of this worker;
-        `received`: the buckets it has received so far over each transport (`{"broadcast": n, "shm": n,
-        "cuda_ipc": n}`)."""
+        """`{"rank", "world_size", "device", "dtype", "version", "reload_open", "lora", "received", "delta"}` of this
+        worker; `received`: the buckets it has received so far over each transport (`{"broadcast": n, "shm": n,
+        "cuda_ipc": n}`); `dtype`: the engine's (what a delta is computed in); `delta`: its copy for delta sync
+        (`{"id", "checksum", "tensors"}`, id None when it holds none)."""
         st = self._ws_state()
         return {
+            "dtype": str(self._ws_dtype()).removeprefix("torch."),
+            "delta": st["shadow"].info(),
             "rank": int(getattr(self, "rank", 0)),
             "world_size": int(self.vllm_config.parallel_config.world_size),
             "device": str(self._ws_device()),
@@ -431,7 +462,7 @@ class WeightSyncWorker:
         """
         try:
             return self._ws_update(request)
-        except IncompletePushError as e:
+        except (IncompletePushError, DeltaRefused) as e:
             logger.warning("weight push refused: %s", e)
             return {"error": f"{type(e).__name__}: {e}", "incomplete": True, "version": self._ws_state()["version"]}
         except Exception as e:  # noqa: BLE001 - reported to the HTTP caller
@@ -455,7 +486,12 @@ class WeightSyncWorker:
                 version = self._ws_state()["version"]
                 return {"tensors": 0, "bytes": 0, "buckets": 0, "version": version, "aborted": True}
             if begin and load:
-                self._ws_begin(lora, staged=True, expect=req.get("expect"))
+                try:
+                    self._ws_begin(lora, staged=True, expect=req.get("expect"), delta=req.get("delta"))
+                except DeltaRefused:
+                    for _ in self._ws_receive(req):  # take this request's buckets: a broadcast group stays in step
+                        pass
+                    raise
             phases["begin"] = (t := time.perf_counter()) - t0
             for named in self._ws_receive(req):
                 self._ws_state()["received"][req["transport"]] += 1
@@ -472,6 +508,8 @@ class WeightSyncWorker:
             raise
         t = time.perf_counter()
         if end:
+            shadow = self._ws_state()["shadow"]
+            shadow.expected = (req.get("delta") or {}).get("checksum")
             self._ws_end(lora)  # raises IncompletePushError (session dropped, weights unchanged) when incomplete
             if req.get("version") is not None:
                 self._ws_state()["version"] = req["version"]
@@ -483,6 +521,8 @@ class WeightSyncWorker:
         out["phases"] = phases
         if want_digests:
             out["digests"] = digests
+        if end and req.get("delta") is not None:
+            out["delta"] = self._ws_state()["shadow"].info()  # the copy the push left: {"id", "checksum", "tensors"}
         if req.get("lora") is not None:
             out["lora_adapters"] = list(self._ws_state()["loras"])  # the policy adapters resident after this request
         return out
