@@ -140,6 +140,26 @@ def _rows_weight_sync(data: dict) -> list[dict]:
                 "ratio": st["staged_copy_extra_mb"] / max(st["peak_extra_mb"], 1e-9),
             }
         )
+    for t in ("broadcast", "shm"):  # delta sync into a bf16 server (weight_sync_delta): per learning rate
+        for lr, r in (data.get("delta") or {}).get(t, {}).items():
+            rows.append(
+                {
+                    "metric": f"delta weight sync, {t}, bf16 engine, lr {float(lr):g}: bytes per sync (MB)",
+                    "ours": r["delta"]["bytes"] / 1e6,
+                    "peer": r["full_engine_dtype"]["bytes"] / 1e6,
+                    "peer_name": "full push in bf16",
+                    "ratio": r["bytes_ratio"],
+                }
+            )
+            rows.append(
+                {
+                    "metric": f"delta weight sync, {t}, bf16 engine, lr {float(lr):g}: s/sync",
+                    "ours": r["delta"]["seconds"],
+                    "peer": r["full"]["seconds"],
+                    "peer_name": "full push (float32, delta off)",
+                    "ratio": r["seconds_ratio"],
+                }
+            )
     return rows
 
 

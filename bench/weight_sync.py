@@ -26,8 +26,21 @@ How to read the ratios:
 GPU variant (`--device cuda`, on a CUDA machine with a CUDA vLLM): the state dict lives on the GPU, the server is a
 CUDA vLLM, the transports are NCCL broadcast and CUDA IPC handles; the device name goes into the JSON (`device`).
 
-Run: `python bench/weight_sync.py` (starts and stops its own server; ~2 min on 2 cores). Writes
-`bench/out/weight_sync.json` and ends with `RESULT weight_sync_speedup=<x>` (bucketed vs per-tensor, broadcast).
+Delta sync (`GRPOConfig.weight_sync_delta`, `grpo_async/weight_sync/delta.py`): SmolLM2-135M trained in float32
+(AdamW on a language-model loss of a fixed batch, no weight decay) at learning rates 1e-6 and 1e-5, published after
+every optimizer step through the trainer's own path (`PolicyPublisher` → `VLLMServerBackend`) into a `grpo-async serve`
+running **bfloat16** (its own server, started after the one above), over gloo broadcast (the transport of a server on
+another machine) and shared memory. Per learning rate: `--delta-steps` delta pushes (after the first, full, one), then
+the same final weights pushed whole as today (`delta=False`: float32, what the trainer holds) and whole in the
+engine's dtype (`delta=True, full_every=1`). Bytes per sync are what the trainer hands the transport; seconds per sync
+are the publish's wall time (reading the live model, coding, moving, the server's checks and vLLM's reload). The
+engine's greedy log-probs after the delta pushes must equal, bitwise, those after the full push of the same weights.
+`bytes_ratio` = full push in the engine's dtype ÷ delta push (the `RESULT`; ÷ 2 more against today's float32 push).
+
+Run: `python bench/weight_sync.py` (starts and stops its own servers; ~2 min on 2 cores, plus the delta part's
+~5 min); `--delta-only`: the delta part alone. Writes `bench/out/weight_sync.json` and ends with `RESULT
+weight_sync_speedup=<x>` (bucketed vs per-tensor, broadcast) and `RESULT weight_sync_delta_bytes_ratio=<x>` (at 1e-6,
+broadcast).
 """
 
 from __future__ import annotations
@@ -93,15 +106,40 @@ def main(argv=None) -> dict:
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "weight_sync.json")
     )
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model, 1 repeat: checks the bench runs (seconds)")
+    ap.add_argument("--delta-only", action="store_true", help="only the delta-vs-full part (SmolLM2, bf16 server)")
+    ap.add_argument("--delta-steps", type=int, default=5, help="delta pushes per learning rate (after a full one)")
     args = ap.parse_args(argv)
     spec = SPEC
     if args.smoke:
         spec = dataclasses.replace(SPEC, num_hidden_layers=2)
-        args.repeats, args.bucket_mb = 1, 0.25
+        args.repeats, args.bucket_mb, args.delta_steps = 1, 0.25, 2
         args.model_dir = os.path.join(tempfile.gettempdir(), "grpo_async_bench_ws_model_smoke")
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "smoke", "weight_sync.json")
 
     path = build_tiny_model(args.model_dir, spec)
+    results: dict = {"bucket_mb": args.bucket_mb, "repeats": args.repeats}
+    results["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU x{os.cpu_count()}"
+    if not args.delta_only:
+        legacy(args, path, results)
+    if args.device == "cpu" and "delta" not in results:  # (the smoke ran it on its own server already)
+        results["delta"] = delta_bench(args, path)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+    if "broadcast" in results:
+        print(f"RESULT weight_sync_speedup={results['broadcast']['speedup']:.2f}")
+        print(f"RESULT weight_sync_staging_ratio={results['staging']['ratio']:.3f}")
+    if "delta" in results:
+        low = results["delta"]["broadcast"][str(DELTA_LRS[0])]
+        print(f"RESULT weight_sync_delta_bytes_ratio={low['bytes_ratio']:.2f}")
+        print(f"RESULT weight_sync_delta_seconds_ratio={low['seconds_ratio']:.2f}")
+        print(f"RESULT weight_sync_delta_bitwise={int(results['delta']['bitwise'])}")
+    return results
+
+
+def legacy(args, path: str, results: dict) -> None:
+    """Per-tensor vs bucketed vs one flat transfer, and the trainer's staging memory (the module docstring)."""
     from safetensors.torch import load_file
 
     sd = load_file(os.path.join(path, "model.safetensors"))
@@ -119,15 +157,15 @@ def main(argv=None) -> dict:
         flush=True,
     )
 
-    extra = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
+    # smoke: bfloat16, so that the delta part (run on this server) sees the sparse changes of a bf16 engine
+    extra = ["--dtype", "bfloat16" if args.smoke else "float32", "--max-model-len", "256", "--enforce-eager"]
     if args.device == "cuda":
         extra += ["--gpu-memory-utilization", "0.3"]
     # smoke: the worker inside the engine-core process, the API process forked from the warm interpreter, up sooner
     # (the transports are what is measured)
     env = TWO_PROCESS_ENV if args.smoke else None
     server = launch_bench_server(path, extra, env=env, warm=args.smoke)
-    results: dict = {"tensors": n_tensors, "bytes": n_bytes, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
-    results["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU x{os.cpu_count()}"
+    results.update({"tensors": n_tensors, "bytes": n_bytes})
     if args.device == "cuda":  # NCCL broadcast from the trainer's GPU, and CUDA IPC handles instead of shared memory
         transports = (
             ("broadcast", lambda c, mb: BroadcastTransport(c, mb, device="cuda")),
@@ -170,15 +208,132 @@ def main(argv=None) -> dict:
                 flush=True,
             )
         results["staging"] = staging_ratio(path, server.url, n_bytes)
+        if args.smoke:  # the delta part on this (bfloat16) server: one server start for the smoke
+            results["delta"] = delta_bench(args, path, server.url)
     finally:
         server.stop()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
-    print(f"RESULT weight_sync_speedup={results['broadcast']['speedup']:.2f}")
-    print(f"RESULT weight_sync_staging_ratio={results['staging']['ratio']:.3f}")
-    return results
+
+
+#: the learning rates of the delta part (RL's usual range)
+DELTA_LRS = (1e-6, 1e-5)
+
+
+def delta_bench(args, tiny_path: str, url: str | None = None) -> dict:
+    """Delta vs full pushes into a bfloat16 server (see the module docstring); `url`: a running bf16 server of
+    `tiny_path` (the smoke's), else SmolLM2's is started here."""
+    from grpo_async.testing import build_smollm2
+
+    path, server = tiny_path, None
+    if url is None:
+        path = build_smollm2()
+        extra = ["--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager"]
+        server = launch_bench_server(path, extra)
+        url = server.url
+    out: dict = {"model": os.path.basename(path.rstrip("/")), "engine_dtype": "bfloat16", "steps": args.delta_steps}
+    try:
+        for transport in ("broadcast", "shm"):
+            out[transport] = {str(lr): delta_run(path, url, transport, lr, args) for lr in DELTA_LRS}
+    finally:
+        if server is not None:
+            server.stop()
+    out["bitwise"] = all(r["bitwise"] for t in ("broadcast", "shm") for r in out[t].values())
+    return out
+
+
+def delta_run(path: str, url: str, transport: str, lr: float, args) -> dict:
+    """One learning rate over one transport: `args.delta_steps` optimizer steps each published as a delta, then the
+    final weights published whole (float32 as today; bfloat16 in the engine's dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_async.generation.shared import SharedBackend
+    from grpo_async.generation.vllm_server import VLLMServerBackend
+    from grpo_async.pipeline.publisher import PolicyPublisher
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # transformers.Trainer's default decay
+    client = ServerClient(url, timeout=300)
+
+    def publisher(**kw):
+        backend = VLLMServerBackend([url], transport=transport, bucket_mb=64.0, timeout=300, **kw)
+        return backend, PolicyPublisher(SharedBackend(lambda: backend))
+
+    def publish(pub, version):
+        seconds = pub.publish(model, version)
+        return seconds, pub.backend.get().sink.delta
+
+    backend, pub = publisher(delta=True, delta_full_every=10**6)
+    deltas = []
+    try:
+        publish(pub, 0)  # the first push is whole: it seeds both copies
+        for step in range(1, args.delta_steps + 1):
+            model(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            seconds, sync = publish(pub, step)
+            last = sync.last
+            assert set(last["modes"].values()) == {"delta"}, last["modes"]
+            (sent,) = last["bytes"].values()
+            deltas.append(
+                {
+                    "seconds": seconds,
+                    "bytes": sent,
+                    "changed": last["changed"] / last["elements"],
+                    "encode_s": last["encode_s"],
+                }
+            )
+        engine_bytes = last["full_bytes"]
+        after_deltas = greedy_logprobs(client, path)
+    finally:
+        pub.backend.close()
+    whole = {}
+    for name, kw in (("full_engine_dtype", {"delta": True, "delta_full_every": 1}), ("full", {})):
+        backend, pub = publisher(**kw)
+        times = []
+        try:
+            for r in range(args.repeats + 1):  # the first one also connects (broadcast: the process group)
+                seconds = pub.publish(model, 1000 + r)
+                if r:
+                    times.append(seconds)
+            sent = engine_bytes if kw else pub.last["bytes"]
+        finally:
+            pub.backend.close()
+        whole[name] = {"seconds": statistics.median(times), "bytes": sent}
+    bitwise = greedy_logprobs(client, path) == after_deltas  # the same weights pushed whole, last
+    client.close()
+    d_bytes = statistics.median(d["bytes"] for d in deltas)
+    d_seconds = statistics.median(d["seconds"] for d in deltas)
+    row = {
+        "delta": {"bytes": d_bytes, "seconds": d_seconds, "steps": deltas},
+        **whole,
+        "bytes_ratio": whole["full_engine_dtype"]["bytes"] / max(d_bytes, 1),
+        "bytes_ratio_vs_float32": whole["full"]["bytes"] / max(d_bytes, 1),
+        "seconds_ratio": whole["full"]["seconds"] / d_seconds,
+        "seconds_ratio_engine_dtype": whole["full_engine_dtype"]["seconds"] / d_seconds,
+        "bitwise": bitwise,
+    }
+    changed = statistics.mean(d["changed"] for d in deltas)
+    print(
+        f"delta {transport:9s} lr {lr:g}: {changed:.2%} of the bf16 values change per step | bytes/sync: delta "
+        f"{d_bytes / 1e6:.2f} MB, full bf16 {whole['full_engine_dtype']['bytes'] / 1e6:.1f} MB "
+        f"({row['bytes_ratio']:.1f}x), full float32 {whole['full']['bytes'] / 1e6:.1f} MB "
+        f"({row['bytes_ratio_vs_float32']:.1f}x) | s/sync: delta {d_seconds:.3f}, full bf16 "
+        f"{whole['full_engine_dtype']['seconds']:.3f}, full float32 {whole['full']['seconds']:.3f} "
+        f"({row['seconds_ratio']:.2f}x) | engine after deltas == after a full push: {bitwise}",
+        flush=True,
+    )
+    return row
+
+
+def greedy_logprobs(client, model: str) -> list:
+    """The engine's greedy tokens and their log-probs for a few fixed prompts."""
+    out = []
+    for prompt in ([7, 8, 9, 10, 11], [20, 21, 22, 23]):
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+        choice = client.post("/v1/completions", {**body, "return_token_ids": True})["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out
 
 
 def _rss() -> int:
