@@ -21,10 +21,8 @@ import functools
 import logging
 import time
 
-import torch
 from transformers import PreTrainedModel, Trainer
 
-from .algo.logprobs import score_tokens
 from .algo.loss import LossContext
 from .algo.token_budget import budgeted_loss
 from .callbacks import notify_micro_batch
@@ -226,12 +224,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
         return budgeted_loss(inputs, self.args.token_budget, part_loss, self.accelerator.backward, no_sync)
 
     def _part_loss(self, model, inputs: MicroBatch, totals: dict | None, last: bool):
-        a, T = self.args, inputs.completion_ids.size(1)
-        ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, P+T]
-        mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)  # [B, P+T]
-        scoring = {"share_prefix": a.share_prompt_prefix, "max_positions": a.token_budget, **self.objective.scoring}
-        scores = score_tokens(model, ids, mask, T, a.temperature, None, a.padding_free, **scoring)
-        self.throughput.add(int(mask.sum()), len(inputs))
+        a = self.args
         ctx = LossContext(
             grad_accum_steps=self.current_gradient_accumulation_steps,
             max_completion_length=a.max_completion_length,
@@ -240,7 +233,17 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             steps_per_generation=a.steps_per_generation,
             **(totals or {}),
         )
-        out = self.objective(scores, inputs, ctx, end_of_window=self.accelerator.sync_gradients and last)
+        out = self.objective.forward_loss(
+            model,
+            inputs,
+            ctx,
+            temperature=a.temperature,
+            padding_free=a.padding_free,
+            share_prefix=a.share_prompt_prefix,
+            max_positions=a.token_budget,
+            end_of_window=self.accelerator.sync_gradients and last,
+        )
+        self.throughput.add(int(inputs.prompt_mask.sum() + inputs.completion_mask.sum()), len(inputs))
         self.metric_windows.record_all(loss_metrics(out, inputs, self.state.global_step, self.collectives))
         return out.loss
 

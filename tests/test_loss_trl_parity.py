@@ -203,6 +203,7 @@ def _run_ours(objective, t: dict, o: dict, ctx: LossContext, end_of_window: bool
         is_weights=w,
         rollout_logps=t["sampler"] if o["with_sampler"] else None,
         policy_version=torch.zeros(B, dtype=torch.long),
+        token_version=None,
     )
     scores = TokenScores(logps=x["logps"], entropies=x["entropies"], aux_loss=x["aux"] if objective.router else None)
     out = objective(scores, batch, ctx, end_of_window=end_of_window)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_streaming import ROUND, Recorder, _args, _dataset
+from support.recorders import recorded
+from test_streaming import ROUND, _args, _dataset, _rows
 
 from grpo_async.demo_task import letter_reward, make_dataset
 from grpo_async.pipeline.staleness import StalenessPacer
@@ -82,7 +83,6 @@ def _with_idx(ds):
 
 def _run(trainer, events):
     handler, loggers = _watch(events)
-    trainer.events = events
     try:
         trainer.train()
     finally:
@@ -91,23 +91,19 @@ def _run(trainer, events):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def _trained_staleness(trainer) -> list[int]:
+def _trained_staleness(seen) -> list[int]:
     """Staleness of every row the trainer trained (loss mask not all zero): the step its round started at (the
     micro-batch's step: one optimizer step a round here) − the row's policy version."""
     out = []
-    for b in trainer.seen:
+    for b in seen.records:
         kept = b["loss_mask"].any(1)
         out += (b["step"] - b["policy_version"][kept]).tolist()
     return out
 
 
-class StepRecorder(Recorder):
-    """`Recorder` that also keeps the optimizer step each micro-batch was trained at."""
-
-    def compute_loss(self, model, inputs, *a, **k):
-        out = super().compute_loss(model, inputs, *a, **k)
-        self.seen[-1]["step"] = self.state.global_step
-        return out
+def _rows_and_step(micro_batch, state, processing_class):
+    """`test_streaming`'s record of a micro-batch, and the optimizer step it is trained at."""
+    return {**_rows(micro_batch, state, processing_class), "step": state.global_step}
 
 
 # ---- rounds mode ------------------------------------------------------------------------------------------------
@@ -123,10 +119,15 @@ def rounds_trainer(tiny_model_path, tmp_path):
             max_steps=4,
             shuffle_dataset=False,  # round j scores prompts 4j .. 4j + 3
         )
-        trainer = StepRecorder(
-            model=tiny_model_path, reward_funcs=_scored(events), args=args, train_dataset=_with_idx(make_dataset(64))
+        trainer, seen = recorded(
+            record=_rows_and_step,
+            events=events,
+            model=tiny_model_path,
+            reward_funcs=_scored(events),
+            args=args,
+            train_dataset=_with_idx(make_dataset(64)),
         )
-        return trainer, events
+        return trainer, events, seen
 
     return make
 
@@ -135,10 +136,10 @@ def test_rounds_mode_paces_whole_rounds(rounds_trainer):
     """num_batches_ahead=2, max_staleness=1, one step a round: round r + 2 is held at round r's boundary (it would be
     trained 2 versions after the weights it would start on) and submitted at round r + 1's, after the trainer trained
     round r: nothing dropped, every trained row within 1 version."""
-    trainer, events = rounds_trainer("pace")
+    trainer, events, seen = rounds_trainer("pace")
     logs = _run(trainer, events)
     assert sum(h["async/dropped_stale"] for h in logs) == 0
-    assert max(_trained_staleness(trainer)) <= 1
+    assert max(_trained_staleness(seen)) <= 1
     assert "async/pace_wait_s" in logs[0]
     held = [e for e in events if e[0] == "held"]
     assert any("round 2 held back at step 0" in text for _, text in held), events
@@ -152,7 +153,7 @@ def test_rounds_mode_paces_whole_rounds(rounds_trainer):
 def test_rounds_mode_drop_policy_generates_then_drops(rounds_trainer):
     """The same run with `staleness_policy="drop"` (today's behaviour): rounds 2 and 3 are generated 2 rounds ahead,
     2 versions behind when trained: every one of their rows is dropped and counted; nothing is held."""
-    trainer, events = rounds_trainer("drop")
+    trainer, events, seen = rounds_trainer("drop")
     logs = _run(trainer, events)
     assert sum(h["async/dropped_stale"] for h in logs) == 2 * ROUND  # rounds 2 and 3, one process
     assert not [e for e in events if e[0] in ("held", "released")]
@@ -165,10 +166,15 @@ def _stream_run(tiny_model_path, tmp_path, policy: str):
     submitted) with max_staleness=1."""
     events: list = []
     args = _args(tmp_path / policy, max_staleness=1, staleness_policy=policy)
-    trainer = StepRecorder(
-        model=tiny_model_path, reward_funcs=_scored(events), args=args, train_dataset=_with_idx(_dataset())
+    trainer, seen = recorded(
+        record=_rows_and_step,
+        events=events,
+        model=tiny_model_path,
+        reward_funcs=_scored(events),
+        args=args,
+        train_dataset=_with_idx(_dataset()),
     )
-    return trainer, events, _run(trainer, events)
+    return trainer, events, _run(trainer, events), seen
 
 
 @pytest.mark.vllm
@@ -178,11 +184,11 @@ def test_stream_mode_paces_groups_and_drops_nothing(tiny_model_path, tmp_path):
     straggler is trained within the bound too: no row dropped, none trained beyond max_staleness. The generator's
     wait shows in the order of events (held → the trainer trains → released → round 2's groups scored) and in
     `async/pace_wait_s`."""
-    trainer, events, logs = _stream_run(tiny_model_path, tmp_path, "pace")
-    rows = [r for b in trainer.seen for r in b["rows"]]
+    trainer, events, logs, seen = _stream_run(tiny_model_path, tmp_path, "pace")
+    rows = [r for b in seen.records for r in b["rows"]]
     assert sorted(rows) == [(r, i) for r in range(4) for i in range(ROUND)], "every row of rounds 0..3 once"
     assert sum(h["async/dropped_stale"] for h in logs) == 0
-    assert max(_trained_staleness(trainer)) <= 1
+    assert max(_trained_staleness(seen)) <= 1
     held = next(i for i, e in enumerate(events) if e[0] == "held")
     first_train = next(i for i, e in enumerate(events) if e[0] == "train")
     released = next(i for i, e in enumerate(events) if e[0] == "released" and i > first_train)
@@ -196,7 +202,7 @@ def test_stream_mode_paces_groups_and_drops_nothing(tiny_model_path, tmp_path):
 def test_stream_mode_drop_policy_generates_then_drops(tiny_model_path, tmp_path):
     """The same run with `staleness_policy="drop"`: round 2's groups start on step 0's weights as soon as workers
     are free, and rows trained 2 versions later (the straggler's among them) are generated, then dropped."""
-    trainer, events, logs = _stream_run(tiny_model_path, tmp_path, "drop")
+    trainer, events, logs, seen = _stream_run(tiny_model_path, tmp_path, "drop")
     assert sum(h["async/dropped_stale"] for h in logs) > 0
     assert not [e for e in events if e[0] in ("held", "released")]
 
@@ -228,19 +234,24 @@ def test_stream_mode_waits_for_a_straggler_on_its_last_chance(tiny_model_path, t
     _slow_engine(monkeypatch)
     events: list = []
     args = _args(tmp_path, max_staleness=2, staleness_policy=policy, weight_sync_inflight=True)
-    trainer = StepRecorder(
-        model=tiny_model_path, reward_funcs=_scored(events), args=args, train_dataset=_with_idx(_dataset())
+    trainer, seen = recorded(
+        record=_rows_and_step,
+        events=events,
+        model=tiny_model_path,
+        reward_funcs=_scored(events),
+        args=args,
+        train_dataset=_with_idx(_dataset()),
     )
     logs = _run(trainer, events)
     dropped = sum(h["async/dropped_stale"] for h in logs)
-    straggler = [b["step"] for b in trainer.seen if any(r == (0, 0) for r in b["rows"])]
+    straggler = [b["step"] for b in seen.records if any(r == (0, 0) for r in b["rows"])]
     if policy == "drop":
         # dropped when it came late; a run where it finished in time for round 2 (the machine's speed decides: the
         # full suite saw both) drops nothing and trains it within the bound
         assert dropped > 0 or (straggler and straggler[0] <= 2), (dropped, straggler)
         return
     assert dropped == 0
-    assert max(_trained_staleness(trainer)) <= 2
+    assert max(_trained_staleness(seen)) <= 2
     assert straggler and straggler[0] <= 2, "the straggler was trained after its last chance"
     # whether round 2 had to wait for it (logged "waits for 1 running group") depends on whether it was still running
     # when round 2 was assembled, which the machine's speed decides (the full suite saw both); the order of a held

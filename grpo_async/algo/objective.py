@@ -228,6 +228,31 @@ class PolicyObjective:
         computed, as TRL does, for the `entropy` metric; with gradient only when the bonus backpropagates them."""
         return {"entropy": True, "entropy_grad": self.entropy.enabled, "router": self.router}
 
+    def forward_loss(
+        self,
+        model,
+        batch,
+        ctx: LossContext,
+        *,
+        temperature: float,
+        padding_free: bool,
+        share_prefix: bool,
+        max_positions: int | None = None,
+        end_of_window: bool = True,
+    ) -> ObjectiveOutput:
+        """One micro-batch's forward pass and loss, for training and evaluation alike: the policy scores the
+        completion tokens of `batch` (`prompt_ids [B, P]` + `completion_ids [B, T]` and their masks, on the model's
+        device) at `temperature` (`algo.logprobs.score_tokens`, with what this objective needs: `scoring`), then
+        `self(scores, batch, ctx, end_of_window)`."""
+        from .logprobs import score_tokens
+
+        T = batch.completion_ids.size(1)
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
+        scoring = {"share_prefix": share_prefix, "max_positions": max_positions, **self.scoring}
+        scores = score_tokens(model, ids, mask, T, temperature, None, padding_free, **scoring)
+        return self(scores, batch, ctx, end_of_window=end_of_window)
+
     def __call__(self, scores, batch, ctx: LossContext, end_of_window: bool = True) -> ObjectiveOutput:
         """`scores`: `TokenScores`; `batch`: a `MicroBatch` (reads `advantages [B]`, `loss_mask [B, T]`, `old_logps`,
         `ref_logps`, `is_weights`, `rollout_logps`); `end_of_window`: the last micro-batch before an optimizer step."""

@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..algo.logprobs import score_tokens
 from ..algo.loss import LossContext
 from ..algo.objective import PolicyObjective, SingleProcess
 from .types import MicroBatch
@@ -68,17 +67,20 @@ def eval_loss(
             )
             for lo in range(0, len(batch), a.per_device_eval_batch_size):
                 part = batch.select(slice(lo, lo + a.per_device_eval_batch_size))
-                T = part.completion_ids.size(1)
-                ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
-                mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
                 if ref_logps is not None:
+                    T = part.completion_ids.size(1)
+                    ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
+                    mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
                     part.ref_logps = ref_logps(ids, mask, T)  # [b, T]
-                part = part.to(device)
-                scoring = {"share_prefix": a.share_prompt_prefix, **objective.scoring}  # a share holds whole groups
-                scores = score_tokens(
-                    model, ids.to(device), mask.to(device), T, a.temperature, None, a.padding_free, **scoring
+                out = objective.forward_loss(  # the training step's forward and loss (a share holds whole groups)
+                    model,
+                    part.to(device),
+                    ctx,
+                    temperature=a.temperature,
+                    padding_free=a.padding_free,
+                    share_prefix=a.share_prompt_prefix,
+                    end_of_window=False,
                 )
-                out = objective(scores, part, ctx, end_of_window=False)
                 total, rows = total + out.loss.item() * len(part), rows + len(part)
     finally:
         model.train(was_training)
