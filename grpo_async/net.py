@@ -10,6 +10,7 @@ vLLM server, or one whose engine is not healthy). Also the address helpers the c
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 from typing import Any
@@ -22,14 +23,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+def is_loopback_host(host: str | None) -> bool:
+    """Whether listening on `host` is reachable from this machine only (`None`/"" mean every interface: no)."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def is_loopback(url: str) -> bool:
-    """Whether the server at `url` is on this machine, reached over loopback."""
+    """Whether the server at `url` is on this machine, reached over loopback (`is_loopback_host` of its host)."""
     from urllib.parse import urlparse
 
-    return urlparse(url).hostname in LOOPBACK_HOSTS
+    return is_loopback_host(urlparse(url).hostname)
 
 
 def address_seen_by(url: str) -> str:

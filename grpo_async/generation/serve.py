@@ -42,13 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import logging
 import math
 import os
 import secrets
-import socket
 import sys
 
 from fastapi import HTTPException, Request
@@ -59,6 +57,7 @@ from grpo_async.generation.server_process import flag_passed
 from grpo_async.generation.vllm_cpu import (
     default_cpu_aot_compile,
 )
+from grpo_async.net import is_loopback_host
 from grpo_async.weight_sync.reload_session import RELOAD_IDLE_TIMEOUT_S
 from grpo_async.weight_sync.routes import add_frozen_routes, add_weight_routes, json_body
 
@@ -407,23 +406,6 @@ def resolve_api_key(args, environ: dict) -> str | None:
             raise SystemExit(f"grpo-async serve: --api-key-file {args.api_key_file} is empty")
         return key
     return environ.get("VLLM_API_KEY") or None
-
-
-def is_loopback_host(host: str | None) -> bool:
-    """Whether listening on `host` is reachable from this machine only (`None`/"" mean every interface: no)."""
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def _check_limits(args) -> None:
