@@ -112,7 +112,10 @@ class GenerationBackend(Protocol):
     def load_weights(self, groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], version: int) -> None:
         """Load full HF-named weights (PEFT already merged), streamed as `(module, [(name, tensor), ...])` groups
         straight from the live model: consume each group before asking for the next (the tensors may be views of
-        gathered parameters), keep nothing after returning. Called by the policy publisher while no round runs."""
+        gathered parameters), keep nothing after returning. Called by the policy publisher while no round runs.
+        The names and tensors are the checkpoint's (what `save_pretrained` writes and an engine loads: a
+        mixture-of-experts model's experts one tensor per expert, `weight_sync.checkpoint_layout`), or the model's
+        own parameters when the backend has `runtime_weight_names = True` (`HFBackend`)."""
         ...
 
     # Optional (the vLLM backends): `load_adapter(groups, config, version)` installs a LoRA adapter (groups of

@@ -104,6 +104,10 @@ class HFBackend:
         batch_size (`int`, *optional*): prompts per `generate` call (all at once when `None`).
     """
 
+    #: `load_weights` takes the policy's own parameter names (it copies them into a model of the same class), not the
+    #: checkpoint layout an engine loads (`GenerationBackend.load_weights`)
+    runtime_weight_names = True
+
     def __init__(self, model, tokenizer, batch_size: int | None = None):
         self.model = copy.deepcopy(model).eval()
         for p in self.model.parameters():

@@ -86,14 +86,14 @@ class PolicyPublisher:
             return 0.0
         start = time.perf_counter()
         sent = {"mode": "adapter" if self.adapter else "full", "tensors": 0, "bytes": 0}
-        groups = self._counted(iter_adapter_params(model) if self.adapter else iter_full_params(model), sent)
         if self.backend is None:
-            for _ in groups:  # take part in the gathers; the main process sends
+            for _ in self._groups(model, sent, None):  # take part in the gathers; the main process sends
                 pass
         else:
             try:
                 with contextlib.nullcontext() if self.inflight else self.backend.lock:
                     backend = self.backend.get()
+                    groups = self._groups(model, sent, backend)
                     if self.adapter:
                         if not hasattr(backend, "load_adapter"):
                             raise TypeError(
@@ -111,6 +111,16 @@ class PolicyPublisher:
         self.published = version
         self.last = {**sent, "seconds": time.perf_counter() - start}
         return self.last["seconds"]
+
+    def _groups(self, model: nn.Module, sent: dict, backend):
+        """The groups a publish sends to `backend` (None: nobody, this process only takes part in the gathers): an
+        engine takes the checkpoint's names and layout (`iter_full_params`: an MoE model's experts one tensor per
+        expert), a backend that says `runtime_weight_names = True` (`HFBackend`: an HF model of the same class) the
+        model's own parameter names."""
+        if self.adapter:
+            return self._counted(iter_adapter_params(model), sent)
+        checkpoint = backend is not None and not getattr(backend, "runtime_weight_names", False)
+        return self._counted(iter_full_params(model, checkpoint_layout=checkpoint), sent)
 
     @staticmethod
     def _counted(groups, sent: dict):

@@ -9,6 +9,8 @@ path/
   tokenizer.json  tokenizer_config.json  special_tokens_map.json  (chat template included)
 ```
 
+`build_tiny_moe(path, TinyMoESpec(family=...))` does the same for a tiny mixture-of-experts model (`moe.py`).
+
 The model's head_dim is at least 32 because vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, ...
 """
 
@@ -238,3 +240,9 @@ def _convert_smollm2(gguf: str, path: str, wanted: dict) -> str:
     shutil.rmtree(path, ignore_errors=True)
     os.replace(staging, path)  # complete or absent: a killed conversion leaves no half folder
     return path
+
+
+# ---- tiny mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE): grpo_async/testing/moe.py ---------------
+from .moe import MOE_FAMILIES as MOE_FAMILIES  # noqa: E402
+from .moe import TinyMoESpec as TinyMoESpec  # noqa: E402
+from .moe import build_tiny_moe as build_tiny_moe  # noqa: E402

@@ -5,7 +5,9 @@ stripped of `base_model.model.` and `.base_layer`, adapter tensors skipped, then
 (parameters gathered one module at a time, never the whole model at once) and FSDP2 (`DTensor.full_tensor()`).
 
 `iter_full_params` is a generator of `(module_name, [(hf_name, tensor), ...])` groups, in module order, so callers
-can bucket by module without holding more than one module gathered at a time.
+can bucket by module without holding more than one module gathered at a time. Names and tensors are the checkpoint's
+(`checkpoint_layout`: a mixture-of-experts model's stacked experts go out one tensor per expert, as `save_pretrained`
+writes them and vLLM loads them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from .buckets import module_of, single_thread
+from .checkpoint_layout import checkpoint_layout as to_checkpoint_layout
 
 PEFT_PREFIX = "base_model.model."
 
@@ -88,7 +91,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+def iter_full_params(
+    model: nn.Module, checkpoint_layout: bool = True
+) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
     """Yield `(module_name, [(hf_name, full_tensor), ...])` per module, all ranks participating.
 
     Plain parameters are yielded as views of the live tensors (no copy); ZeRO-3 parameters are gathered one module
@@ -96,8 +101,14 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, to
     asking for more holds about one bucket beyond the model. Under PEFT the weights the adapter is merged into
     (`.base_layer.`) are copied while merged: the merge is undone as soon as the last group has been handed out, which
     is before a bucketing consumer (`iter_buckets`) sends its final bucket, so views would arrive unmerged.
+
+    A model whose checkpoint layout differs from its parameters (transformers 5's MoE families: stacked experts at run
+    time, one tensor per expert on disk) has each group converted to the checkpoint's names and tensors, what an
+    engine loads (`weight_sync.checkpoint_layout`; the converted expert tensors are copies), unless
+    `checkpoint_layout=False` (the model's own parameter names, for an HF model of the same class).
     """
     peft = _is_peft(model)
+    to_checkpoint = to_checkpoint_layout(model.get_base_model() if peft else model) if checkpoint_layout else None
     # Group parameters by owning module, keeping module order.
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
@@ -115,6 +126,8 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, list[tuple[str, to
                                 t = t.clone()
                         out.append((mapped, t))
                 if out:
+                    if to_checkpoint is not None:
+                        out = to_checkpoint(out)
                     yield (hf_name(module_name + ".x", peft) or module_name).rsplit(".", 1)[0], out
 
 

@@ -130,6 +130,12 @@ class PushCoverage:
     each fused one by all of its shards; names are mapped as vLLM's loader maps them (the model's
     `hf_to_vllm_mapper`, else its `packed_modules_mapping`). A tied LM head is the embedding (one parameter).
 
+    A mixture-of-experts layer stacks its experts: `w13_weight` `[E, 2I, H]` (each expert's gate and up projection)
+    and `w2_weight` `[E, H, I]`. Its shards are `expert e w1` / `w3` / `w2`, read off the layer's own expert mapping
+    (`get_expert_mapping(include_fused=True)`, what its loader matches names against): a per-expert checkpoint tensor
+    (`mlp.experts.3.gate_proj.weight`) covers one shard of one expert, a stacked one (`mlp.experts.gate_up_proj`, how
+    transformers 5 keeps experts at run time) its shards of every expert.
+
     Example (a 1-layer Llama): receiving every checkpoint tensor but `model.layers.0.self_attn.k_proj.weight` gives
     `missing(...) == ["model.layers.0.self_attn.qkv_proj.weight (shard 'k' missing)"]`.
     """
@@ -145,6 +151,9 @@ class PushCoverage:
         self.needed: dict[str, frozenset[str]] = {}
         for name, _ in model.named_parameters():  # shared parameters (a tied head) are listed once
             self.needed[name] = frozenset(sh for new, sh in self.stacked.values() if f"{new}." in f"{name}.")
+        self.experts = [_ExpertLayer(name, m) for name, m in _expert_layers(model)]
+        for layer in self.experts:
+            self.needed.update(layer.needed)
 
     def target(self, hf_name: str) -> tuple[str, str | None] | None:
         """`(vLLM parameter name, shard)` a checkpoint tensor is loaded into, None when vLLM ignores it."""
@@ -157,19 +166,88 @@ class PushCoverage:
                 return hf_name.replace(f"{sub}.", f"{new}.", 1), sh
         return hf_name, None
 
+    def targets(self, hf_name: str) -> list[tuple[str, str | None]]:
+        """Every `(vLLM parameter name, shard)` a checkpoint tensor is loaded into (several for stacked experts)."""
+        mapped = self.mapper.map_name(hf_name) if self.mapper is not None else hf_name
+        if mapped is None:
+            return []
+        for layer in self.experts:
+            if mapped.startswith(layer.prefix):
+                return layer.targets(mapped)
+        t = self.target(hf_name)
+        return [] if t is None else [t]
+
     def missing(self, names) -> list[str]:
         """The served model's parameters (and fused shards) that `names` (HF checkpoint names) do not cover."""
         got: dict[str, set] = {}
         for n in names:
-            t = self.target(n)
-            if t is not None:
-                got.setdefault(t[0], set()).add(t[1])
+            for name, shard in self.targets(n):
+                got.setdefault(name, set()).add(shard)
         out = []
         for name, shards in self.needed.items():
             if name not in got:
                 out.append(name)
             elif shards - got[name]:
-                out.append(f"{name} (shard {', '.join(repr(x) for x in sorted(shards - got[name]))} missing)")
+                lost = sorted(shards - got[name])
+                more = f" and {len(lost) - 4} more" if len(lost) > 4 else ""
+                out.append(f"{name} (shard {', '.join(repr(x) for x in lost[:4])}{more} missing)")
+        return out
+
+
+def _expert_layers(model) -> list[tuple[str, object]]:
+    """vLLM's MoE expert layers in `model`: the modules that hold stacked expert weights and load them by their expert
+    mapping (`RoutedExperts` in vLLM 0.32; `FusedMoE` before)."""
+    named_modules = getattr(model, "named_modules", None)
+    out = []
+    for name, module in named_modules() if callable(named_modules) else ():
+        if (
+            callable(getattr(module, "get_expert_mapping", None))
+            and isinstance(getattr(module, "layer_name", None), str)
+            and "w13_weight" in getattr(module, "_parameters", {})
+        ):
+            out.append((name, module))
+    return out
+
+
+class _ExpertLayer:
+    """One MoE layer's coverage: its served parameters' shards, and the shards a checkpoint name fills, matched the
+    way the layer's loader matches them (`RoutedExperts.load_weights`: the layer name, then the expert mapping's
+    checkpoint names as substrings; a name with an expert index takes that expert's entries, one without is a stack of
+    every expert)."""
+
+    def __init__(self, module_name: str, layer):
+        self.layer_name = layer.layer_name  # the names its loader sees start with it (the MoE block's module path)
+        self.prefix = self.layer_name + "."
+        self.module_name = module_name  # where its parameters are in `named_parameters()`
+        self.params = set(layer._parameters)
+        self.mapping = list(layer.get_expert_mapping(include_fused=True))
+        self.by_expert: dict[str, list] = {}
+        self.shards: dict[str, set[str]] = {}  # parameter -> every expert's shards
+        for param, weight, expert, shard in self.mapping:
+            key = weight.partition(".")[2].partition(".")[0]
+            if key.isdecimal():  # a per-expert entry (`experts.3.gate_proj.` -> `experts.w13_`): this expert's shard
+                self.by_expert.setdefault(key, []).append((param, weight, expert, shard))
+                attr = param.partition("experts.")[2] + "weight"  # what `...experts.3.gate_proj.weight` loads into
+                self.shards.setdefault(attr, set()).add(f"expert {expert} {shard}")
+        self.needed = {f"{module_name}.{p}": frozenset(s) for p, s in self.shards.items() if p in self.params}
+
+    def targets(self, name: str) -> list[tuple[str, str]]:
+        key = name.partition("experts.")[2].partition(".")[0]
+        named = self.by_expert.get(key) if name.count("experts.") == 1 else None
+        out = []
+        for param, weight, expert, shard in named or self.mapping:
+            if weight not in name:
+                continue
+            attr = name.replace(weight, param).removeprefix(self.prefix)
+            if attr not in self.params:
+                continue
+            if named:  # one expert's tensor
+                out.append((f"{self.module_name}.{attr}", f"expert {expert} {shard}"))
+            else:  # stacked: this shard of every expert
+                shards = self.shards.get(attr, ())
+                out += [(f"{self.module_name}.{attr}", s) for s in shards if s.endswith(f" {shard}")]
+        if not out:  # not an expert weight (a bias, a scale): the parameter of that name, whole
+            out.append((f"{self.module_name}.{name.removeprefix(self.prefix)}", None))
         return out
 
 

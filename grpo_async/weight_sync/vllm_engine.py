@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from grpo_async.weight_sync.buckets import unpack_bucket, validate_layout
+from grpo_async.weight_sync.moe_reload import detach_cpu_moe_kernels, restore_cpu_moe_kernels
 from grpo_async.weight_sync.names import STOCK_TRANSPORTS
 from grpo_async.weight_sync.requests import AttachedSegment, close_segments, tied_lm_head
 
@@ -135,6 +136,7 @@ class GrpoAsyncWeightTransferEngine(WeightTransferEngine[GrpoAsyncInitInfo, Grpo
         self.segments: list[AttachedSegment] = []  # mapped until the reload is finalized (it keeps views)
         self.received = 0  # buckets received since start, over any transport
         self.tied = None  # (LM head, embedding name) of a tied-embedding model during a reload (see tied_lm_head)
+        self.moe_kernels: dict | None = None  # CPU MoE kernels detached for the open reload (moe_reload)
 
     @property
     def rank(self) -> int:
@@ -168,6 +170,7 @@ class GrpoAsyncWeightTransferEngine(WeightTransferEngine[GrpoAsyncInitInfo, Grpo
             self.finish_weight_update()
         self.tied = tied_lm_head(self.model)  # before the reload puts each layer's weights on meta
         initialize_layerwise_reload(self.model)
+        self.moe_kernels = detach_cpu_moe_kernels(self.model)  # CPU MoE experts prepacked again (moe_reload)
         self.reload_open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -211,6 +214,8 @@ class GrpoAsyncWeightTransferEngine(WeightTransferEngine[GrpoAsyncInitInfo, Grpo
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
+            restore_cpu_moe_kernels(self.moe_kernels)
+            self.moe_kernels = None
             self.reload_open = False
             self.tied = None
             self._release_segments()

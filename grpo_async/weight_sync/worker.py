@@ -16,6 +16,9 @@ load:   model.load_weights([(hf_name, tensor), ...])     # once per bucket; vLLM
 end:    finalize_layerwise_reload(model, model_config)  # ALWAYS (in `finally`): otherwise the model stays on meta
 ```
 
+On CPU the MoE layers' kernels are detached for the session (`moe_reload`): vLLM then prepacks the reloaded experts
+for its CPU kernel, which its weight-update path skips.
+
 A request may carry a whole session (`begin` and `end` true, the normal case) or a part of one (one request per
 bucket, what the trainer sends); any error closes the open session before it propagates.
 
@@ -49,6 +52,7 @@ import torch
 from grpo_async.parent_watch import exit_with_parent
 from grpo_async.weight_sync.buckets import unpack_bucket
 from grpo_async.weight_sync.delta import DeltaRefused, DeltaShadow
+from grpo_async.weight_sync.moe_reload import detach_cpu_moe_kernels, restore_cpu_moe_kernels
 from grpo_async.weight_sync.requests import (
     AttachedSegment,
     IncompletePushError,
@@ -132,6 +136,7 @@ class WeightSyncWorker:
             st["tied"] = tied_lm_head(self._ws_model())  # before the reload puts each layer's weights on meta
             with set_current_vllm_config(self.vllm_config):
                 initialize_layerwise_reload(self._ws_model())
+            st["moe_kernels"] = detach_cpu_moe_kernels(self._ws_model())
         st["open"] = True
 
     def _ws_load(self, named: list[tuple[str, torch.Tensor]], copy: bool = True) -> None:
@@ -196,12 +201,16 @@ class WeightSyncWorker:
         tied = tied_lm_head(model)  # before the reload puts each layer's weights on meta
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
+        moe_kernels = detach_cpu_moe_kernels(model)
         try:
             while staged:
                 self._ws_load_into_model(staged.pop(0), tied)  # each bucket's memory goes once it is loaded
         finally:
-            with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
+            try:
+                with set_current_vllm_config(self.vllm_config):
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
+            finally:
+                restore_cpu_moe_kernels(moe_kernels)
             self._ws_reset_caches()
 
     def _ws_reset_caches(self) -> None:
@@ -261,6 +270,7 @@ class WeightSyncWorker:
                 finalize_layerwise_reload(self._ws_model(), self.vllm_config.model_config)
             self._ws_reset_caches()
         finally:
+            restore_cpu_moe_kernels(st.pop("moe_kernels", None))
             st["open"] = False
             st["tied"] = None
             self._ws_release()
