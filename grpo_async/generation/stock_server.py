@@ -296,7 +296,11 @@ class _StockStream:
         self.total["buckets"] += 1
         self.total["tensors"] += len(bucket)
 
-    def close(self) -> dict:
+    def close(self, extra: dict | None = None) -> dict:
+        """End the push (`extra`: what a delta push's closing request carries; stock servers take no delta, so
+        it is always `None` here: `ServerFanout` passes it to every stream alike)."""
+        if extra:
+            raise ValueError(f"a stock vLLM server takes no delta push (closing fields {sorted(extra)})")
         c, t = self.tr.client, self.tr.timeout
         body = {} if self.version is None else {"weight_version": str(self.version)}
         try:
