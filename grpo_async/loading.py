@@ -103,11 +103,27 @@ def resolve_name_or_path(name_or_path, what: str = "model", filename: str = "con
 
 def load_model(name_or_path, **from_pretrained_kwargs):
     """`AutoModelForCausalLM.from_pretrained(name_or_path, **from_pretrained_kwargs)` after `resolve_name_or_path`
-    (a missing folder or an offline, uncached Hub id fails at once with a message naming it)."""
-    from transformers import AutoModelForCausalLM
+    (a missing folder or an offline, uncached Hub id fails at once with a message naming it); a vision-language
+    model (a config with a `vision_config`) with `AutoModelForImageTextToText`, vision tower included."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .vision_processor import is_vision_config
 
     resolve_name_or_path(name_or_path, "model", revision=from_pretrained_kwargs.get("revision"))
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **from_pretrained_kwargs)
+    keys = ("revision", "trust_remote_code")
+    config = load_model_config(name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in keys})
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    return auto.from_pretrained(name_or_path, **from_pretrained_kwargs)
+
+
+def load_processing_class(name_or_path, **kwargs):
+    """The tokenizer (`load_tokenizer`), or for a vision-language model its processor
+    (`vision_processor.load_processor`: images and text, as TRL's `processing_class`)."""
+    from .vision_processor import is_vision_config, load_processor
+
+    if is_vision_config(load_model_config(name_or_path, **kwargs)):
+        return load_processor(name_or_path, **kwargs)
+    return load_tokenizer(name_or_path, **kwargs)
 
 
 def load_tokenizer(name_or_path, **kwargs):

@@ -300,7 +300,8 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config, quant
 
     Returns `(model, processing_class, ref_model or None)`.
     """
-    from .loading import load_model, load_tokenizer
+    from .loading import load_model, load_processing_class
+    from .vlm_setup import check_vision_model
 
     if args.sync_ref_model and peft_config is not None:  # TRL 1.16 refuses it the same way
         raise NotImplementedError(
@@ -334,16 +335,18 @@ def prepare_models(model, args: GRPOConfig, processing_class, peft_config, quant
                 stacklevel=3,
             )
     if processing_class is None:
-        processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
-    if getattr(processing_class, "pad_token", None) is None:
-        if getattr(processing_class, "eos_token", None) is None:
+        processing_class = load_processing_class(model_id, trust_remote_code=args.trust_remote_code)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a VLM's processor holds its tokenizer
+    if getattr(tokenizer, "pad_token", None) is None:
+        if getattr(tokenizer, "eos_token", None) is None:
             raise ValueError(
                 f"The tokenizer of {model_id!r} has neither a pad token nor an EOS token to pad with. Set "
                 "`tokenizer.pad_token` before creating the trainer."
             )
-        processing_class.pad_token = processing_class.eos_token  # TRL's fallback
+        tokenizer.pad_token = tokenizer.eos_token  # TRL's fallback
         logger.info("the tokenizer of %r has no pad token: padding with its EOS token, as TRL does", model_id)
-    processing_class.padding_side = "left"
+    tokenizer.padding_side = "left"
+    check_vision_model(args, model)  # vlm_setup.py: what a vision-language model refuses or turns off
 
     is_peft = peft_config is not None
     ref_model = None

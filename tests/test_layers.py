@@ -10,7 +10,7 @@ above. A new module must be given a floor here, so the test also fails on a modu
 3  generation                 (backends, servers' client side, the registry)
 2  weight_sync                (collect, buckets, transports, the worker extension)
 1  algo                       (pure math)
-0  net, parent_watch, loading, logging_utils, plotting, interrupt   (ground floor)
+0  net, parent_watch, loading, logging_utils, plotting, interrupt, vision_processor   (ground floor)
 ```
 """
 
@@ -28,6 +28,7 @@ FLOORS = {
     "logging_utils": 0,
     "plotting": 0,
     "interrupt": 0,
+    "vision_processor": 0,
     "algo": 1,
     "weight_sync": 2,
     "generation": 3,
@@ -39,6 +40,7 @@ FLOORS = {
     "data": 7,
     "trainer": 7,
     "trainer_setup": 7,
+    "vlm_setup": 7,
     "trainer_pipeline": 7,
     "trl_attributes": 7,
     "trl_async": 7,

@@ -48,6 +48,7 @@ def score_tokens(
     share_prefix: bool | SharingCost = False,
     max_positions: int | None = None,
     support=None,
+    vision=None,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
     optionally each position's entropy and the MoE load-balancing loss.
@@ -71,8 +72,16 @@ def score_tokens(
         max_positions (`int`, *optional*): with `padding_free`, the most token positions (filler included) a
             chunk's packed `[K, W]` may hold (`GRPOConfig.token_budget`; `algo.packing.fit_bins`). The chunk's real
             tokens must fit in it; the padded path ignores it.
+        vision (`VisionRows`, *optional*): a vision-language model's inputs of the `B` rows (`algo.vision`): each
+            chunk's forward gets its own rows' images. Padded forward passes only (packing cannot isolate a row's
+            images: refused; prompt sharing falls back to unshared rows with one warning).
     """
     batch_size = batch_size or input_ids.size(0)
+    if vision is not None and padding_free:
+        raise ValueError(
+            "padding_free packs rows into shared bins, which cannot carry each row's images (pixel_values, "
+            "image_grid_thw): a vision-language model trains with padded forward passes (GRPOConfig.padding_free)"
+        )
     cost = None
     if share_prefix and sharing_supported(model, router):
         cost = share_prefix if isinstance(share_prefix, SharingCost) else sharing_cost(model)
@@ -97,12 +106,15 @@ def score_tokens(
                 kept.append(unpack_completion(mass, packed))  # [b, T]
             aux.append(aux_loss)
             continue
-        # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
-        position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # [b, P+T]
         extra = {"output_router_logits": True} if router is not None else {}
-        out = model(
-            input_ids=ids, attention_mask=am, position_ids=position_ids, logits_to_keep=logits_to_keep + 1, **extra
-        )
+        rows = None if vision is None else vision.select(slice(start, start + batch_size))
+        if rows is not None:  # this chunk's own images; token types over [P+T]
+            extra.update(rows.model_inputs(logits_to_keep, ids.size(1) - logits_to_keep))
+        if rows is None or not rows.uses_mrope:
+            # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
+            # (Qwen-VL computes its own 3-D positions from the token types, the image grids and the mask)
+            extra["position_ids"] = (am.cumsum(-1) - 1).clamp(min=0)  # [b, P+T]
+        out = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, **extra)
         raw = out.logits[:, :-1, :]  # [b, T, V]
         logps.append(selective_log_softmax(raw / temperature, ids[:, -logits_to_keep:]))  # [b, T]
         if entropy:
@@ -172,15 +184,16 @@ class LogpsScorer:
         self.share_prefix = share_prefix
         self.max_positions = max_positions  # GRPOConfig.token_budget: positions of a packed pass, filler included
 
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-        return self.scores(ids, mask, T)[0]  # [b, T]
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, T: int, vision=None) -> torch.Tensor:
+        return self.scores(ids, mask, T, vision=vision)[0]  # [b, T]
 
     @torch.no_grad()
     def scores(
-        self, ids: torch.Tensor, mask: torch.Tensor, T: int, support=None
+        self, ids: torch.Tensor, mask: torch.Tensor, T: int, support=None, vision=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(logps [b, T], log_kept_mass [b, T] or None)` on CPU: with `support` (the sampler's kept sets `[b, T, K]`
-        or a `TruncationFilter`) also the model's log-mass on them, from the same forward pass."""
+        or a `TruncationFilter`) also the model's log-mass on them, from the same forward pass; `vision`: the rows'
+        images (`algo.vision.VisionRows`)."""
         import contextlib
 
         if isinstance(support, torch.Tensor):
@@ -196,6 +209,7 @@ class LogpsScorer:
                 share_prefix=self.share_prefix,
                 max_positions=self.max_positions,
                 support=support,
+                vision=None if vision is None else vision.to(self.device),
             )
         mass = None if out.log_kept_mass is None else out.log_kept_mass.cpu()
         return out.logps.cpu(), mass  # [b, T], [b, T]

@@ -250,6 +250,8 @@ class PolicyObjective:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
         mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
         scoring = {"share_prefix": share_prefix, "max_positions": max_positions, **self.scoring}
+        if getattr(batch, "vision", None) is not None:  # a vision-language model: each row's images
+            scoring["vision"] = batch.vision
         scores = score_tokens(model, ids, mask, T, temperature, None, padding_free, **scoring)
         return self(scores, batch, ctx, end_of_window=end_of_window)
 

@@ -251,6 +251,11 @@ def unsupported_reason(model, router: tuple[int, int] | None = None) -> str | No
             "count each prompt token once instead of once per completion"
         )
     base = _base_model(model)
+    if getattr(base.config, "vision_config", None) is not None:
+        return (
+            "a vision-language model's prompt holds its images' tokens, whose features (and Qwen-VL's 3-D positions) "
+            "the prompt-sharing tree does not carry: prompt sharing is off for vision-language models"
+        )
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     layer_types = set(getattr(text, "layer_types", None) or ())
     if any("sliding" in t for t in layer_types) or (not layer_types and getattr(text, "sliding_window", None)):

@@ -17,13 +17,15 @@ def base_model(model):
 
 
 def _make_hf(args, model, tokenizer, model_path: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from ..vision_processor import is_vision_config
     from .hf import HFBackend
 
     base = base_model(model)
     if hasattr(model, "peft_config"):  # generate from a plain copy of the architecture; merged weights arrive later
-        base = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
+        auto = AutoModelForImageTextToText if is_vision_config(base.config) else AutoModelForCausalLM
+        base = auto.from_config(base.config, dtype=base.dtype)
     return HFBackend(base, tokenizer, batch_size=None)
 
 

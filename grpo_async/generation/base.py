@@ -99,6 +99,17 @@ class Completion:
     sampling_mask: list[list[int] | None] | None = None
 
 
+@dataclass
+class PromptImages:
+    """One prompt's images (a vision-language model's prompt): `images`, the RGB PIL images in the prompt's order
+    (what an engine's `multi_modal_data` takes), and `inputs`, the processor's tensors for this prompt alone
+    (`pixel_values`, `image_grid_thw`, `mm_token_type_ids` `[1, P]`, ...: what `model.generate` takes with its
+    `input_ids`; `algo.vision.VisionRows.from_prompts` stacks them per row)."""
+
+    images: list
+    inputs: dict = field(default_factory=dict)
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     """Generates completions and receives new weights.
@@ -122,6 +133,10 @@ class GenerationBackend(Protocol):
     # PEFT-named lora_A / lora_B tensors, the adapter's config as a dict) as policy `version` on top of the base
     # weights the engine loaded, which never move; the policy publisher calls it instead of `load_weights` when
     # `GRPOConfig.vllm_lora_sync` resolves to "adapter" (`grpo_async.weight_sync.lora`).
+
+    # Optional (backends with `takes_images = True`: `HFBackend`): `generate(prompt_ids, sampling, images=...)` takes
+    # `images[i]`, a `PromptImages` or None, for prompt i: a vision-language model generates with prompt i's images
+    # (its `prompt_ids[i]` already hold the expanded image tokens). The producer refuses images for other backends.
 
     # Optional (every built-in backend): `abort()` is called from another thread at shutdown while `generate` may be
     # running; that call (and every later one) then raises `GenerationAborted` as soon as the backend can stop (vLLM

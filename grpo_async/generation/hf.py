@@ -20,6 +20,7 @@ import threading
 import torch
 
 from ..algo.sampling_support import encode_support
+from ..vision_processor import vision_placeholder_ids
 from .base import Completion, GenerationAborted, SamplingConfig, check_completions
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class HFBackend:
     #: `load_weights` takes the policy's own parameter names (it copies them into a model of the same class), not the
     #: checkpoint layout an engine loads (`GenerationBackend.load_weights`)
     runtime_weight_names = True
+    #: `generate(..., images=)`: a vision-language model generates with each prompt's images (`PromptImages`)
+    takes_images = True
 
     def __init__(self, model, tokenizer, batch_size: int | None = None):
         self.model = copy.deepcopy(model).eval()
@@ -121,6 +124,8 @@ class HFBackend:
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        #: a VLM's image / video placeholder tokens, never sampled (`vision_processor.vision_placeholder_ids`)
+        self.placeholder_ids = vision_placeholder_ids(self.model.config)
         # On a GPU the engine issues its kernels on a CUDA stream of its own: on the trainer's (the default) stream,
         # generation in the background thread and the training step would queue behind each other on the device
         device = next(self.model.parameters()).device
@@ -152,13 +157,17 @@ class HFBackend:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None) -> list[Completion]:
+        """`images[i]` (`PromptImages` or None): prompt i's images, for a vision-language model."""
         with self._lock, self._on_own_stream():
             out: list[Completion] = []
             step = self.batch_size or len(prompt_ids)
             for start in range(0, len(prompt_ids), step):  # seeded: the chunk's first prompt is prompt `start`
                 self._check_aborted()
-                out.extend(self._generate_chunk(prompt_ids[start : start + step], sampling.for_prompt(start)))
+                chunk_images = images[start : start + step] if images is not None else None
+                out.extend(
+                    self._generate_chunk(prompt_ids[start : start + step], sampling.for_prompt(start), chunk_images)
+                )
                 self._check_aborted()  # the chunk stopped early: its completions are cut, never returned
             out = check_completions(out, len(prompt_ids), sampling.n, "HFBackend")
             self.completions_generated += len(out)
@@ -176,7 +185,7 @@ class HFBackend:
         if self._aborted.is_set():
             raise GenerationAborted("HFBackend: generation aborted (shutting down)")
 
-    def _generate_chunk(self, prompt_ids: list[list[int]], s: SamplingConfig) -> list[Completion]:
+    def _generate_chunk(self, prompt_ids: list[list[int]], s: SamplingConfig, images=None) -> list[Completion]:
         pad = self.tokenizer.pad_token_id
         device = next(self.model.parameters()).device
         P = max(len(p) for p in prompt_ids)
@@ -222,6 +231,15 @@ class HFBackend:
         # row (num_beams=2 gives each row its best beam; greedy decoding refuses num_return_sequences > 1)
         kwargs["num_return_sequences"] = 1
         input_ids, attention_mask = input_ids.repeat_interleave(s.n, 0), attention_mask.repeat_interleave(s.n, 0)
+        if self.placeholder_ids:  # a VLM: no image token in a completion (it would be taken for an image)
+            kwargs["suppress_tokens"] = self.placeholder_ids
+        if images is not None and any(m is not None for m in images):  # a VLM: each row's own images, token types
+            from ..algo.vision import VisionRows
+
+            per_prompt = [None if m is None else m.inputs for m in images]
+            rows = VisionRows.from_prompts(per_prompt, [len(p) for p in prompt_ids])
+            rows = rows.select(torch.arange(len(prompt_ids)).repeat_interleave(s.n))  # [b*n] as the ids
+            kwargs.update({k: v.to(device) for k, v in rows.model_inputs(0, P).items()})
         kwargs.update(extra)
         from transformers import StoppingCriteriaList
 

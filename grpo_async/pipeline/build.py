@@ -185,7 +185,8 @@ def build_pipeline(
     per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
     has_engine = per_rank or collectives.is_main
     alone = not per_rank and collectives.num_processes > 1
-    engine = SharedBackend(EngineFactory(config, link, tokenizer, model_source, alone)) if has_engine else None
+    text = getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor: the engine and pads use its tokenizer
+    engine = SharedBackend(EngineFactory(config, link, text, model_source, alone)) if has_engine else None
     publisher = PolicyPublisher(
         engine,
         enabled=config.syncs_weights,
@@ -213,7 +214,7 @@ def build_pipeline(
     if per_rank or config.async_mode == "stream":  # stream mode joins prompt groups into rounds the same way
         ps = ProducerSettings.from_config(config)
         joiner = RoundJoiner(
-            JoinSettings(ps.num_generations, ps.scale_rewards, ps.multi_objective_aggregation, tokenizer.pad_token_id),
+            JoinSettings(ps.num_generations, ps.scale_rewards, ps.multi_objective_aggregation, text.pad_token_id),
             reward_weights=lambda: producer.reward_weights,
             reward_names=lambda: producer.reward_names,
         )

@@ -78,6 +78,8 @@ def save_rounds(folder: str, rounds: list) -> list[dict]:
     for rnd in rounds:
         for name, t in rnd.batch.tensors().items():
             tensors[f"{rnd.round_id}/batch/{name}"] = t.detach().cpu().contiguous()
+        for name, t in (rnd.batch.vision.flat() if rnd.batch.vision is not None else {}).items():
+            tensors[f"{rnd.round_id}/vision/{name}"] = t.detach().cpu().contiguous()
         tensors[f"{rnd.round_id}/batch_num_items"] = torch.tensor(rnd.batch.num_items_in_batch, dtype=torch.float64)
         for name, v in rnd.metrics.items():
             tensors[f"{rnd.round_id}/metrics/{name}"] = torch.tensor(float(v), dtype=torch.float64)
@@ -100,6 +102,7 @@ def load_rounds(folder: str, described: list[dict]) -> list:
     """The `Round`s `save_rounds` saved in `folder`, in the order of `described` (the state file's `in_flight`)."""
     from safetensors.torch import load_file
 
+    from ..algo.vision import VisionRows
     from .types import MicroBatch, Round
 
     path = os.path.join(folder, ROUNDS_FILE)
@@ -111,7 +114,10 @@ def load_rounds(folder: str, described: list[dict]) -> list:
         rid = d["round_id"]
         prefix = f"{rid}/batch/"
         fields = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        batch = MicroBatch(**fields, num_items_in_batch=float(tensors[f"{rid}/batch_num_items"]))
+        vision = {k[len(f"{rid}/vision/") :]: v for k, v in tensors.items() if k.startswith(f"{rid}/vision/")}
+        batch = MicroBatch(
+            **fields, vision=VisionRows.from_flat(vision), num_items_in_batch=float(tensors[f"{rid}/batch_num_items"])
+        )
         metrics = {name: float(tensors[f"{rid}/metrics/{name}"]) for name in d["metrics"]}
         rounds.append(Round(rid, d["policy_version"], batch, metrics, d["samples"], d["generation_time"]))
     return rounds

@@ -229,12 +229,14 @@ class RoundConsumer:
         T = local.completion_ids.size(1)
         ids = torch.cat([local.prompt_ids, local.completion_ids], 1)  # [L, P+T]
         mask = torch.cat([local.prompt_mask, local.completion_mask], 1)  # [L, P+T]
+        vision = local.vision  # a vision-language model: each forward pass gets its rows' images
+        vis = (lambda part: {}) if vision is None else (lambda part: {"vision": vision.select(part)})  # noqa: E731
         out = {}
         if self.old_logps is not None:
             t0 = time.perf_counter()
             parts = self._chunks(ids.size(0), self.s.old_logps_micro_batch_size, mask)
             sets = lambda part: support[part] if isinstance(support, torch.Tensor) else support  # noqa: E731
-            chunks = [self.old_logps(ids[part], mask[part], T, sets(part)) for part in parts]  # each [rows, T] × 2
+            chunks = [self.old_logps(ids[part], mask[part], T, sets(part), **vis(part)) for part in parts]  # [rows, T]
             out["old_logps"] = torch.cat([logps for logps, _ in chunks])  # [L, T]
             if support is not None:
                 log_kept = torch.cat([mass for _, mass in chunks]) * local.completion_mask  # [L, T] ≤ 0
@@ -245,7 +247,7 @@ class RoundConsumer:
         if self.ref_logps is not None:
             t0 = time.perf_counter()
             parts = self._chunks(ids.size(0), self.s.ref_logps_micro_batch_size, mask)
-            chunks = [self.ref_logps(ids[part], mask[part], T) for part in parts]  # each [rows of the part, T]
+            chunks = [self.ref_logps(ids[part], mask[part], T, **vis(part)) for part in parts]  # each [rows, T]
             out["ref_logps"] = torch.cat(chunks)  # [L, T]
             self.log("timing/ref_logps", time.perf_counter() - t0)
             self.log("chunks/ref_logps", float(len(chunks)))

@@ -71,7 +71,8 @@ def eval_loss(
                     T = part.completion_ids.size(1)
                     ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)  # [b, P+T]
                     mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1)  # [b, P+T]
-                    part.ref_logps = ref_logps(ids, mask, T)  # [b, T]
+                    vis = {} if part.vision is None else {"vision": part.vision}  # a VLM: the rows' images
+                    part.ref_logps = ref_logps(ids, mask, T, **vis)  # [b, T]
                 out = objective.forward_loss(  # the training step's forward and loss (a share holds whole groups)
                     model,
                     part.to(device),

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
+from ..algo.vision import VisionRows
 from .metrics import ROUND_TOKENS
 from .types import MicroBatch, Round
 
@@ -171,7 +172,10 @@ def cat_batches(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
         out[name] = torch.cat(
             [F.pad(p, (width - p.size(1), 0) if left else (0, width - p.size(1)), value=value) for p in parts]
         )  # [R, width]
-    return dataclasses.replace(first, **out, num_items_in_batch=float(sum(b.num_items_in_batch for b in batches)))
+    vision = VisionRows.cat([b.vision for b in batches], [len(b) for b in batches])  # each row keeps its images
+    return dataclasses.replace(
+        first, **out, vision=vision, num_items_in_batch=float(sum(b.num_items_in_batch for b in batches))
+    )
 
 
 def _fill_missing(name: str, parts: list, batches: list[MicroBatch]) -> list[torch.Tensor]:

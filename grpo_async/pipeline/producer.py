@@ -33,6 +33,7 @@ from ..rewards import RewardLogs, score_completions
 from .metrics import ROUND_TOKENS, terminated_length_metrics
 from .rows import chunk_slices, pad
 from .types import MicroBatch, Round, RoundRequest
+from .vision_prompts import call_images, is_processor, row_images, tokenize_with_images, with_vision
 
 #: a dataset column whose dict (per row, the same for a prompt's G rows) is merged over the run's generation_kwargs
 #: for that prompt's requests, e.g. `{"min_tokens": 40, "max_tokens": 40}` (vLLM `SamplingParams` fields)
@@ -121,7 +122,9 @@ class RoundProducer:
         rollout_func: Callable[[list], dict] | None = None,
     ):
         self.backend = backend
-        self.tokenizer = tokenizer
+        #: a vision-language model's processor (rows with images); `tokenizer` is then the processor's tokenizer
+        self.processor = tokenizer if is_processor(tokenizer) else None
+        self.tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
         self.reward_funcs, self.reward_names, self.reward_weights = (
             list(reward_funcs),
             list(reward_names),
@@ -195,6 +198,34 @@ class RoundProducer:
             out.append(ids)
         return out, truncated
 
+    def tokenize_rows(self, prompts: list, rows: list[dict]) -> tuple[list[list[int]], int, list | None]:
+        """`tokenize_prompts`, with each prompt's images (`rows[k]`: prompt k's row; its `image` / `images`
+        column, `pipeline/vision_prompts.py`) when the processing class is a processor: `(prompt_ids, truncated,
+        media)`, `media[k]` prompt k's `PromptImages` (None: a text-only prompt), `media` None without images."""
+        images = [row_images(r) for r in rows]
+        if self.processor is None or not any(images):
+            if any(images):
+                raise ValueError(
+                    "the dataset has images (an `image` / `images` column) but the processing_class is a tokenizer: "
+                    "pass the model's processor as processing_class (as with TRL; loaded by default for a model "
+                    "with a vision_config)"
+                )
+            return (*self.tokenize_prompts(prompts), None)
+        if self.environment is not None or self.rollout_func is not None:
+            raise ValueError("rows with images cannot go through an environment or a rollout_func here (text only)")
+        ids, media = [], []
+        for p, imgs in zip(prompts, images, strict=True):
+            one, m = tokenize_with_images(self.processor, p, imgs or [], self.s.chat_template_kwargs)
+            limit = self.s.max_prompt_length
+            if limit is not None and len(one) > limit:  # never cut: the image tokens must match the images
+                raise ValueError(
+                    f"a prompt with images has {len(one)} tokens > max_prompt_length={limit}; prompts with images "
+                    "are not truncated (their image tokens must match the pixel values): raise max_prompt_length"
+                )
+            ids.append(one)
+            media.append(m if imgs else None)
+        return ids, 0, media
+
     def _sampling(self, n: int, round_id: int, row: int) -> SamplingConfig:
         """The sampling of a call whose first completion is row `row` of round `round_id`: with a run seed, row r of
         the round samples with seed `derive_seed(seed, round_id) + r` (`SamplingConfig.seed`), whatever the chunking
@@ -224,13 +255,14 @@ class RoundProducer:
         G: int,
         first_row: int = 0,
         concurrent: bool = False,
+        media: list | None = None,
     ):
         """Completions grouped by prompt (`[R]`), the sampler's version, and the number of generate calls. Holds the
         backend's lock for the whole round, so the round runs on one version of the weights; `concurrent` (stream
         mode: one prompt group per call, from several threads at once) does not: the backend is then one that takes
         concurrent calls (`start_streaming`), and a publish either waits for the groups running
         (`GroupStream.held`) or loads between two engine steps (in-flight, the completions' `versions` say so).
-        `first_row`: the round row of `rows[0]` (the sampling seeds)."""
+        `first_row`: the round row of `rows[0]` (the sampling seeds); `media[k]`: prompt k's images (a VLM)."""
         with contextlib.nullcontext() if concurrent else self.backend.lock:
             backend = self.backend.get()
             version = backend.version if self.s.syncs_weights and backend.version is not None else 0
@@ -276,7 +308,7 @@ class RoundProducer:
                 sampling = self._sampling(n, round_id, first_row + row)
                 if any(k is not None for k in own):
                     sampling.per_prompt = [own[row + i * n] for i in range(len(chunk))]
-                completions += backend.generate(chunk, sampling)
+                completions += backend.generate(chunk, sampling, **call_images(backend, media, row, n, len(chunk), G))
             return completions, version, len(calls)
 
     def score(self, rows: list[dict], completions: list[Completion], logs: RewardLogs | None = None) -> torch.Tensor:
@@ -327,11 +359,11 @@ class RoundProducer:
             if any(self.prompt_of(rows[g + i]) != self.prompt_of(rows[g]) for i in range(G)):
                 raise RuntimeError(f"round {request.round_id}: rows {g}..{g + G - 1} are not {G} copies of a prompt")
         prompts = [self.prompt_of(r) for r in rows[::G]]
-        prompt_ids, truncated = self.tokenize_prompts(prompts)
+        prompt_ids, truncated, media = self.tokenize_rows(prompts, rows[::G])
         self._check_aborted(request.round_id)
         t0 = time.perf_counter()
         completions, version, rollout_calls = self.generate(
-            prompts, rows, prompt_ids, request.round_id, G, request.first_row, concurrent
+            prompts, rows, prompt_ids, request.round_id, G, request.first_row, concurrent, media
         )
         t_gen = time.perf_counter() - t0
         self._check_aborted(request.round_id)  # shutting down: the rewards (maybe slow) are not computed
@@ -347,6 +379,7 @@ class RoundProducer:
 
         prompt_rep = [c.extra.get("prompt_ids") or prompt_ids[i // G] for i, c in enumerate(completions)]  # [R]
         batch = self._batch(prompt_rep, completions, advantages, version, request.round_id, request.first_row)
+        batch = with_vision(batch, media and [media[i // G] for i in range(len(completions))])  # each row's images
         completion_mask = batch.completion_mask  # [R, T] tokens that exist
         metrics = self._metrics(completions, rewards, rewards_per_func, completion_mask, G)
         metrics.update(
@@ -464,21 +497,23 @@ class RoundProducer:
 
         G = self.s.num_generations_eval
         rewards_all, per_func_all, lengths, rows_kept = [], [], [], []
+        media_kept: list = []  # a VLM: each kept row's prompt images
         stream = iter(dataset)  # a Dataset or a streaming IterableDataset alike, in order
         for lo in itertools.count(0, chunk_prompts):
             rows = list(itertools.islice(stream, chunk_prompts))
             if not rows:
                 break
             prompts = [self.prompt_of(r) for r in rows]
-            prompt_ids, _ = self.tokenize_prompts(prompts)
+            prompt_ids, _, media = self.tokenize_rows(prompts, rows)
             rows_rep = [r for r in rows for _ in range(G)]
-            completions, _, _ = self.generate(prompts, rows_rep, prompt_ids, -1 - lo, G)
+            completions, _, _ = self.generate(prompts, rows_rep, prompt_ids, -1 - lo, G, media=media)
             per_func = self.score(rows_rep, completions)  # [n·G, F]
             per_func_all.append(per_func)
             rewards_all.append(combine_rewards(per_func, self.reward_weights))
             lengths += [len(c.completion_ids) for c in completions]
             if batch_rows is not None:
                 rows_kept += [(c.extra.get("prompt_ids") or prompt_ids[i // G], c) for i, c in enumerate(completions)]
+                media_kept += [media and media[i // G] for i in range(len(completions))]
         if not rewards_all:
             raise ValueError("evaluate(): the eval dataset yielded no prompts")
         rewards, per_func = torch.cat(rewards_all), torch.cat(per_func_all)
@@ -492,7 +527,8 @@ class RoundProducer:
                 self.s.scale_rewards,
                 self.s.multi_objective_aggregation,
             )  # [b]
-            batches.append(self._batch([p for p, _ in kept], [c for _, c in kept], advantages, 0, -1))
+            batch = self._batch([p for p, _ in kept], [c for _, c in kept], advantages, 0, -1)
+            batches.append(with_vision(batch, media_kept[lo : lo + len(kept)]))
         metrics = {
             "reward": torch.nanmean(rewards).item(),
             "reward_std": nanstd(rewards).item(),

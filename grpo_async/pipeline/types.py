@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..algo.vision import VisionRows
+
 
 @dataclass
 class RoundRequest:
@@ -70,6 +72,9 @@ class MicroBatch:
     support_known: torch.Tensor | None = None  # [B] bool: the backend reported the row's kept sets (sampling_mask)
     support_log_mass: torch.Tensor | None = None  # [B, T] log π_old(kept set) the consumer added to rollout_logps
     num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
+    #: a vision-language model's inputs of each row (`algo.vision.VisionRows`: pixel values, image grids, token
+    #: types), selected, moved and concatenated with the rows; None: no images
+    vision: VisionRows | None = None
 
     # ---- rows ----------------------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -84,8 +89,9 @@ class MicroBatch:
         return self.advantages.size(0)
 
     def select(self, index: slice | torch.Tensor) -> MicroBatch:
-        """Rows `index` (a slice or an index tensor) of every per-row tensor."""
-        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensors().items()})
+        """Rows `index` (a slice or an index tensor) of every per-row tensor (and their images)."""
+        vision = None if self.vision is None else self.vision.select(index)
+        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensors().items()}, vision=vision)
 
     def split(self, parts: int) -> list[MicroBatch]:
         """`parts` consecutive micro-batches of equal size (`len(self)` must divide evenly)."""
@@ -101,6 +107,8 @@ class MicroBatch:
         t_keep = max(1, int(self.completion_mask.sum(1).max().item())) if len(self) else 0
         P = self.prompt_ids.size(1)
         out = {"prompt_ids": self.prompt_ids[:, P - p_keep :], "prompt_mask": self.prompt_mask[:, P - p_keep :]}
+        if self.vision is not None:  # token types are prompt columns too
+            out["vision"] = self.vision.trim_prompt(p_keep)
         for k, v in self.tensors().items():
             if k in _PER_TOKEN or (k == "is_weights" and v.size(1) > 1):
                 out[k] = v[:, :t_keep]
@@ -121,6 +129,8 @@ class MicroBatch:
             return self
         left = {"prompt_ids": self.prompt_ids, "prompt_mask": self.prompt_mask}
         out = {k: torch.nn.functional.pad(v, (dp, 0)) for k, v in left.items()}
+        if self.vision is not None:
+            out["vision"] = self.vision.pad_prompt(dp)
         for k, v in self.tensors().items():
             if k == "sampling_mask":  # [B, T, K]: a padded position keeps no set (−1)
                 out[k] = torch.nn.functional.pad(v, (0, 0, 0, dt), value=-1)
@@ -129,7 +139,15 @@ class MicroBatch:
         return dataclasses.replace(self, **out)
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+        vision = None if self.vision is None else self.vision.to(device)
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()}, vision=vision)
+
+    def vision_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's vision keyword inputs for a forward pass over `prompt_ids + completion_ids` of these rows
+        (`VisionRows.model_inputs`); empty without images."""
+        if self.vision is None:
+            return {}
+        return self.vision.model_inputs(self.completion_ids.size(1), self.prompt_ids.size(1))
 
     # ---- TRL-style read access (`inputs["advantages"]`) ----------------------------------------------------------
     def __getitem__(self, key: str) -> Any:

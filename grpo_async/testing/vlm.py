@@ -1,0 +1,246 @@
+"""Tiny vision-language models, offline: `build_tiny_vlm(path, TinyVLMSpec(family="qwen2_vl"))`.
+
+The same kit as `build_tiny_model` (random weights, the character-level tokenizer, a `tiny_spec.json` marker so a
+second call with the same spec reuses the folder), with a real image processor and the vision special tokens:
+
+- `"qwen2_vl"`: `Qwen2VLForConditionalGeneration`, the PIL `Qwen2VLImageProcessor` (patch 14, merge 2, images
+  resized to between 28×28 and 56×56 pixels: 4 to 16 patches, 1 to 4 image tokens), the tokens `<|vision_start|>`,
+  `<|image_pad|>`, `<|vision_end|>`, `<|video_pad|>`, M-RoPE sections [4, 6, 6] (head_dim 32).
+- `"qwen2_5_vl"`: the same for `Qwen2_5_VLForConditionalGeneration`.
+
+The chat template renders an `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
+expands `<|image_pad|>` to the image's tokens) and a `{"type": "text"}` part as its text; string contents as before.
+
+```
+path/
+  config.json  generation_config.json  model.safetensors
+  tokenizer.json  tokenizer_config.json  chat_template.jinja  preprocessor_config.json  processor_config.json
+```
+
+Load the processor with `grpo_async.loading.load_processor(path)`: without torchvision (`make install` removes it)
+`AutoProcessor` cannot build a Qwen-VL processor (it always loads a video processor, and every video processor needs
+torchvision); `load_processor` then builds the image-only processor of `grpo_async.vision_processor`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+#: family -> (config class, model class) in transformers
+VLM_FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass
+class TinyVLMSpec:
+    """Shape of a tiny VLM. `family` is a key of `VLM_FAMILIES`; the text tower's head_dim is
+    `hidden_size // num_attention_heads` (≥ 32 for vLLM's CPU attention)."""
+
+    family: str = "qwen2_vl"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    vision_depth: int = 2
+    vision_embed_dim: int = 64
+    vision_heads: int = 2
+    min_pixels: int = 28 * 28
+    max_pixels: int = 56 * 56
+    max_position_embeddings: int = 512
+    #: the text tower's init scale: at transformers' 0.02 a random tower hardly looks at the image tokens (a new image
+    #: moves the next-token log-probs by ~0.05 and never the greedy token); at 0.1 by ~1
+    initializer_range: float = 0.1
+    seed: int = 0
+
+
+def build_vlm_tokenizer():
+    """The demo's character-level tokenizer plus the Qwen-VL vision tokens, with a chat template that renders image
+    parts (`VLM_CHAT_TEMPLATE`)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from . import CHARS, SPECIAL_TOKENS
+
+    specials = SPECIAL_TOKENS + VISION_TOKENS
+    vocab = {tok: i for i, tok in enumerate(specials + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|end|>",
+        padding_side="left",
+        chat_template=VLM_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_image_processor(spec: TinyVLMSpec):
+    """The PIL `Qwen2VLImageProcessor` (no torchvision needed) of the tiny model's vision tower."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+
+
+def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dtype: str = "float32") -> str:
+    """Write a randomly initialised tiny VLM plus its processor to `path` (idempotent for the same spec).
+
+    Args:
+        path (`str`): folder to write; created if missing.
+        spec (`TinyVLMSpec`, *optional*): family and shape; defaults to a 2-layer Qwen2-VL with a 2-block vision tower.
+        dtype (`str`, *optional*, defaults to `"float32"`): weight dtype written to disk.
+
+    Returns:
+        `str`: the folder, usable as `model=` for `GRPOTrainer` (the processor is loaded from it) and as a vLLM
+        model path.
+    """
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    spec = spec or TinyVLMSpec()
+    if spec.family not in VLM_FAMILIES:
+        raise ValueError(f"TinyVLMSpec.family must be one of {sorted(VLM_FAMILIES)}, got {spec.family!r}")
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if head_dim < 32 or head_dim % 4:
+        raise ValueError(f"head_dim {head_dim}: vLLM's CPU attention needs >= 32, and M-RoPE a multiple of 4")
+    path = os.fspath(path)
+    marker = os.path.join(path, "tiny_spec.json")
+    wanted = {**asdict(spec), "dtype": dtype}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return path
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_vlm_tokenizer()
+    vocab = tokenizer.get_vocab()
+    half = head_dim // 2  # M-RoPE: (temporal, height, width) sections of the rotary half, Qwen's 1 : 1.5 : 1.5
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    config_cls, model_cls = (getattr(transformers, n) for n in VLM_FAMILIES[spec.family])
+    vision = dict(
+        depth=spec.vision_depth,
+        embed_dim=spec.vision_embed_dim,
+        hidden_size=spec.hidden_size,
+        num_heads=spec.vision_heads,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    if spec.family == "qwen2_5_vl":  # a gated MLP of its own width, window attention (one window: full attention)
+        vision = dict(vision, hidden_size=spec.vision_embed_dim, out_hidden_size=spec.hidden_size)
+        vision.update(intermediate_size=2 * spec.vision_embed_dim, fullatt_block_indexes=[spec.vision_depth - 1])
+        vision.update(window_size=112)
+        vision.pop("embed_dim"), vision.pop("mlp_ratio")
+    config = config_cls(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=spec.initializer_range,
+            rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0},
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=vision,
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.initializer_range = spec.initializer_range  # read by the top-level model's weight init
+    torch.manual_seed(spec.seed)
+    model = model_cls(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    build_image_processor(spec).save_pretrained(path)
+    processor_class = "Qwen2_5_VLProcessor" if spec.family == "qwen2_5_vl" else "Qwen2VLProcessor"
+    with open(os.path.join(path, "processor_config.json"), "w") as f:  # what AutoProcessor reads (with torchvision)
+        json.dump({"processor_class": processor_class}, f, indent=2)
+    with open(marker, "w") as f:
+        json.dump(wanted, f)
+    return path
+
+
+# ---- a task that needs the image: "what colour is the square?" ------------------------------------------------------
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 60, 220), "yellow": (230, 210, 30)}
+
+
+def square_image(colour: str, size: int = 40, seed: int = 0):
+    """A `size`×`size` RGB image: a square of `colour` (a key of `COLOURS`) on a grey background, at a place and of
+    a size drawn from `seed`."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    side = rng.randint(size // 2, size - 4)
+    x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+    image = Image.new("RGB", (size, size), (128, 128, 128))
+    ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[colour])
+    return image
+
+
+def colour_dataset(n: int, seed: int = 0, size: int = 40):
+    """`n` rows of the colour task: `prompt` (one user message: the question, the same text in every row), `image`
+    (a square of a colour, `square_image`), `answer` (its colour's name), colours in turn."""
+    from datasets import Dataset
+
+    names = list(COLOURS)
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "What colour is the square?"}],
+            "image": square_image(names[i % len(names)], size, seed * 100_003 + i),
+            "answer": names[i % len(names)],
+        }
+        for i in range(n)
+    ]
+    return Dataset.from_list(rows)
+
+
+def colour_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's text starts with the square's colour name (case-insensitive), 0.5 when it names it
+    later, else 0; a partial 0.1 for starting with its first letter (a gradient from scratch)."""
+    out = []
+    for completion, name in zip(completions, answer, strict=True):
+        text = (completion[0]["content"] if isinstance(completion, list) else completion).strip().lower()
+        if text.startswith(name):
+            out.append(1.0)
+        elif name in text:
+            out.append(0.5)
+        elif text[:1] == name[0]:
+            out.append(0.1)
+        else:
+            out.append(0.0)
+    return out

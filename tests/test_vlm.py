@@ -1,0 +1,269 @@
+"""Vision-language models, as TRL 1.16 trains them (issue 44): a dataset with an `image` column and conversational
+prompts, the model's processor as `processing_class`, the hf backend generating with the images, and every forward
+(π_old, π_ref, training, evaluation) given each row's own `pixel_values` / `image_grid_thw` / `mm_token_type_ids`
+(`grpo_async/algo/vision.py`). A tiny Qwen2-VL built locally (`grpo_async.testing.vlm`), real PIL image processor.
+
+What is refused (docs/vlm.md): the vLLM backends (vLLM's vision models import torchvision, absent here), packing
+(`padding_free=True`), a reference server; prompt sharing is off with one warning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_async.algo.vision import VisionRows
+from grpo_async.testing import tiny_config
+from grpo_async.testing.vlm import TinyVLMSpec, build_tiny_vlm, colour_dataset, colour_reward, square_image
+
+ATOL = 1e-4  # float32 sampler vs trainer (as test_moe)
+
+
+@pytest.fixture(scope="module")
+def vlm_path(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2_vl") / "model", TinyVLMSpec(family="qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def processor(vlm_path):
+    from grpo_async.vision_processor import load_processor
+
+    return load_processor(vlm_path)
+
+
+def _load(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+QUESTION = [{"role": "user", "content": "What colour is the square?"}]
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+def test_vision_rows_keep_each_rows_patches_through_select_cat_trim_and_checkpoint():
+    """Rows with 4, 0 and 16 patches (an image of 28², none, 56²): any selection, concatenation, prompt trim / pad and
+    a checkpoint round trip give each row exactly its own patches, grids and token types."""
+    D = 3
+    per_prompt = [
+        {"pixel_values": torch.full((4, D), 1.0), "image_grid_thw": torch.tensor([[1, 2, 2]]),
+         "mm_token_type_ids": torch.tensor([[0, 1, 0]])},
+        None,
+        {"pixel_values": torch.full((16, D), 3.0), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+         "mm_token_type_ids": torch.tensor([[0, 1, 1, 1, 1, 0]])},
+    ]  # fmt: skip
+    rows = VisionRows.from_prompts(per_prompt, [3, 2, 6])
+    assert rows.stacks["pixel_values"].shape == (3, 16, D) and rows.counts["pixel_values"].tolist() == [4, 0, 16]
+    assert rows.tokens["mm_token_type_ids"].tolist()[0] == [0, 0, 0, 0, 1, 0]  # left-padded like prompt_ids
+
+    picked = rows.select(torch.tensor([2, 0]))
+    inputs = picked.model_inputs(completion_len=2)
+    assert inputs["pixel_values"].shape == (20, D) and inputs["pixel_values"][:16].eq(3.0).all()
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]]
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0]]
+    assert picked.uses_mrope and not rows.select(slice(1, 2)).uses_mrope  # the image-less row: 1-D positions
+    assert "pixel_values" not in rows.select(slice(1, 2)).model_inputs()  # no image: the model sees none
+
+    joined = VisionRows.cat([rows.select(slice(0, 1)), None, rows.select(slice(2, 3))], [1, 2, 1])
+    assert joined.counts["pixel_values"].tolist() == [4, 0, 0, 16]
+    assert joined.model_inputs()["pixel_values"].shape == (20, D)
+    trimmed = joined.trim_prompt(4).pad_prompt(2)
+    assert trimmed.tokens["mm_token_type_ids"].shape == (4, 6)
+    assert trimmed.tokens["mm_token_type_ids"][3].tolist() == [0, 0, 1, 1, 1, 0]  # last 4 columns, 2 of padding
+
+    back = VisionRows.from_flat(joined.flat())
+    for name in joined.stacks:
+        assert torch.equal(back.stacks[name], joined.stacks[name]) and torch.equal(
+            back.counts[name], joined.counts[name]
+        )
+    assert VisionRows.from_flat({}) is None
+
+
+def test_multimodal_messages_place_images_as_trl_does():
+    from grpo_async.pipeline.vision_prompts import as_pil, multimodal_messages, row_images
+
+    red, blue = square_image("red"), square_image("blue")
+    out = multimodal_messages([{"role": "system", "content": "Be brief."}, *QUESTION], [red, blue])
+    assert out[0]["content"] == [{"type": "text", "text": "Be brief."}]
+    assert [p["type"] for p in out[1]["content"]] == ["image", "image", "text"]
+    assert out[1]["content"][0]["image"] is red and out[1]["content"][1]["image"] is blue
+    placed = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image"}]}]
+    assert multimodal_messages(placed, [red])[0]["content"][1]["image"] is red  # its own place kept
+    with pytest.raises(ValueError, match="fewer image places"):
+        multimodal_messages(placed, [red, blue])
+    import io
+
+    raw = io.BytesIO()
+    red.save(raw, format="PNG")
+    for form in (red, raw.getvalue(), {"bytes": raw.getvalue(), "path": None}):
+        assert as_pil(form).tobytes() == red.tobytes()
+    assert row_images({"prompt": QUESTION, "image": None}) is None and row_images({"prompt": QUESTION}) is None
+    assert len(row_images({"images": [red, raw.getvalue()]})) == 2
+
+
+# ---------------------------------------------------------------------------------------------- processor, hf engine
+def test_processor_expands_each_image_into_its_patches(processor):
+    """The tiny model's real processor (PIL Qwen2-VL image processor, no torchvision): a 40² image → 2×2 patches of
+    14 (4 rows of pixel_values), merged 2×2 into 1 image token; a 56² image → 16 patches, 4 tokens."""
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for size, patches in ((40, 4), (56, 16)):
+        ids, media = tokenize_with_images(processor, QUESTION, [square_image("red", size)])
+        grid = media.inputs["image_grid_thw"]
+        assert media.inputs["pixel_values"].shape[0] == patches == int(grid.prod())
+        assert ids.count(image_token) == patches // 4
+        assert media.inputs["mm_token_type_ids"].shape == (1, len(ids))
+
+
+def test_hf_backend_generates_from_the_image(vlm_path, processor):
+    """One question, one sampling seed: the completions with different images differ, with the same image they
+    repeat (the image, not the sampler, made the difference); image placeholder tokens are never sampled."""
+    from grpo_async.generation.base import SamplingConfig
+    from grpo_async.generation.hf import HFBackend
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+    backend = HFBackend(_load(vlm_path), processor.tokenizer)
+    placeholder = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    outs = []
+    for image in (square_image("red"), _noise_image(), square_image("red")):
+        ids, media = tokenize_with_images(processor, QUESTION, [image])
+        (out,) = backend.generate([ids], SamplingConfig(max_tokens=16, temperature=1.0, seed=7), images=[media])
+        assert placeholder not in out.completion_ids  # suppressed (vision_processor.vision_placeholder_ids)
+        outs.append(out)
+    a, b, c = (o.completion_ids for o in outs)
+    assert a == c and a != b, (a, b, c)
+    assert outs[0].logprobs == outs[2].logprobs and outs[0].logprobs != outs[1].logprobs
+
+
+def _noise_image(size: int = 40, seed: int = 1):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+# ---------------------------------------------------------------------------------------------- training, hf
+class VisionBatches:
+    """Keeps every trained micro-batch with its vision rows (`MicroBatch.vision`)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_micro_batch(self, args, state, control, micro_batch=None, **kwargs):
+        self.seen.append(micro_batch.to("cpu"))
+
+
+@pytest.fixture(scope="module")
+def trained(vlm_path, tmp_path_factory):
+    """4 GRPO steps of the tiny Qwen2-VL on the colour task (hf backend, one round ahead, β = 0.04: a reference
+    copy scores every row too), every micro-batch recorded."""
+    from grpo_async import GRPOCallback, GRPOTrainer
+
+    recorder = type("Recorder", (VisionBatches, GRPOCallback), {})()
+    args = tiny_config(tmp_path_factory.mktemp("vlm_run"), max_steps=4, num_batches_ahead=1, beta=0.04)
+    trainer = GRPOTrainer(
+        model=vlm_path, reward_funcs=colour_reward, args=args, train_dataset=colour_dataset(64), callbacks=[recorder]
+    )
+    initial = _load(vlm_path)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return trainer, recorder.seen, before, initial
+
+
+def test_training_moves_every_parameter_vision_tower_included(trained):
+    trainer, seen, before, _ = trained
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed == set(before), f"parameters left unchanged: {sorted(set(before) - changed)}"
+    assert any(n.startswith("model.visual.") for n in changed)
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == 4 and all("entropy" in h and "kl" in h for h in logs)
+    assert all(b.vision is not None and b.vision.counts["pixel_values"].gt(0).all() for b in seen)
+
+
+def test_each_trained_row_carries_its_own_image(trained):
+    """Round 0 was sampled from the initial weights with each row's image: scoring its rows with the images they
+    carry (after the process slice, the shuffle, the micro-batch split and the trim) gives the sampler's log-probs;
+    with the images of other rows (same question text, other squares) the log-probs differ."""
+    from grpo_async.algo.logprobs import score_tokens
+
+    _, seen, _, initial = trained
+    batch = next(b for b in seen if int(b.round_id[0]) == 0)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+    T, real = batch.completion_ids.size(1), batch.completion_mask.bool()
+    with torch.no_grad():
+        own = score_tokens(initial, ids, mask, T, 1.0, vision=batch.vision).logps
+        order = torch.roll(torch.arange(len(batch)), 1)  # every row gets its neighbour's image (the same text)
+        swapped = batch.vision.select(order)
+        assert torch.equal(swapped.counts["pixel_values"], batch.vision.counts["pixel_values"])  # same token count
+        other = score_tokens(initial, ids, mask, T, 1.0, vision=swapped).logps
+    worst = (own - batch.rollout_logps)[real].abs().max().item()
+    assert worst < ATOL, f"sampler and trainer log-probs differ by {worst:.2e} on the on-policy round"
+    assert (own - other)[real].abs().max().item() > 1e-3, "another row's image gave the same log-probs"
+    # two rows asking the same text of different squares got different completions
+    images = batch.vision.stacks["pixel_values"]
+    pairs = [(i, j) for i in range(len(batch)) for j in range(i) if not torch.equal(images[i], images[j])]
+    assert any(not torch.equal(batch.completion_ids[i], batch.completion_ids[j]) for i, j in pairs)
+
+
+def test_the_generation_copy_holds_the_trained_weights_vision_tower_included(trained):
+    trainer, *_ = trained
+    trainer.sync_weights()
+    served = dict(trainer.backend.model.named_parameters())
+    for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
+        assert torch.equal(served[name], p.detach()), name
+
+
+def test_evaluate_scores_with_the_images(trained):
+    trainer, *_ = trained
+    metrics = trainer.evaluate(colour_dataset(8, seed=1))
+    assert "eval_reward" in metrics and metrics["eval_loss"] == metrics["eval_loss"]  # finite, not NaN
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"padding_free": True}, "padding_free=True"),
+        ({"generation_backend": "vllm"}, "generation_backend='vllm'"),
+        ({"ref_server_url": "http://127.0.0.1:9", "beta": 0.04}, "ref_server_url"),
+    ],
+)
+def test_what_a_vlm_refuses_names_the_field(vlm_path, tmp_path, overrides, match):
+    from grpo_async.vlm_setup import check_vision_model
+
+    args = tiny_config(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=match):
+        check_vision_model(args, _load(vlm_path))
+    args = tiny_config(tmp_path)  # padding_free None (the default): padded forward passes
+    check_vision_model(args, _load(vlm_path))
+    assert args.padding_free is False
+
+
+def test_prompt_sharing_is_off_for_a_vlm_with_one_warning(vlm_path, caplog):
+    from grpo_async.algo.prefix_sharing import sharing_supported, unsupported_reason
+
+    model = _load(vlm_path)
+    assert "vision-language" in unsupported_reason(model)
+    assert not sharing_supported(model)
+
+
+def test_images_need_a_processor_and_a_conversational_prompt(vlm_path, processor, tmp_path):
+    from grpo_async import GRPOTrainer
+
+    with pytest.raises(ValueError, match="conversational prompt"):
+        from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+        tokenize_with_images(processor, "What colour is the square?", [square_image("red")])
+    dataset = colour_dataset(16)
+    args = tiny_config(tmp_path / "out", max_steps=1)
+    trainer = GRPOTrainer(
+        model=vlm_path,
+        reward_funcs=colour_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processor.tokenizer,
+    )
+    with pytest.raises(RuntimeError, match="processing_class is a tokenizer"):
+        trainer.train()
