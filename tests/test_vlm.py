@@ -19,9 +19,21 @@ from grpo_async.testing.vlm import TinyVLMSpec, build_tiny_vlm, colour_dataset, 
 ATOL = 1e-4  # float32 sampler vs trainer (as test_moe)
 
 
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3"]
+
+
+def _build(tmp_path_factory, family: str) -> str:
+    return build_tiny_vlm(tmp_path_factory.mktemp(family) / "model", TinyVLMSpec(family=family))
+
+
 @pytest.fixture(scope="module")
 def vlm_path(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("qwen2_vl") / "model", TinyVLMSpec(family="qwen2_vl"))
+    return _build(tmp_path_factory, "qwen2_vl")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_path(request, tmp_path_factory):
+    return _build(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -116,20 +128,23 @@ def test_processor_expands_each_image_into_its_patches(processor):
         assert media.inputs["mm_token_type_ids"].shape == (1, len(ids))
 
 
-def test_hf_backend_generates_from_the_image(vlm_path, processor):
+def test_hf_backend_generates_from_the_image(family_path):
     """One question, one sampling seed: the completions with different images differ, with the same image they
     repeat (the image, not the sampler, made the difference); image placeholder tokens are never sampled."""
     from grpo_async.generation.base import SamplingConfig
     from grpo_async.generation.hf import HFBackend
     from grpo_async.pipeline.vision_prompts import tokenize_with_images
+    from grpo_async.vision_processor import load_processor, vision_placeholder_ids
 
-    backend = HFBackend(_load(vlm_path), processor.tokenizer)
-    placeholder = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor, model = load_processor(family_path), _load(family_path)
+    backend = HFBackend(model, processor.tokenizer)
+    placeholders = set(vision_placeholder_ids(model.config))  # image (and video) tokens
+    assert placeholders
     outs = []
     for image in (square_image("red"), _noise_image(), square_image("red")):
         ids, media = tokenize_with_images(processor, QUESTION, [image])
         (out,) = backend.generate([ids], SamplingConfig(max_tokens=16, temperature=1.0, seed=7), images=[media])
-        assert placeholder not in out.completion_ids  # suppressed (vision_processor.vision_placeholder_ids)
+        assert not placeholders & set(out.completion_ids)  # suppressed (vision_processor.vision_placeholder_ids)
         outs.append(out)
     a, b, c = (o.completion_ids for o in outs)
     assert a == c and a != b, (a, b, c)
@@ -155,27 +170,43 @@ class VisionBatches:
 
 
 @pytest.fixture(scope="module")
-def trained(vlm_path, tmp_path_factory):
-    """4 GRPO steps of the tiny Qwen2-VL on the colour task (hf backend, one round ahead, β = 0.04: a reference
+def trained(family_path, tmp_path_factory):
+    """4 GRPO steps of a tiny VLM (each family) on the colour task (hf backend, one round ahead, β = 0.04: a reference
     copy scores every row too), every micro-batch recorded."""
     from grpo_async import GRPOCallback, GRPOTrainer
 
     recorder = type("Recorder", (VisionBatches, GRPOCallback), {})()
     args = tiny_config(tmp_path_factory.mktemp("vlm_run"), max_steps=4, num_batches_ahead=1, beta=0.04)
     trainer = GRPOTrainer(
-        model=vlm_path, reward_funcs=colour_reward, args=args, train_dataset=colour_dataset(64), callbacks=[recorder]
+        model=family_path,
+        reward_funcs=letter_share,
+        args=args,
+        train_dataset=colour_dataset(64),
+        callbacks=[recorder],
     )
-    initial = _load(vlm_path)
+    initial = _load(family_path)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return trainer, recorder.seen, before, initial
 
 
+def letter_share(completions, answer, **kwargs) -> list[float]:
+    """The share of the completion's characters that are the colour's first letter: a reward that varies within
+    every group, so that every step has a gradient (the colour task's own reward is sparse on a random model)."""
+    texts = [c[0]["content"] for c in completions]
+    return [t.count(a[0]) / max(1, len(t)) for t, a in zip(texts, answer, strict=True)]
+
+
+#: parameters the model's forward never reads (Gemma3 uses SigLIP's patch features, not its pooling head)
+UNUSED = ("model.vision_tower.head.",)
+
+
 def test_training_moves_every_parameter_vision_tower_included(trained):
     trainer, seen, before, _ = trained
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
-    assert changed == set(before), f"parameters left unchanged: {sorted(set(before) - changed)}"
-    assert any(n.startswith("model.visual.") for n in changed)
+    used = {n for n in before if not n.startswith(UNUSED)}
+    assert changed == used, f"parameters left unchanged: {sorted(used - changed)}"
+    assert any(n.startswith(("model.visual.", "model.vision_tower.")) for n in changed)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 4 and all("entropy" in h and "kl" in h for h in logs)
     assert all(b.vision is not None and b.vision.counts["pixel_values"].gt(0).all() for b in seen)

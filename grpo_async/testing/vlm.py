@@ -7,9 +7,14 @@ second call with the same spec reuses the folder), with a real image processor a
   resized to between 28×28 and 56×56 pixels: 4 to 16 patches, 1 to 4 image tokens), the tokens `<|vision_start|>`,
   `<|image_pad|>`, `<|vision_end|>`, `<|video_pad|>`, M-RoPE sections [4, 6, 6] (head_dim 32).
 - `"qwen2_5_vl"`: the same for `Qwen2_5_VLForConditionalGeneration`.
+- `"gemma3"`: `Gemma3ForConditionalGeneration` (a SigLIP tower of one block on 56×56 images, 16 patches pooled into
+  4 image tokens; sliding-window text layers), the PIL `Gemma3ImageProcessor` and `Gemma3Processor` (no video
+  processor: `AutoProcessor` loads it without torchvision), the tokens `<start_of_image>`, `<image_soft_token>`,
+  `<end_of_image>`; its prompts carry `token_type_ids` (image tokens attend to each other both ways).
 
-The chat template renders an `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
-expands `<|image_pad|>` to the image's tokens) and a `{"type": "text"}` part as its text; string contents as before.
+The chat template renders an `{"type": "image"}` part as the family's image placeholder (Qwen:
+`<|vision_start|><|image_pad|><|vision_end|>`, Gemma3: `<start_of_image>`; the processor expands it to the image's
+tokens) and a `{"type": "text"}` part as its text; string contents as before.
 
 ```
 path/
@@ -32,17 +37,32 @@ from dataclasses import asdict, dataclass
 VLM_FAMILIES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-VLM_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+#: family -> (its vision special tokens, what the chat template writes for an image part)
+_FAMILY_TOKENS = {
+    "qwen2_vl": (VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
+    "qwen2_5_vl": (VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
+    "gemma3": (list(GEMMA3_TOKENS.values()), "<start_of_image>"),
+}
+
+
+def vlm_chat_template(image_part: str) -> str:
+    """The demo's chat template, with `image_part` written for each `{"type": "image"}` part of a message."""
+    return (
+        "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}{{ '" + image_part + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+
+
+VLM_CHAT_TEMPLATE = vlm_chat_template(_FAMILY_TOKENS["qwen2_vl"][1])
 
 
 @dataclass
@@ -67,15 +87,17 @@ class TinyVLMSpec:
     seed: int = 0
 
 
-def build_vlm_tokenizer():
-    """The demo's character-level tokenizer plus the Qwen-VL vision tokens, with a chat template that renders image
-    parts (`VLM_CHAT_TEMPLATE`)."""
+def build_vlm_tokenizer(family: str = "qwen2_vl"):
+    """The demo's character-level tokenizer plus `family`'s vision tokens (Gemma3's also as the tokenizer's
+    `boi_token` / `image_token` / `eoi_token`, which its processor reads), with a chat template that renders image
+    parts (`vlm_chat_template`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from . import CHARS, SPECIAL_TOKENS
 
-    specials = SPECIAL_TOKENS + VISION_TOKENS
+    vision, image_part = _FAMILY_TOKENS[family]
+    specials = SPECIAL_TOKENS + vision
     vocab = {tok: i for i, tok in enumerate(specials + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -88,17 +110,63 @@ def build_vlm_tokenizer():
         bos_token="<s>",
         eos_token="<|end|>",
         padding_side="left",
-        chat_template=VLM_CHAT_TEMPLATE,
+        chat_template=vlm_chat_template(image_part),
         model_max_length=4096,
+        **({"extra_special_tokens": dict(GEMMA3_TOKENS)} if family == "gemma3" else {}),
     )
 
 
 def build_image_processor(spec: TinyVLMSpec):
-    """The PIL `Qwen2VLImageProcessor` (no torchvision needed) of the tiny model's vision tower."""
+    """The PIL image processor (no torchvision needed) of the tiny model's vision tower: Qwen2-VL's (patch 14, merge
+    2, `min_pixels` to `max_pixels`), or Gemma3's (56×56)."""
+    if spec.family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
         min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+
+
+GEMMA3_IMAGE_SIZE = 56  # 4×4 SigLIP patches of 14, pooled 2×2 into 4 image tokens
+GEMMA3_IMAGE_TOKENS = 4
+
+
+def _gemma3_config(spec: TinyVLMSpec, tokenizer):
+    from transformers import Gemma3Config
+
+    vocab = tokenizer.get_vocab()
+    return Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_attention_heads,
+            head_dim=spec.hidden_size // spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            sliding_window=spec.max_position_embeddings // 4,
+            initializer_range=spec.initializer_range,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=spec.vision_embed_dim,
+            intermediate_size=2 * spec.vision_embed_dim,
+            num_hidden_layers=spec.vision_depth,
+            num_attention_heads=spec.vision_heads,
+            image_size=GEMMA3_IMAGE_SIZE,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=vocab[GEMMA3_TOKENS["boi_token"]],
+        eoi_token_index=vocab[GEMMA3_TOKENS["eoi_token"]],
+        image_token_index=vocab[GEMMA3_TOKENS["image_token"]],
+        initializer_range=spec.initializer_range,
     )
 
 
@@ -114,9 +182,7 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
         `str`: the folder, usable as `model=` for `GRPOTrainer` (the processor is loaded from it) and as a vLLM
         model path.
     """
-    import torch
     import transformers
-    from transformers import GenerationConfig
 
     spec = spec or TinyVLMSpec()
     if spec.family not in VLM_FAMILIES:
@@ -132,11 +198,13 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
             if json.load(f) == wanted:
                 return path
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_vlm_tokenizer()
+    tokenizer = build_vlm_tokenizer(spec.family)
+    if spec.family == "gemma3":
+        return _save(path, spec, dtype, marker, wanted, tokenizer, _gemma3_config(spec, tokenizer))
     vocab = tokenizer.get_vocab()
     half = head_dim // 2  # M-RoPE: (temporal, height, width) sections of the rotary half, Qwen's 1 : 1.5 : 1.5
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
-    config_cls, model_cls = (getattr(transformers, n) for n in VLM_FAMILIES[spec.family])
+    config_cls = getattr(transformers, VLM_FAMILIES[spec.family][0])
     vision = dict(
         depth=spec.vision_depth,
         embed_dim=spec.vision_embed_dim,
@@ -175,19 +243,39 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
         tie_word_embeddings=False,
     )
     config.initializer_range = spec.initializer_range  # read by the top-level model's weight init
+    return _save(path, spec, dtype, marker, wanted, tokenizer, config)
+
+
+def _save(path: str, spec: TinyVLMSpec, dtype: str, marker: str, wanted: dict, tokenizer, config) -> str:
+    """Initialise the model of `config` (seeded), write it, its tokenizer and its processor, then the marker."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
     torch.manual_seed(spec.seed)
-    model = model_cls(config).to(getattr(torch, dtype))
+    model = getattr(transformers, VLM_FAMILIES[spec.family][1])(config).to(getattr(torch, dtype))
+    if spec.family == "gemma3":  # transformers starts the projection at zero: every image would embed as 0
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=spec.initializer_range)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    build_image_processor(spec).save_pretrained(path)
-    processor_class = "Qwen2_5_VLProcessor" if spec.family == "qwen2_5_vl" else "Qwen2VLProcessor"
-    with open(os.path.join(path, "processor_config.json"), "w") as f:  # what AutoProcessor reads (with torchvision)
-        json.dump({"processor_class": processor_class}, f, indent=2)
+    if spec.family == "gemma3":  # no video processor: the processor itself saves and loads without torchvision
+        from transformers import Gemma3Processor
+
+        template = tokenizer.chat_template
+        image_processor = build_image_processor(spec)
+        processor = Gemma3Processor(image_processor, tokenizer, template, image_seq_length=GEMMA3_IMAGE_TOKENS)
+        processor.save_pretrained(path)
+    else:
+        tokenizer.save_pretrained(path)
+        build_image_processor(spec).save_pretrained(path)
+        processor_class = "Qwen2_5_VLProcessor" if spec.family == "qwen2_5_vl" else "Qwen2VLProcessor"
+        with open(os.path.join(path, "processor_config.json"), "w") as f:  # AutoProcessor's (with torchvision)
+            json.dump({"processor_class": processor_class}, f, indent=2)
     with open(marker, "w") as f:
         json.dump(wanted, f)
     return path
