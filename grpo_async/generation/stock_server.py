@@ -298,7 +298,7 @@ class _StockStream:
 
     def close(self, extra: dict | None = None) -> dict:
         """End the push (`extra`: what a delta push's closing request carries; stock servers take no delta, so
-        it is always `None` here: `ServerFanout` passes it to every stream alike)."""
+        `ServerFanout` never passes one here: kept for a caller that treats every stream alike)."""
         if extra:
             raise ValueError(f"a stock vLLM server takes no delta push (closing fields {sorted(extra)})")
         c, t = self.tr.client, self.tr.timeout

@@ -144,9 +144,11 @@ class ServerFanout:
                 sessions[url][1].send(bucket)
 
         def close(url: str) -> None:
-            answer = sessions[url][1].close(None if plan is None else plan.close_extra(url))
-            if plan is not None:
-                plan.acknowledged(url, answer)
+            stream = sessions[url][1]
+            if plan is None:  # a stream of any transport (a stock server's too): its plain close
+                stream.close()
+            else:
+                plan.acknowledged(url, stream.close(plan.close_extra(url)))
 
         device = None
         for bucket in iter_buckets(groups, self.bucket_mb):
