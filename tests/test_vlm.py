@@ -298,3 +298,51 @@ def test_images_need_a_processor_and_a_conversational_prompt(vlm_path, processor
     )
     with pytest.raises(RuntimeError, match="processing_class is a tokenizer"):
         trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------- PEFT, checkpoints
+def test_peft_on_the_language_tower(vlm_path, tmp_path):
+    """LoRA on the text tower's attention (the vision tower frozen, as a TRL user's `target_modules` regex does): the
+    adapter trains, the reference is the base with the adapter off (β > 0), the generation copy holds the merged
+    weights exactly."""
+    import copy
+
+    from peft import LoraConfig
+
+    from grpo_async import GRPOTrainer
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", task_type="CAUSAL_LM")
+    args = tiny_config(tmp_path / "out", max_steps=3, beta=0.04, learning_rate=5e-2)
+    trainer = GRPOTrainer(
+        model=vlm_path, reward_funcs=letter_share, args=args, train_dataset=colour_dataset(32), peft_config=peft
+    )
+    trained = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all("language_model" in n and "lora_" in n for n in trained)
+    trainer.train()
+    assert all(not torch.equal(trained[n], p) for n, p in trainer.model.named_parameters() if n in trained)
+    trainer.sync_weights()
+    served = dict(trainer.backend.model.named_parameters())
+    merged = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).merge_and_unload()
+    for name, p in merged.named_parameters():
+        assert torch.equal(served[name], p.detach()), name
+
+
+def test_rounds_in_flight_keep_their_images_through_a_checkpoint_and_a_join(trained, tmp_path):
+    """A saved round in flight (resume) and rounds joined from several ranks (`cat_batches`) keep each row's images."""
+    from grpo_async.pipeline.checkpointing import load_rounds, save_rounds
+    from grpo_async.pipeline.join import cat_batches
+    from grpo_async.pipeline.types import Round
+
+    _, seen, _, _ = trained
+    a, b = seen[0], seen[1]
+    rounds = [Round(0, 0, a, {"reward": 0.5}, {}), Round(1, 0, b, {}, {})]
+    back = load_rounds(str(tmp_path), save_rounds(str(tmp_path), rounds))
+    for rnd, old in zip(back, (a, b), strict=True):
+        for name, t in old.vision.flat().items():
+            assert torch.equal(rnd.batch.vision.flat()[name], t), name
+        assert torch.equal(rnd.batch.vision_inputs()["pixel_values"], old.vision_inputs()["pixel_values"])
+    joined = cat_batches([a, b], pad_token_id=0)
+    for part, rows in ((a, slice(0, len(a))), (b, slice(len(a), len(a) + len(b)))):
+        got = joined.select(rows).trim()
+        assert torch.equal(got.vision_inputs()["pixel_values"], part.vision_inputs()["pixel_values"])
+        assert torch.equal(got.prompt_ids[:, -part.prompt_ids.size(1) :], part.prompt_ids)
