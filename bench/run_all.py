@@ -60,6 +60,7 @@ BENCHES = [
     "vs_trl.py",
     "vs_trl_2proc.py",
     "learning.py",  # 12 SmolLM2 runs: ~50-60 min
+    "router_replay.py",  # the tiny MoE, 5 training runs (3 engine starts): ~4 min
 ]
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
 

@@ -40,6 +40,7 @@ from .rewards.reward_model import RewardModel
 from .trainer_pipeline import TrainerPipeline
 from .trainer_setup import (
     check_datasets,
+    check_router_replay,
     default_args,
     experimental_warnings,
     is_iterable,
@@ -119,6 +120,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             environment, tools, environment_factory, rollout_func, processing_class, args, train_dataset, eval_dataset
         )
         rollout = rollout_func is not None or type(self)._generate is not GRPOTrainer._generate
+        check_router_replay(args, model, self.environment, rollout)  # MoE, a router it can drive, one sampler call
         rewards, weights = prepare_rewards(
             reward_funcs, reward_processing_classes, args, self.environment, train_dataset, adds_columns=rollout
         )

@@ -403,6 +403,32 @@ def cast_lm_head_to_fp32(model) -> None:
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
+def check_router_replay(args: GRPOConfig, model, environment, rollout: bool) -> None:
+    """Refuse `GRPOConfig.router_replay` where it cannot work (the backend's side is the config's rule and the
+    backend's own check): a dense model, a MoE router `algo.router_replay` cannot drive, and completions that do not
+    come from one sampler call (an environment's turns, a `rollout_func` or `_generate` override)."""
+    if args.router_replay == "off":
+        return
+    from .algo.router_replay import ROUTERS, moe_layout
+
+    head = f"GRPOConfig.router_replay={args.router_replay!r}"
+    try:
+        layout = moe_layout(model)
+    except ValueError as e:
+        raise ValueError(f"{head}: {e}") from None
+    if layout is None:
+        raise ValueError(
+            f"{head}: {type(model).__name__} has no mixture-of-experts router this trainer can replay (one of "
+            f"{sorted(ROUTERS)}): nothing to record; set router_replay='off'"
+        )
+    if environment is not None or rollout:
+        what = "an environment's turns" if environment is not None else "a rollout_func (or _generate override)"
+        raise ValueError(
+            f"{head}: the completions come from {what}, not from one call of the generation backend, whose "
+            "recorded experts they would not carry; set router_replay='off'"
+        )
+
+
 def packing_isolates(model, padding_free: bool | None) -> bool:
     """Whether the training passes run packed (`GRPOConfig.padding_free`): True when the model's attention isolates
     packed rows (checked once on this model); otherwise an error if the user asked for packing, padded with a warning

@@ -36,6 +36,8 @@ SMOKE = {
     "vs_trl.py": [pytest.mark.vllm],
     # 2 processes × 4 trainers, two of them starting a vLLM engine per rank (warm forks): ~40 s alone
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
+    # the tiny MoE trained 2 steps 5 times: 3 in-process engines (float32, bfloat16 twice), 2 hf samplers
+    "router_replay.py": [pytest.mark.vllm],
 }
 RESULT = re.compile(r"^RESULT (\w+)=(\S+)\s*$", re.M)
 

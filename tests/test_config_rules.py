@@ -38,6 +38,12 @@ VIOLATIONS = {
     "transport_fits_backend": {"weight_sync_transport": "ipc"},  # hf syncs in place
     "delta_needs_a_server_push": {"weight_sync_delta": True},  # hf syncs in place: nothing moves
     "openai_needs_a_url": {"generation_backend": "openai"},
+    "router_replay_needs_a_recording_backend": {
+        "router_replay": "rollout",
+        "generation_backend": "vllm_server",
+        "vllm_server_urls": ["http://s:1"],
+    },
+    "router_replay_without_checkpointing": {"router_replay": "rollout", "gradient_checkpointing": True},
     "ref_server_is_http": {"beta": 0.1, "ref_server_url": "ftp://ref"},
     "ref_server_needs_beta": {"ref_server_url": "http://ref:1"},
     "ref_server_is_not_a_generation_server": {

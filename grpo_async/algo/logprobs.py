@@ -5,6 +5,7 @@ Shapes: `B` rows, `P` prompt tokens, `T` completion tokens, `V` vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from .logits import entropy_from_logits, selective_log_softmax
 from .packing import pack_rows, packed_token_scores, unpack_completion
 from .prefix_sharing import SharingCost, pack_shared, sharing_cost, sharing_supported
+from .router_replay import RoutingStats, replay_routing, routing_for_packed, routing_for_rows
 from .sampling_support import log_kept_mass
 
 
@@ -26,12 +28,15 @@ class TokenScores:
         aux_loss (`[]`, *optional*): the MoE load-balancing loss over the real tokens (mean over chunks).
         log_kept_mass (`[B, T]` float32, *optional*): log of π's mass on the sampler's kept set at each position
             (`algo.sampling_support`; 0 where nothing was cut), when `score_tokens` was given a `support`.
+        routing (`RoutingStats`, *optional*): where the routers' own choice differed from the sampler's recorded
+            experts (`algo.router_replay`), when `score_tokens` was given a `routing`.
     """
 
     logps: torch.Tensor
     entropies: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     log_kept_mass: torch.Tensor | None = None
+    routing: RoutingStats | None = None
 
 
 def score_tokens(
@@ -48,6 +53,8 @@ def score_tokens(
     share_prefix: bool | SharingCost = False,
     max_positions: int | None = None,
     support=None,
+    routing: torch.Tensor | None = None,
+    replay: bool = True,
     vision=None,
 ) -> TokenScores:
     """Log π(completion token | prefix) under `model`, with logits divided by `temperature` like the sampler, and
@@ -72,6 +79,10 @@ def score_tokens(
         max_positions (`int`, *optional*): with `padding_free`, the most token positions (filler included) a
             chunk's packed `[K, W]` may hold (`GRPOConfig.token_budget`; `algo.packing.fit_bins`). The chunk's real
             tokens must fit in it; the padded path ignores it.
+        routing (`[B, T, L, k]`, *optional*): the experts the sampler ran each completion token through, per MoE
+            layer (`MicroBatch.routed_experts`; `algo.router_replay.unrouted` where it ran none): the forward passes
+            route those tokens to them (prompt tokens keep the router's choice) and `TokenScores.routing` counts
+            where the routers' own choice differs. With `replay=False` it only counts.
         vision (`VisionRows`, *optional*): a vision-language model's inputs of the `B` rows (`algo.vision`): each
             chunk's forward gets its own rows' images. Padded forward passes only (packing cannot isolate a row's
             images: refused; prompt sharing falls back to unshared rows with one warning).
@@ -82,6 +93,7 @@ def score_tokens(
             "padding_free packs rows into shared bins, which cannot carry each row's images (pixel_values, "
             "image_grid_thw): a vision-language model trains with padded forward passes (GRPOConfig.padding_free)"
         )
+    stats = RoutingStats() if routing is not None else None
     cost = None
     if share_prefix and sharing_supported(model, router):
         cost = share_prefix if isinstance(share_prefix, SharingCost) else sharing_cost(model)
@@ -90,15 +102,17 @@ def score_tokens(
         ids = input_ids[start : start + batch_size]  # [b, P+T]
         am = attention_mask[start : start + batch_size]  # [b, P+T]
         sets = support[start : start + batch_size] if isinstance(support, torch.Tensor) else support  # [b, T, K]
+        experts = routing[start : start + batch_size] if routing is not None else None  # [b, T, L, k]
         packed = None
         if cost is not None:
             packed = pack_shared(ids, am, logits_to_keep, cost, padding_free, max_positions)
         if packed is None and padding_free:
             packed = pack_rows(ids, am, logits_to_keep, max_positions=max_positions)
         if packed is not None:
-            lp, ent, aux_loss, mass = packed_token_scores(
-                model, packed, temperature, entropy, entropy_grad, router, support=sets
-            )
+            with _routed(model, experts, replay, stats, packed=packed):
+                lp, ent, aux_loss, mass = packed_token_scores(
+                    model, packed, temperature, entropy, entropy_grad, router, support=sets
+                )
             logps.append(unpack_completion(lp, packed))  # [b, T]
             if ent is not None:
                 entropies.append(unpack_completion(ent, packed))  # [b, T]
@@ -114,7 +128,8 @@ def score_tokens(
             # position ids that skip the left padding, so a prompt's positions don't depend on its batch-mates
             # (Qwen-VL computes its own 3-D positions from the token types, the image grids and the mask)
             extra["position_ids"] = (am.cumsum(-1) - 1).clamp(min=0)  # [b, P+T]
-        out = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, **extra)
+        with _routed(model, experts, replay, stats, attention_mask=am):
+            out = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, **extra)
         raw = out.logits[:, :-1, :]  # [b, T, V]
         logps.append(selective_log_softmax(raw / temperature, ids[:, -logits_to_keep:]))  # [b, T]
         if entropy:
@@ -132,7 +147,25 @@ def score_tokens(
         entropies=torch.cat(entropies, dim=0) if entropy else None,  # [B, T]
         aux_loss=torch.stack(aux).mean() if router is not None else None,
         log_kept_mass=torch.cat(kept, dim=0) if support is not None else None,  # [B, T]
+        routing=stats,
     )
+
+
+@contextlib.contextmanager
+def _routed(model, experts, replay: bool, stats: RoutingStats | None, packed=None, attention_mask=None):
+    """One forward pass's router replay (`algo.router_replay`): nothing without recorded `experts` `[b, T, L, k]`;
+    else they are laid out as the pass sees its tokens (packed bins, or padded rows), replayed (or only compared,
+    `replay=False`), and the comparison is added to `stats`."""
+    if experts is None:
+        yield
+        return
+    if packed is not None:
+        flat, mask = routing_for_packed(experts, packed)
+    else:
+        flat, mask = routing_for_rows(experts, attention_mask)
+    with replay_routing(model, flat, mask, apply=replay) as seen:
+        yield
+    stats.add(seen)
 
 
 def completion_logps(
@@ -189,13 +222,19 @@ class LogpsScorer:
 
     @torch.no_grad()
     def scores(
-        self, ids: torch.Tensor, mask: torch.Tensor, T: int, support=None, vision=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        T: int,
+        support=None,
+        routing=None,
+        replay: bool = True,
+        vision=None,
+    ) -> tuple:
         """`(logps [b, T], log_kept_mass [b, T] or None)` on CPU: with `support` (the sampler's kept sets `[b, T, K]`
-        or a `TruncationFilter`) also the model's log-mass on them, from the same forward pass; `vision`: the rows'
-        images (`algo.vision.VisionRows`)."""
-        import contextlib
-
+        or a `TruncationFilter`) also the model's log-mass on them, from the same forward pass. With `routing` (the
+        sampler's experts `[b, T, L, k]`, `score_tokens`) a third element, the `RoutingStats` of the pass, whose
+        completion tokens ran those experts unless `replay=False`. `vision`: the rows' images (`algo.vision`)."""
         if isinstance(support, torch.Tensor):
             support = support.to(self.device)
         with self.context() if self.context is not None else contextlib.nullcontext():
@@ -209,7 +248,11 @@ class LogpsScorer:
                 share_prefix=self.share_prefix,
                 max_positions=self.max_positions,
                 support=support,
+                routing=routing,
+                replay=replay,
                 vision=None if vision is None else vision.to(self.device),
             )
         mass = None if out.log_kept_mass is None else out.log_kept_mass.cpu()
+        if routing is not None:
+            return out.logps.cpu(), mass, out.routing  # [b, T], [b, T], RoutingStats
         return out.logps.cpu(), mass  # [b, T], [b, T]

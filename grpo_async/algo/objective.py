@@ -184,6 +184,9 @@ class PolicyObjective:
         entropy (`EntropyController`, *optional*): the entropy bonus (off when `None` or not `enabled`).
         aux_loss_coef (`float`), router (`(num_experts, top_k)`, *optional*): the MoE load-balancing loss.
         ops (`Collectives`): collectives (the entropy quantile, the adaptive controller's window mean).
+        router_replay (`str`, *optional*, defaults to `"off"`): `GRPOConfig.router_replay`; `"rollout"`: the forward
+            pass routes the completion tokens of a micro-batch that carries `routed_experts` (the sampler's) to them
+            (`algo.router_replay`); `"record"` and `"off"`: the routers route.
     """
 
     def __init__(
@@ -195,8 +198,10 @@ class PolicyObjective:
         aux_loss_coef: float = 0.0,
         router: tuple[int, int] | None = None,
         ops: Collectives | None = None,
+        router_replay: str = "off",
     ):
         self.settings, self.top_entropy_quantile = settings, top_entropy_quantile
+        self.router_replay = router_replay
         self.entropy = entropy or EntropyController()
         self.aux_loss_coef, self.router = aux_loss_coef, router
         self.ops = ops or SingleProcess()
@@ -220,6 +225,7 @@ class PolicyObjective:
             aux_loss_coef=coef,
             router=router,
             ops=ops,
+            router_replay=getattr(args, "router_replay", "off"),
         )
 
     @property
@@ -243,7 +249,8 @@ class PolicyObjective:
         """One micro-batch's forward pass and loss, for training and evaluation alike: the policy scores the
         completion tokens of `batch` (`prompt_ids [B, P]` + `completion_ids [B, T]` and their masks, on the model's
         device) at `temperature` (`algo.logprobs.score_tokens`, with what this objective needs: `scoring`), then
-        `self(scores, batch, ctx, end_of_window)`."""
+        `self(scores, batch, ctx, end_of_window)`. With `router_replay="rollout"` and the sampler's experts in
+        `batch.routed_experts`, the completion tokens run those (`algo.router_replay`)."""
         from .logprobs import score_tokens
 
         T = batch.completion_ids.size(1)
@@ -252,6 +259,9 @@ class PolicyObjective:
         scoring = {"share_prefix": share_prefix, "max_positions": max_positions, **self.scoring}
         if getattr(batch, "vision", None) is not None:  # a vision-language model: each row's images
             scoring["vision"] = batch.vision
+        routing = getattr(batch, "routed_experts", None)  # [B, T, L, k]
+        if self.router_replay == "rollout" and routing is not None:
+            scoring["routing"] = routing
         scores = score_tokens(model, ids, mask, T, temperature, None, padding_free, **scoring)
         return self(scores, batch, ctx, end_of_window=end_of_window)
 

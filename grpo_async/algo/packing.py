@@ -51,6 +51,8 @@ class PackedRows:
         attention (`[K, W, W]` bool, *optional*): which bin positions each position attends to, when the bins are
             not plain concatenations of rows (`algo.prefix_sharing`'s trees); `None`: restarting position ids
             delimit the rows.
+        token_pos (`[N]`, *optional*): each completion token's own column in its bin (`logits_bin`): where its
+            recorded experts go (`algo.router_replay.routing_for_packed`).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +66,7 @@ class PackedRows:
     shape: tuple[int, int]
     real: torch.Tensor | None = None
     attention: torch.Tensor | None = None
+    token_pos: torch.Tensor | None = None
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
@@ -204,6 +207,7 @@ def pack_rows(
         cols=cols,
         shape=(B, T),
         real=real_in_bin,
+        token_pos=before + 1,
     )
 
 

@@ -180,7 +180,7 @@ def pack_shared(
     position_ids = torch.zeros(K, W, dtype=torch.long)  # [K, W]
     segment = -1 - torch.arange(K * W).view(K, W)  # [K, W] filler: a segment per position
     branch = torch.zeros(K, W, dtype=torch.long)  # [K, W] 0: prompt (or filler), b ≥ 1: the b-th completion
-    before, tok_bin, rows, cols, targets = [], [], [], [], []
+    before, tok_bin, rows, cols, targets, token_pos = [], [], [], [], [], []
     for t, ((prompt_row, branches), k, o) in enumerate(zip(trees, bin_of, offset, strict=True)):
         prompt = prompts[prompt_row]  # [p]
         p = prompt.numel()
@@ -196,6 +196,7 @@ def pack_shared(
             branch[k, at : at + n] = b
             # the token at branch index j is scored by the logits before it: the prompt's last token for j = 0
             before.append(torch.cat([torch.tensor([o + p - 1]), torch.arange(at, at + n - 1)]))  # [t_i]
+            token_pos.append(torch.arange(at, at + n))  # [t_i]
             tok_bin.append(torch.full((n,), k))
             rows.append(torch.full((n,), row))
             cols.append(c)
@@ -221,6 +222,7 @@ def pack_shared(
         shape=(B, T),
         real=(~filler).to(device),
         attention=allowed.to(device),
+        token_pos=torch.cat(token_pos).to(device),
     )
 
 

@@ -192,3 +192,16 @@ class LossFields:
             "other models.",
         },
     )
+    router_replay: Literal["off", "record", "rollout"] = field(
+        default="off",
+        metadata={
+            "help": "Mixture-of-Experts models: rollout router replay (R3). 'rollout': the sampler records the "
+            "experts each generated token ran at every MoE layer and the old-logps and training forward passes run "
+            "those tokens through them (prompt tokens are routed by the trainer); 'record': recorded and compared "
+            "only (metrics routing/mismatch_tokens, routing/mismatch_pairs), routed by the trainer; 'off': neither. "
+            "Backends: hf and the in-process vllm engine (servers refuse). Default 'off': on the tiny Qwen3-MoE "
+            "with a bfloat16 sampler replay cut sampling/kl only where routing disagreed (docs/moe.md); a dense "
+            "model, a MoE router it cannot drive, gradient_checkpointing, an environment or a rollout_func are "
+            "refused.",
+        },
+    )

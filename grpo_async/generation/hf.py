@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from ..algo.router_replay import capture_routing, moe_layout, routing_dtype, unrouted
 from ..algo.sampling_support import encode_support
 from ..vision_processor import vision_placeholder_ids
 from .base import Completion, GenerationAborted, SamplingConfig, check_completions
@@ -103,6 +104,10 @@ class HFBackend:
         model (`PreTrainedModel`): the base architecture (no PEFT wrapper); it is deep-copied, never used directly.
         tokenizer: pad/eos ids and stop strings come from it.
         batch_size (`int`, *optional*): prompts per `generate` call (all at once when `None`).
+        record_routing (`bool`, *optional*, defaults to `False`): record the experts each generated token ran at
+            every MoE layer (`Completion.routed_experts`, `GRPOConfig.router_replay`): a hook on the copy's routers
+            (`algo.router_replay.capture_routing`) during `generate`, whose decode step `j` runs completion token
+            `j - 1` (the last token is never run: `unrouted`).
     """
 
     #: `load_weights` takes the policy's own parameter names (it copies them into a model of the same class), not the
@@ -111,8 +116,16 @@ class HFBackend:
     #: `generate(..., images=)`: a vision-language model generates with each prompt's images (`PromptImages`)
     takes_images = True
 
-    def __init__(self, model, tokenizer, batch_size: int | None = None):
+    def __init__(self, model, tokenizer, batch_size: int | None = None, record_routing: bool = False):
         self.model = copy.deepcopy(model).eval()
+        self.moe = None  # (num_experts, num MoE layers, top_k) when routing is recorded
+        if record_routing:
+            self.moe = moe_layout(self.model)
+            if self.moe is None:
+                raise ValueError(
+                    f"GRPOConfig.router_replay: {type(self.model).__name__} is not a mixture-of-experts model: "
+                    "there is no routing to record (set router_replay='off')"
+                )
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
@@ -246,9 +259,20 @@ class HFBackend:
         kwargs["stopping_criteria"] = StoppingCriteriaList(
             [*kwargs.get("stopping_criteria", []), AbortCriteria(self._aborted)]
         )
-        gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+        if self.moe is not None and kwargs.get("num_beams") not in (None, 1):
+            raise ValueError(
+                "GRPOConfig.router_replay: the hf backend records one routing per sampled row, but "
+                f"generation_kwargs num_beams={kwargs['num_beams']} runs beams that are reordered and dropped; "
+                "set router_replay='off' or drop num_beams"
+            )
+        recording = capture_routing(self.model) if self.moe is not None else contextlib.nullcontext()
+        with recording as calls:
+            gen = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+            )
         sequences = gen if isinstance(gen, torch.Tensor) else gen.sequences  # a custom generate may return a tensor
         seqs = sequences[:, P:].cpu()  # [b*n, T]
+        routing = None if calls is None else self._routing(calls, seqs.shape[0], P, seqs.shape[1])  # [b*n,T,L,k]
         scores = None if isinstance(gen, torch.Tensor) else getattr(gen, "scores", None)
         kept = None  # per step, per row: the sampler's kept set (None: the sampler is unknown, e.g. beam search)
         if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
@@ -274,9 +298,35 @@ class HFBackend:
                     reason = "stop"
             mask = None if kept is None else [step[k] for step in kept[:end]]  # [T_k] the row's kept sets
             completions.append(
-                Completion(completion_ids=row[:end], logprobs=lp[:end], finish_reason=reason, sampling_mask=mask)
+                Completion(
+                    completion_ids=row[:end],
+                    logprobs=lp[:end],
+                    finish_reason=reason,
+                    sampling_mask=mask,
+                    routed_experts=None if routing is None else routing[k, :end].clone(),  # [T_k, L, k]
+                )
             )
         return completions
+
+    def _routing(self, calls: list[list[torch.Tensor]], rows: int, P: int, T: int) -> torch.Tensor:
+        """`[rows, T, L, k]` the experts of each row's completion tokens, from the routers' calls during `generate`:
+        call 0 the prefill (`rows × P` prompt tokens), call `j ≥ 1` one decode step (`rows` tokens: completion token
+        `j - 1`); the last token was never run (`unrouted`). A `RuntimeError` when the calls are not laid out so."""
+        num_experts, layers, top_k = self.moe
+        dtype = routing_dtype(num_experts)
+        out = torch.full((rows, T, layers, top_k), unrouted(dtype), dtype=dtype)
+        steps = calls[1:T]  # decode step j ran completion token j - 1
+        shapes = [tuple(t.shape) for call in calls[:T] for t in call]
+        expected = [(rows * P, top_k)] * layers + [(rows, top_k)] * (len(steps) * layers)
+        if not calls or len(calls[0]) != layers or shapes != expected or len(steps) < T - 1:
+            raise RuntimeError(
+                f"router replay: the hf backend's generate ran its routers {len(calls)} times with shapes "
+                f"{shapes[: 2 * layers]}..., not one prefill of {rows}x{P} tokens then one token per row per step "
+                f"for {T} tokens: its routing cannot be recorded (a custom generate or decoding strategy?)"
+            )
+        if steps:
+            out[:, : len(steps)] = torch.stack([torch.stack(call, 1) for call in steps], 1).to(dtype).cpu()
+        return out
 
     def _score(self, sequences: torch.Tensor, prompt_mask: torch.Tensor, P: int, temperature: float) -> torch.Tensor:
         """Log-probabilities `[b, T]` of the completion tokens `sequences[:, P:]` under the copy, logits divided by

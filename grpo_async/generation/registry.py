@@ -28,6 +28,8 @@ class BackendSpec:
       backend with a `start_streaming()` method has it called once before the first group).
     - `delta`: it takes delta pushes (`GRPOConfig.weight_sync_delta`, `weight_sync.delta`): its factory passes
       `args.weight_sync_delta` on and honours it.
+    - `records_routing`: with `GRPOConfig.router_replay` on, its completions carry the experts its sampler routed
+      each token to (`Completion.routed_experts`): its factory reads `args.router_replay` and records them.
     """
 
     name: str
@@ -37,6 +39,7 @@ class BackendSpec:
     in_process: bool = False
     streams: bool = False
     delta: bool = False
+    records_routing: bool = False
 
     def __post_init__(self):
         unknown = [t for t in self.weight_sync if t not in SYNC_SETTINGS]

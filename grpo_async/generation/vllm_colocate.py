@@ -15,6 +15,7 @@ import torch
 from grpo_async.generation import vllm_cpu
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
+from grpo_async.generation.routing_capture import RoutingRecorder
 from grpo_async.generation.sampling_mask import SamplingMaskRecorder
 from grpo_async.generation.vllm_common import (
     Groups,
@@ -57,6 +58,9 @@ class VLLMColocateBackend:
         lora_rank (`int`, *optional*): serve the policy as the base model plus a LoRA adapter of at most this rank
             (vLLM `enable_lora`); the trainer then sends only the adapter (`load_adapter`), and every `generate` uses
             the adapter last loaded (none before the first load: the base model).
+        record_routing (`bool`, *optional*, defaults to `False`): record the experts each generated token ran at
+            every MoE layer (`Completion.routed_experts`, `GRPOConfig.router_replay`) with a hook on the routers of
+            the engine's worker (`generation.routing_capture`); needs the worker in this process and eager mode.
         **llm_kwargs: passed to `vllm.LLM`.
     """
 
@@ -75,8 +79,20 @@ class VLLMColocateBackend:
         separate_process: bool = False,
         kv_cache_seqs: int | None = None,
         lora_rank: int | None = None,
+        record_routing: bool = False,
         **llm_kwargs,
     ):
+        if record_routing and (separate_process or not enforce_eager):
+            why = (
+                "runs its engine in a child process here (one rank alone builds it), where the hook that records "
+                "the routers cannot reach"
+                if separate_process
+                else "compiles the model (vllm_enforce_eager=False), and the routers' recording hook would be traced"
+            )
+            raise ValueError(
+                f"GRPOConfig.router_replay: the in-process vLLM engine {why}; set router_replay='off'"
+                + ("" if separate_process else " or vllm_enforce_eager=True")
+            )
         if separate_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         else:
@@ -133,9 +149,21 @@ class VLLMColocateBackend:
             self.sampling_masks = recorder if recorder.installed else None
             if not recorder.installed:
                 logger.info("the sampler's kept sets are not recorded on this engine: %s", runners)
+        #: the experts each token ran (`generation.routing_capture`), when `record_routing`
+        self.routing: RoutingRecorder | None = None
         self.version: int | None = None
         self._aborted = threading.Event()
         self._loop: EngineLoop | None = None  # stream mode: the thread that steps the engine (`start_streaming`)
+        if record_routing:
+            routing = RoutingRecorder()
+            bound = self.llm.collective_rpc(routing.install)
+            if not routing.installed:
+                self.close()
+                raise ValueError(
+                    f"GRPOConfig.router_replay: the in-process vLLM engine cannot record its routing: {bound[0]}; set "
+                    "router_replay='off'"
+                )
+            self.routing = routing
 
     def start_streaming(self) -> None:
         """Stream mode (`GroupStream`): from now on an engine loop thread owns the engine (`EngineLoop`); `generate`
@@ -154,7 +182,7 @@ class VLLMColocateBackend:
             params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
         outputs = self._run(prompt_ids, params)
         completions = []
-        masks = self.sampling_masks
+        masks, routing = self.sampling_masks, self.routing
         for req in outputs:  # vLLM returns requests in submission order
             for o in sorted(req.outputs, key=lambda o: o.index):
                 ids = list(o.token_ids)
@@ -167,6 +195,9 @@ class VLLMColocateBackend:
                         finish_reason="length" if o.finish_reason == "length" else "stop",
                         text=o.text,
                         sampling_mask=None if masks is None else masks.take(req.request_id, ids, index),
+                        routed_experts=None
+                        if routing is None
+                        else routing.take(req.request_id, len(req.prompt_token_ids), len(ids), index),
                     )
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
@@ -184,12 +215,13 @@ class VLLMColocateBackend:
                 params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
                 prompts.append(p)
         requests = self._loop.submit(prompts, params, self.lora_request)
-        masks = self.sampling_masks
+        masks, routing = self.sampling_masks, self.routing
         try:
             self._loop.wait(requests, self._aborted)
         except BaseException:
-            if masks is not None:
-                masks.discard([r.request_id for r in requests])
+            for recorder in (masks, routing):
+                if recorder is not None:
+                    recorder.discard([r.request_id for r in requests])
             raise
         completions = [
             Completion(
@@ -198,8 +230,9 @@ class VLLMColocateBackend:
                 finish_reason=r.finish_reason or "stop",
                 versions=[v if v is not None else 0 for v in r.versions],  # None: the weights it was built with
                 sampling_mask=None if masks is None else masks.take(r.request_id, r.token_ids),
+                routed_experts=None if routing is None else routing.take(r.request_id, len(p), len(r.token_ids)),
             )
-            for r in requests
+            for r, p in zip(requests, prompts, strict=True)
         ]
         return check_completions(completions, len(prompt_ids), n, "VLLMColocateBackend")
 
@@ -213,8 +246,9 @@ class VLLMColocateBackend:
         llm = self.llm
         while llm.llm_engine.has_unfinished_requests():  # left by an aborted call (vLLM aborts a request with n > 1
             llm.llm_engine.step()  # by its children's ids, which enqueue does not return): finished, discarded
-        if self.sampling_masks is not None:
-            self.sampling_masks.clear()  # what those sampled, and what an aborted call's requests did
+        for recorder in (self.sampling_masks, self.routing):
+            if recorder is not None:
+                recorder.clear()  # what those sampled, and what an aborted call's requests did
         ids = llm.enqueue(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
         )

@@ -70,6 +70,9 @@ class ConsumerSettings:
     truncation: TruncationFilter | None = None
     #: TRL's `pad_to_multiple_of`: the training micro-batches' prompt and completion widths (None: as trimmed)
     pad_to_multiple_of: int | None = None
+    #: `GRPOConfig.router_replay`: with rows carrying their sampler's experts, π_old routes them so ("rollout") or
+    #: only compares ("record"); either way `routing/mismatch_*` say where the trainer's routers choose otherwise
+    router_replay: str = "off"
 
     @classmethod
     def from_config(cls, a) -> ConsumerSettings:
@@ -89,6 +92,7 @@ class ConsumerSettings:
             support_replay=a.importance_sampling_support_replay,
             truncation=TruncationFilter.from_config(a),  # servers' rows
             pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
+            router_replay=getattr(a, "router_replay", "off"),
         )
 
 
@@ -236,10 +240,19 @@ class RoundConsumer:
             t0 = time.perf_counter()
             parts = self._chunks(ids.size(0), self.s.old_logps_micro_batch_size, mask)
             sets = lambda part: support[part] if isinstance(support, torch.Tensor) else support  # noqa: E731
-            chunks = [self.old_logps(ids[part], mask[part], T, sets(part), **vis(part)) for part in parts]  # [rows, T]
-            out["old_logps"] = torch.cat([logps for logps, _ in chunks])  # [L, T]
+            routing = local.routed_experts if self.s.router_replay != "off" else None  # [L, T, layers, k]
+            replay = {"replay": self.s.router_replay == "rollout"}
+            chunks = [
+                self.old_logps(ids[part], mask[part], T, sets(part), **vis(part))
+                if routing is None
+                else self.old_logps(ids[part], mask[part], T, sets(part), routing=routing[part], **replay, **vis(part))
+                for part in parts
+            ]  # each (logps [rows, T], mass [rows, T] or None), and with routing its RoutingStats
+            out["old_logps"] = torch.cat([c[0] for c in chunks])  # [L, T]
+            if routing is not None:
+                self._log_routing(sum((c[2].counts for c in chunks), torch.zeros(4, dtype=torch.float64)))
             if support is not None:
-                log_kept = torch.cat([mass for _, mass in chunks]) * local.completion_mask  # [L, T] ≤ 0
+                log_kept = torch.cat([c[1] for c in chunks]) * local.completion_mask  # [L, T] ≤ 0
                 out["rollout_logps"] = local.rollout_logps + log_kept
                 out["support_log_mass"] = log_kept
             self.log("timing/old_logps", time.perf_counter() - t0)
@@ -252,6 +265,15 @@ class RoundConsumer:
             self.log("timing/ref_logps", time.perf_counter() - t0)
             self.log("chunks/ref_logps", float(len(chunks)))
         return _replace(local, **out)
+
+    def _log_routing(self, counts: torch.Tensor) -> None:
+        """`routing/mismatch_tokens` (completion tokens whose expert set, at one MoE layer or more) and
+        `routing/mismatch_pairs` ((token, MoE layer) pairs): where π_old's routers chose other experts than the
+        sampler ran, over every process's recorded tokens; with replay on, the experts run are the sampler's anyway
+        (these say what replay overrode)."""
+        counts = self.collectives.reduce_sum(counts)  # [4]
+        self.log("routing/mismatch_tokens", float(counts[0] / counts[1].clamp(min=1)))
+        self.log("routing/mismatch_pairs", float(counts[2] / counts[3].clamp(min=1)))
 
     def _chunks(self, L: int, size: int, mask: torch.Tensor) -> list[slice]:
         """The forward passes of a stage: `size` rows each, or with `token_budget` as many consecutive rows as fit

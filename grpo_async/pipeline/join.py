@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
+from ..algo.router_replay import pad_routing
 from ..algo.vision import VisionRows
 from .metrics import ROUND_TOKENS
 from .types import MicroBatch, Round
@@ -164,6 +165,10 @@ def cat_batches(batches: list[MicroBatch], pad_token_id: int) -> MicroBatch:
             continue
         if parts[0].dim() == 3:  # sampling_mask [b, T, K]
             out[name] = cat_batches_masks(parts)
+            continue
+        if parts[0].dim() == 4:  # routed_experts [b, T, L, k]
+            width = max(p.size(1) for p in parts)
+            out[name] = torch.cat([pad_routing(p, width) for p in parts])
             continue
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
         value = pad_token_id if name in ("prompt_ids", "completion_ids") else 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_is_zero, nanstd
+from ..algo.router_replay import stack_routing
 from ..algo.sampling_support import pad_kept_sets
 from ..envs.rollout import template_ids
 from ..generation.base import Completion, GenerationAborted, SamplingConfig, derive_seed
@@ -64,6 +65,7 @@ class ProducerSettings:
     syncs_weights: bool  # False: the sampler keeps its initial weights (version 0)
     seed: int | None = None  # sampling seeds derived from (seed, round, row): `_sampling`; None: unseeded
     chat_template_kwargs: dict | None = None  # extra apply_chat_template arguments (GRPOConfig's)
+    router_replay: str = "off"  # "record" | "rollout": every completion carries its sampler's experts
 
     @classmethod
     def from_config(cls, a) -> ProducerSettings:
@@ -91,6 +93,7 @@ class ProducerSettings:
             syncs_weights=a.syncs_weights,
             # completion seeds: (seed, round, row); README Reproducibility
             seed=a.seed if a.seeded_generation else None,
+            router_replay=getattr(a, "router_replay", "off"),
         )
 
 
@@ -445,6 +448,16 @@ class RoundProducer:
             loss_mask *= pad([c.extra["env_mask"] for c in completions], 0)  # [R, T]  not trained
         if self.s.mask_truncated_completions:
             loss_mask[truncated_rows] = 0
+        routed_experts = None  # [R, T, L, k] the sampler's experts (GRPOConfig.router_replay)
+        if self.s.router_replay != "off":
+            missing = sum(c.routed_experts is None for c in completions)
+            if missing:
+                raise RuntimeError(
+                    f"GRPOConfig.router_replay={self.s.router_replay!r}: {missing} of {len(completions)} completions "
+                    "came back without the experts their sampler routed them to (the generation backend did not "
+                    "record them)"
+                )
+            routed_experts = stack_routing([c.routed_experts for c in completions], completion_mask.size(1))
         return MicroBatch(
             prompt_ids=pad(prompt_rep, self.tokenizer.pad_token_id, side="left"),  # [R, P]
             prompt_mask=pad([[1] * len(p) for p in prompt_rep], 0, side="left"),  # [R, P]
@@ -459,6 +472,7 @@ class RoundProducer:
             token_version=pad(versions, version, dtype=torch.long),  # [R, T]
             sampling_mask=pad_kept_sets([c.sampling_mask for c in completions], completion_mask.size(1)),  # [R,T,K]
             support_known=torch.tensor([c.sampling_mask is not None for c in completions], dtype=torch.bool),  # [R]
+            routed_experts=routed_experts,
             num_items_in_batch=float(loss_mask.sum()),
         )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..algo.router_replay import pad_routing
 from ..algo.vision import VisionRows
 
 
@@ -71,6 +72,9 @@ class MicroBatch:
     sampling_mask: torch.Tensor | None = None
     support_known: torch.Tensor | None = None  # [B] bool: the backend reported the row's kept sets (sampling_mask)
     support_log_mass: torch.Tensor | None = None  # [B, T] log π_old(kept set) the consumer added to rollout_logps
+    #: [B, T, L, k] uint8 (int16 past 254 experts): the experts the sampler ran each completion token through, per
+    #: MoE layer (`GRPOConfig.router_replay`; `algo.router_replay.unrouted` where it ran none, e.g. the last token)
+    routed_experts: torch.Tensor | None = None
     num_items_in_batch: float = 0.0  # loss-mask tokens of the whole round, every process: the loss normaliser
     #: a vision-language model's inputs of each row (`algo.vision.VisionRows`: pixel values, image grids, token
     #: types), selected, moved and concatenated with the rows; None: no images
@@ -134,6 +138,8 @@ class MicroBatch:
         for k, v in self.tensors().items():
             if k == "sampling_mask":  # [B, T, K]: a padded position keeps no set (−1)
                 out[k] = torch.nn.functional.pad(v, (0, 0, 0, dt), value=-1)
+            elif k == "routed_experts":  # [B, T, L, k]: a padded position was routed by nobody
+                out[k] = pad_routing(v, T + dt)
             elif k in _PER_TOKEN or (k == "is_weights" and v.size(1) > 1):
                 out[k] = torch.nn.functional.pad(v, (0, dt))
         return dataclasses.replace(self, **out)
@@ -180,6 +186,7 @@ _PER_TOKEN = (
     "token_version",
     "sampling_mask",
     "support_log_mass",
+    "routed_experts",
 )
 
 
