@@ -3,7 +3,8 @@
 
 | feature | with a VLM |
 |---|---|
-| `generation_backend` | `"hf"` only: vLLM's vision models import torchvision, absent on CPU vLLM (docs/vlm.md) |
+| `generation_backend` | `"hf"`, or `"vllm"` for a family vLLM can load (not Qwen-VL / Gemma3: torchvision) |
+| `async_mode="stream"` with `"vllm"` | refused (its engine loop submits token prompts, without images) |
 | `padding_free` | `True` refused (packed bins cannot carry each row's images); `None` (default) → padded |
 | `share_prompt_prefix` | off, one warning (`algo.prefix_sharing.unsupported_reason`) |
 | `ref_server_url` | refused (the reference server scores token ids, it takes no images) |
@@ -25,12 +26,27 @@ def check_vision_model(args, model) -> None:
     if config is None or not is_vision_config(config):
         return
     name = type(model).__name__
-    if args.generation_backend != "hf":
+    backend = args.generation_backend
+    if backend not in ("hf", "vllm"):
         raise ValueError(
-            f"GRPOConfig.generation_backend={args.generation_backend!r}: {name} is a vision-language model, which "
-            "trains with generation_backend='hf' here (vLLM's vision models import torchvision, which a CPU vLLM "
-            "install does not have; docs/vlm.md)"
+            f"GRPOConfig.generation_backend={backend!r}: {name} is a vision-language model, whose images only the "
+            "hf backend and the in-process vLLM engine ('vllm') generate with here (servers take token ids; "
+            "docs/vlm.md)"
         )
+    if backend == "vllm":
+        from .generation.vllm_images import vllm_vision_support
+
+        why = vllm_vision_support(config)
+        if why is not None:
+            raise ValueError(
+                f"GRPOConfig.generation_backend='vllm': {name} is a vision-language model that vLLM cannot load "
+                f"here: {why}. Use generation_backend='hf' (docs/vlm.md)"
+            )
+        if args.async_mode == "stream":
+            raise ValueError(
+                "GRPOConfig.async_mode='stream': the in-process vLLM engine's stream mode submits token prompts "
+                f"only, without {name}'s images; use async_mode='rounds' (the default)"
+            )
     if args.ref_server_url is not None:
         raise ValueError(
             f"GRPOConfig.ref_server_url: {name} is a vision-language model, and a reference server scores token ids "

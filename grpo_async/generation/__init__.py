@@ -38,7 +38,8 @@ def _vllm_max_model_len(args, model) -> int:
     if args.vllm_max_model_length is not None:
         return args.vllm_max_model_length
     want = (args.max_prompt_length or 1024) + args.max_completion_length
-    limit = getattr(model.config, "max_position_embeddings", None)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # a VLM's
+    limit = getattr(text, "max_position_embeddings", None)
     return min(want, limit) if limit else want
 
 

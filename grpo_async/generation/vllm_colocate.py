@@ -22,6 +22,7 @@ from grpo_async.generation.vllm_common import (
     check_prompts,
     to_vllm_sampling_params,
 )
+from grpo_async.generation.vllm_images import check_engine_prompts, engine_prompts, placeholder_words, suppress_words
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport
 
@@ -65,6 +66,9 @@ class VLLMColocateBackend:
     """
 
     takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+    #: `generate(..., images=)`: a vision-language model vLLM can load gets each prompt's images as
+    #: `multi_modal_data` (`generation.vllm_images`)
+    takes_images = True
 
     def __init__(
         self,
@@ -138,6 +142,8 @@ class VLLMColocateBackend:
             # every line of this process's uncaught tracebacks with `[rank0]:`: not a distributed run, no prefix
             sys.excepthook = hook
         self.separate_process = separate_process
+        #: a VLM's image placeholder tokens, never sampled (`generation.vllm_images.placeholder_words`)
+        self.placeholder_words = placeholder_words(self.llm)
         #: the sampler's kept sets (`generation.sampling_mask`): recorded in the worker, which must be in this process
         self.sampling_masks: SamplingMaskRecorder | None = None
         if separate_process:
@@ -172,15 +178,19 @@ class VLLMColocateBackend:
         if self._loop is None or not self._loop.is_running():
             self._loop = EngineLoop(self.llm.llm_engine, lambda: self.version).start()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None) -> list[Completion]:
+        """`images[k]` (`PromptImages` or None): prompt k's images, for a vision-language model."""
         check_prompts(prompt_ids)
         if self._loop is not None:
+            if images is not None:
+                raise ValueError("stream mode submits token prompts only: a vision-language model's images cannot go")
             return self._generate_streamed(prompt_ids, sampling)
         params = to_vllm_sampling_params(sampling)
         if sampling.seed is not None or sampling.per_prompt is not None:  # one request per prompt, its own seed
             # (its n samples: seed + j, vLLM's rule) and its own extras
             params = [to_vllm_sampling_params(sampling.for_prompt(i)) for i in range(len(prompt_ids))]
-        outputs = self._run(prompt_ids, params)
+        outputs = self._run(prompt_ids, suppress_words(params, self.placeholder_words), images)
+        check_engine_prompts([req.prompt_token_ids for req in outputs], prompt_ids, images)
         completions = []
         masks, routing = self.sampling_masks, self.routing
         for req in outputs:  # vLLM returns requests in submission order
@@ -236,7 +246,7 @@ class VLLMColocateBackend:
         ]
         return check_completions(completions, len(prompt_ids), n, "VLLMColocateBackend")
 
-    def _run(self, prompt_ids: list[list[int]], params) -> list:
+    def _run(self, prompt_ids: list[list[int]], params, images=None) -> list:
         """`LLM.generate`, stepped here (`LLM.enqueue`, then `llm_engine.step()` until done) so that `abort()` can end
         it between two engine steps: the requests are aborted in the engine (this thread, no race with a step) and
         `GenerationAborted` is raised. Outputs in submission order."""
@@ -249,9 +259,8 @@ class VLLMColocateBackend:
         for recorder in (self.sampling_masks, self.routing):
             if recorder is not None:
                 recorder.clear()  # what those sampled, and what an aborted call's requests did
-        ids = llm.enqueue(
-            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False, lora_request=self.lora_request
-        )
+        prompts = engine_prompts(prompt_ids, images)  # token ids; a VLM's prompt with images: its text and images
+        ids = llm.enqueue(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         engine, outputs = llm.llm_engine, []
         while engine.has_unfinished_requests():
             if self._aborted.is_set():

