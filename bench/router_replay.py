@@ -197,7 +197,7 @@ def main() -> None:
             q = r[f"paired/{kind}"]
             rows.append(
                 {
-                    "metric": f"k3 KL(sampler || pi_old), {name} bf16 sampler vs fp32 trainer, {what} "
+                    "metric": f"k3 KL(sampler ‖ π_old), {name} bf16 sampler vs fp32 trainer, {what} "
                     f"({q['tokens']}): replayed vs trainer-routed",
                     "ours": q["kl_on"],
                     "peer": q["kl_off"],

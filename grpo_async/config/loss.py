@@ -199,9 +199,10 @@ class LossFields:
             "experts each generated token ran at every MoE layer and the old-logps and training forward passes run "
             "those tokens through them (prompt tokens are routed by the trainer); 'record': recorded and compared "
             "only (metrics routing/mismatch_tokens, routing/mismatch_pairs), routed by the trainer; 'off': neither. "
-            "Backends: hf and the in-process vllm engine (servers refuse). Default 'off': on the tiny Qwen3-MoE "
-            "with a bfloat16 sampler replay cut sampling/kl only where routing disagreed (docs/moe.md); a dense "
-            "model, a MoE router it cannot drive, gradient_checkpointing, an environment or a rollout_func are "
-            "refused.",
+            "Backends: hf and the in-process vllm engine (servers refuse). Default 'off': replay needs a MoE model "
+            "and a recording backend, and on the tiny Qwen3-MoE with a bfloat16 sampler (1% of tokens routed "
+            "elsewhere) it cut the KL of the tokens after a misrouted one 5x but the whole sampling/kl only 1.5x, "
+            "from 6.5e-7 (docs/moe.md); use 'rollout' for MoE models sampled in bfloat16. Refused: dense models, "
+            "a MoE router it cannot drive, gradient_checkpointing with 'rollout', an environment or a rollout_func.",
         },
     )
