@@ -109,3 +109,18 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (pkg / "algo" / "__init__.py").write_text("def f():\n    from ..pipeline import build\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", str(pkg))
     assert ("grpo_async.algo", "grpo_async.pipeline", 2) in _imports()
+
+
+def test_no_module_is_over_600_lines_and_the_trainer_over_350():
+    """The house's size limits (issue 42): a module that grows past them splits by job, as `weight_sync/worker.py`'s
+    receivers went to `worker_receive.py`."""
+    limits = {os.path.join(ROOT, "trainer.py"): 350}
+    over = []
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py"):
+                lines = sum(1 for _ in open(path))
+                if lines > limits.get(path, 600):
+                    over.append(f"{os.path.relpath(path, ROOT)}: {lines} lines (limit {limits.get(path, 600)})")
+    assert not over, over

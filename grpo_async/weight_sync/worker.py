@@ -50,11 +50,9 @@ from datetime import timedelta
 import torch
 
 from grpo_async.parent_watch import exit_with_parent
-from grpo_async.weight_sync.buckets import unpack_bucket
 from grpo_async.weight_sync.delta import DeltaRefused, DeltaShadow
 from grpo_async.weight_sync.moe_reload import detach_cpu_moe_kernels, restore_cpu_moe_kernels
 from grpo_async.weight_sync.requests import (
-    AttachedSegment,
     IncompletePushError,
     PushCoverage,
     close_segments,
@@ -63,6 +61,7 @@ from grpo_async.weight_sync.requests import (
     validate_lora_spec,
     validate_update_request,
 )
+from grpo_async.weight_sync.worker_receive import BucketReceiver
 
 logger = logging.getLogger("grpo_async.ws_worker")
 
@@ -78,7 +77,7 @@ class _RotaryReloadFilter(logging.Filter):
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
 
 
-class WeightSyncWorker:
+class WeightSyncWorker(BucketReceiver):
     """Mixed into vLLM's worker; see the module docstring."""
 
     # ------------------------------------------------------------------ state helpers
@@ -573,66 +572,6 @@ class WeightSyncWorker:
         if digests:
             result["digests"] = out
         return result
-
-    # ------------------------------------------------------------------ receivers (yield one bucket at a time)
-    def _ws_receive(self, req: dict):
-        kind = req["transport"]
-        if kind == "broadcast":
-            yield from self._ws_recv_broadcast(req["buckets"], req.get("group"))
-        elif kind == "shm":
-            yield from self._ws_recv_shm(req["buckets"], req["segments"])
-        else:
-            yield from self._ws_recv_cuda_ipc(req["buckets"], req["handles"])
-
-    def _ws_recv_broadcast(self, layouts: list[dict], group: str | None):
-        from torch.distributed import BroadcastOptions
-
-        st = self._ws_state()
-        group = group or st["last_group"]
-        if group not in st["pgs"]:
-            raise RuntimeError(f"broadcast update for process group {group!r}, which /ws/init_broadcast never set up")
-        pg, device = st["pgs"][group][0], self._ws_device()
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-
-        def post(layout):
-            bufs = {dt: torch.empty(n, dtype=torch.uint8, device=device) for dt, n in layout["buffers"].items()}
-            works = [pg.broadcast([bufs[dt]], opts) for dt in layout["buffers"]]  # same dtype order as the sender
-            return bufs, works
-
-        # Pipeline: the receive of bucket i+1 is posted before bucket i is loaded.
-        nxt = post(layouts[0]) if layouts else None
-        for i, layout in enumerate(layouts):
-            bufs, works = nxt
-            nxt = post(layouts[i + 1]) if i + 1 < len(layouts) else None
-            for w in works:
-                w.wait()
-            yield unpack_bucket(layout, bufs)
-
-    def _ws_recv_shm(self, layouts: list[dict], segments: list[dict]):
-        st = self._ws_state()
-        for layout, seg in zip(layouts, segments):
-            bufs = {}
-            for dt, name in seg.items():
-                shm = AttachedSegment(name)
-                st["keep"].append(shm)
-                if shm.size < layout["buffers"][dt]:
-                    raise ValueError(f"shared-memory segment {name!r} holds {shm.size} bytes, layout needs more")
-                bufs[dt] = (
-                    torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout["buffers"][dt])
-                    if layout["buffers"][dt]
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-            yield unpack_bucket(layout, bufs)
-            del bufs
-
-    def _ws_recv_cuda_ipc(self, layouts: list[dict], handles: list[dict]):
-        from grpo_async.weight_sync.transports import decode_cuda_ipc
-
-        device = self._ws_device()
-        for layout, handle in zip(layouts, handles):
-            bufs = {dt: decode_cuda_ipc(handle[dt], device) for dt in layout["buffers"]}
-            yield unpack_bucket(layout, bufs)
 
 
 exit_with_parent()  # in vLLM engine/worker processes: exit when the process that started them dies (server_process)
