@@ -384,3 +384,14 @@ def colour_reward(completions, answer, **kwargs) -> list[float]:
         else:
             out.append(0.0)
     return out
+
+
+def colour_letter_reward(completions, answer, **kwargs) -> list[float]:
+    """The share of the completion's characters that are the square's colour initial (`r`, `g`, `b`, `y`): the
+    demo's letter task with the letter in the image, not the text. A model that ignores the image scores at most
+    1/4 on average (one letter for every square); one that reads it, up to 1."""
+    out = []
+    for completion, name in zip(completions, answer, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        out.append(sum(ch == name[0] for ch in text) / len(text) if text else 0.0)
+    return out
