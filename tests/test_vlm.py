@@ -438,3 +438,42 @@ def test_vlm_recipe_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "RESULT vlm_reward_first10=" in printed and "vlm_greedy_accuracy=" in printed
     assert (out / "reward_curve.png").exists() and (out / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+@pytest.mark.multiprocess
+def test_two_processes_train_disjoint_rows_each_with_its_own_image(vlm_path, tmp_path):
+    """2 training processes (gloo on CPU), an hf engine on every rank, rounds joined across ranks (`cat_batches` with
+    the images): each rank trains its own rows, none twice; round 0's sampler log-probs are the trainer's on both
+    ranks (each row scored with its own image); the ranks end with the same weights."""
+    import json
+    import os
+
+    from support.warm_launch import run_2cpu
+
+    out = str(tmp_path)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_train_vlm.py")
+    proc = run_2cpu(script, [vlm_path, out], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    rows = [(rnd, row) for r in ranks for b in r["seen"] for rnd, row in zip(b["round"], b["row"], strict=True)]
+    assert len(rows) == len(set(rows)) and len(rows) == 3 * 16  # 3 rounds of 16 rows, each trained once
+    per_rank = [{(rnd, row) for b in r["seen"] for rnd, row in zip(b["round"], b["row"], strict=True)} for r in ranks]
+    assert not per_rank[0] & per_rank[1]
+    assert all(b["pixels"] and min(b["pixels"]) != 0 for r in ranks for b in r["seen"])  # every row has its image
+    assert all(r["logp_diff_max"][0] < ATOL for r in ranks), [r["logp_diff_max"] for r in ranks]
+    assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]
+
+
+def test_hf_backend_refuses_beam_search_with_images(vlm_path, processor):
+    """Beam-searched sequences are scored again by the hf copy without their images: refused by name."""
+    from grpo_async.generation.base import SamplingConfig
+    from grpo_async.generation.hf import HFBackend
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+    backend = HFBackend(_load(vlm_path), processor.tokenizer)
+    ids, media = tokenize_with_images(processor, QUESTION, [square_image("red")])
+    sampling = SamplingConfig(max_tokens=4, temperature=1.0, extra={"num_beams": 2})
+    with pytest.raises(ValueError, match="num_beams=2"):
+        backend.generate([ids], sampling, images=[media])

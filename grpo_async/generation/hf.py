@@ -253,6 +253,11 @@ class HFBackend:
             rows = VisionRows.from_prompts(per_prompt, [len(p) for p in prompt_ids])
             rows = rows.select(torch.arange(len(prompt_ids)).repeat_interleave(s.n))  # [b*n] as the ids
             kwargs.update({k: v.to(device) for k, v in rows.model_inputs(0, P).items()})
+            if extra.get("num_beams") not in (None, 1):  # beams are scored again by `_score`, which has no images
+                raise ValueError(
+                    f"generation_kwargs num_beams={extra['num_beams']}: the hf backend scores beam-searched sequences "
+                    "again without their images; sample (num_beams 1) with a vision-language model"
+                )
         kwargs.update(extra)
         from transformers import StoppingCriteriaList
 
