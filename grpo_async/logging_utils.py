@@ -196,6 +196,8 @@ def completion_columns(samples: dict, step: int) -> dict[str, list]:
     cols["policy_version"] = [int(v) for v in samples.get("policy_version", [-1] * n)]
     for name, values in samples.get("extra", {}).items():  # reward functions' log_extra columns, as given
         cols[name if name not in cols else f"extra_{name}"] = list(values)
+    if len(samples.get("images") or ()) == n:  # a VLM's rows (log_multimodal): each row's images as PNG bytes
+        cols["images"] = [list(v) for v in samples["images"]]
     return cols
 
 
@@ -240,7 +242,7 @@ def completions_table(samples: dict, step: int, n: int | None, unique_prompts: b
     from rich.table import Table
 
     cols = completion_columns(samples, step)
-    reward_cols = [k for k in cols if k not in ("step", "round", "prompt", "completion", "policy_version")]
+    reward_cols = [k for k in cols if k not in ("step", "round", "prompt", "completion", "policy_version", "images")]
     table = Table(title=f"completions @ step {step} (round {cols['round'][0]})", show_lines=True)
     table.add_column("prompt", overflow="fold", min_width=24, max_width=48)
     table.add_column("completion", overflow="fold", min_width=24, max_width=64)

@@ -477,3 +477,25 @@ def test_hf_backend_refuses_beam_search_with_images(vlm_path, processor):
     sampling = SamplingConfig(max_tokens=4, temperature=1.0, extra={"num_beams": 2})
     with pytest.raises(ValueError, match="num_beams=2"):
         backend.generate([ids], sampling, images=[media])
+
+
+def test_log_multimodal_puts_each_rows_images_in_the_completions_table(vlm_path, tmp_path):
+    """TRL's `log_multimodal` (default True) with `log_completions`: the completions table holds each row's image as
+    PNG bytes, the image its prompt was asked with; `log_multimodal=False`: no image column."""
+    import io
+
+    from PIL import Image
+
+    from grpo_async import GRPOTrainer
+    from grpo_async.logging_utils import read_completions
+
+    for on in (True, False):
+        out = tmp_path / f"out_{on}"
+        args = tiny_config(out, max_steps=1, log_completions=True, log_multimodal=on, num_completions_to_print=1)
+        dataset = colour_dataset(16)
+        GRPOTrainer(model=vlm_path, reward_funcs=letter_share, args=args, train_dataset=dataset).train()
+        table = read_completions(str(out))
+        assert ("images" in table.columns) == on
+    images = [Image.open(io.BytesIO(row[0])) for row in read_completions(str(tmp_path / "out_True"))["images"]]
+    known = {square_image(name, 40, i).tobytes() for i, name in enumerate(dataset["answer"])}
+    assert images and all(img.convert("RGB").tobytes() in known for img in images)

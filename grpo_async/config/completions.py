@@ -16,7 +16,12 @@ class CompletionLogFields:
         metadata={"help": "Completions printed per log; None prints all of them."},
     )
     log_multimodal: bool = field(
-        default=True, metadata={"help": "TRL: log images/videos with completions. Text-only here: no effect."}
+        default=True,
+        metadata={
+            "help": "Vision-language models, with log_completions: the completions table "
+            "(output_dir/completions/step_*.parquet) holds each row's images as PNG bytes (column `images`); TRL "
+            "logs them to its trackers. Text models: no effect."
+        },
     )
     save_metrics_plot: bool = field(
         default=True,

@@ -137,8 +137,10 @@ class RoundJoiner:
     def _samples(parts: list[Round], advantages: torch.Tensor) -> dict:
         """The completions table of the joined round: the parts' columns in rank order."""
         out: dict = {"round": parts[0].round_id}
-        for key in ("prompt", "completion", "reward", "policy_version"):
+        for key in ("prompt", "completion", "reward", "policy_version", "images"):
             out[key] = [v for p in parts for v in p.samples.get(key, [])]
+        if not out["images"]:  # a text model's rounds (or log_multimodal off)
+            del out["images"]
         for key in ("rewards", "extra"):  # column name → one value per row
             names = dict.fromkeys(n for p in parts for n in p.samples.get(key, {}))
             out[key] = {n: [v for p in parts for v in p.samples.get(key, {}).get(n, [])] for n in names}

@@ -34,7 +34,7 @@ from ..rewards import RewardLogs, score_completions
 from .metrics import ROUND_TOKENS, terminated_length_metrics
 from .rows import chunk_slices, pad
 from .types import MicroBatch, Round, RoundRequest
-from .vision_prompts import call_images, is_processor, row_images, tokenize_with_images, with_vision
+from .vision_prompts import call_images, is_processor, png_images, row_images, tokenize_with_images, with_vision
 
 #: a dataset column whose dict (per row, the same for a prompt's G rows) is merged over the run's generation_kwargs
 #: for that prompt's requests, e.g. `{"min_tokens": 40, "max_tokens": 40}` (vLLM `SamplingParams` fields)
@@ -65,6 +65,7 @@ class ProducerSettings:
     syncs_weights: bool  # False: the sampler keeps its initial weights (version 0)
     seed: int | None = None  # sampling seeds derived from (seed, round, row): `_sampling`; None: unseeded
     chat_template_kwargs: dict | None = None  # extra apply_chat_template arguments (GRPOConfig's)
+    log_multimodal: bool = False  # a VLM's rows carry their images (PNG) into the completions table
     router_replay: str = "off"  # "record" | "rollout": every completion carries its sampler's experts
 
     @classmethod
@@ -89,6 +90,7 @@ class ProducerSettings:
             mask_truncated_completions=a.mask_truncated_completions,
             mask_env_responses=a.mask_env_responses,
             chat_template_kwargs=dict(a.chat_template_kwargs) if a.chat_template_kwargs else None,
+            log_multimodal=a.log_multimodal and a.log_completions,
             reward_timeout=a.reward_timeout,
             syncs_weights=a.syncs_weights,
             # completion seeds: (seed, round, row); README Reproducibility
@@ -405,6 +407,8 @@ class RoundProducer:
             "round": request.round_id,
             "extra": logs.extra,  # log_extra columns
         }
+        if media is not None and self.s.log_multimodal:  # TRL's log_multimodal: each row's images, as PNG bytes
+            samples["images"] = [png_images(media[i // G]) for i in range(len(rows))]
         self.rounds_produced += 1
         return Round(
             request.round_id,

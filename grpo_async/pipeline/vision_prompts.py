@@ -130,3 +130,13 @@ def with_vision(batch, per_row: list | None):
     lengths = batch.prompt_mask.sum(1).tolist()  # [R] each row's prompt tokens (left-padded to the widest)
     vision = VisionRows.from_prompts([None if m is None else m.inputs for m in per_row], lengths)
     return dataclasses.replace(batch, vision=vision.pad_prompt(batch.prompt_ids.size(1) - max(lengths)))
+
+
+def png_images(media: PromptImages | None) -> list[bytes]:
+    """A prompt's images as PNG bytes (the completions table's `images` column, `GRPOConfig.log_multimodal`)."""
+    out = []
+    for image in media.images if media is not None else []:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
