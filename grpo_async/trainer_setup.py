@@ -197,10 +197,10 @@ def _all_datasets(datasets) -> list:
 def make_environment(
     environment, tools, *datasets, environment_factory=None, rollout_func=None, processing_class=None, args=None
 ):
-    """The trainer's one environment: `environment=`, TRL's `tools=` (a `ToolEnv`), or TRL's `environment_factory`
+    """The trainer's one environment: `environment=`, TRL's `tools=` (a `TRLToolEnv`), or TRL's `environment_factory`
     (a `FactoryEnvironment`, with `tools=` as extra tools; `args.max_tool_calling_iterations` bounds its turns).
     Checks the datasets' prompts are conversational (and, for a dict of factories, their `environment` column)."""
-    from .envs import FactoryEnvironment, ToolEnv, check_environment
+    from .envs import FactoryEnvironment, TRLToolEnv, check_environment
 
     given = [k for k, v in (("environment", environment), ("environment_factory", environment_factory)) if v]
     if len(given) > 1:
@@ -221,12 +221,12 @@ def make_environment(
         tools = None
     if tools is not None:
         if environment is not None:
-            raise ValueError("give either environment= or tools= (tools=[...] is environment=ToolEnv([...]))")
+            raise ValueError("give either environment= or tools= (tools=[...] is environment=TRLToolEnv([...]))")
         iterations = getattr(args, "max_tool_calling_iterations", None)
         # TRL: at most max_tool_calling_iterations tool calls, None = until max_completion_length (every assistant
         # turn samples at least one token, so max_completion_length turns is no bound at all)
         turns = iterations + 1 if iterations is not None else getattr(args, "max_completion_length", None) or 4
-        environment = ToolEnv(tools, max_turns=turns)
+        environment = TRLToolEnv(tools, max_turns=turns, tokenizer=processing_class)  # TRL's tool loop
     if environment is None:
         return None
     check_environment(environment)

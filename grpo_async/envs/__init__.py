@@ -13,9 +13,17 @@ Environment tokens are part of each completion (the model attends to them) but c
 """
 
 from .base import Environment, EnvironmentProtocol, check_environment
-from .factory import FactoryEnvironment
+from .factory import FactoryEnvironment, TRLToolEnv
 from .rollout import ChatTemplatePrefixError, RolloutResult, env_turn_ids, run_rollouts, template_ids
-from .tools import ToolCallError, ToolEnv, calculator, parse_tool_call, parse_tool_calls, tools_system_prompt
+from .tools import (
+    ToolCallError,
+    ToolEnv,
+    calculator,
+    parse_tool_call,
+    parse_tool_calls,
+    tool_metrics,
+    tools_system_prompt,
+)
 
 __all__ = [
     "ChatTemplatePrefixError",
@@ -25,6 +33,7 @@ __all__ = [
     "RolloutResult",
     "ToolCallError",
     "ToolEnv",
+    "TRLToolEnv",
     "calculator",
     "check_environment",
     "env_turn_ids",
@@ -32,5 +41,6 @@ __all__ = [
     "parse_tool_calls",
     "run_rollouts",
     "template_ids",
+    "tool_metrics",
     "tools_system_prompt",
 ]

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import sys
 import threading
 from collections.abc import Callable
 
 from .base import Environment
-from .tools import TOOL_CALL, ToolCallError, parse_tool_calls, run_with_timeout, tools_system_prompt
+from .tools import TOOL_CALL, ToolEnv, run_with_timeout, tools_system_prompt
 
 _PROBE_TOOL = "probe_tool_7f3a9c"
 _PROBE_RESULT = "probe_result_c41e8b"
@@ -107,6 +108,82 @@ def environment_methods(env_class) -> tuple[list[str], bool, bool]:
         elif not name.startswith("_"):
             names.append(name)
     return names, has_reset, has_reward
+
+
+def trl_tool_calls(text: str) -> list[tuple[str, object]]:
+    """The tool calls of an assistant turn as TRL reads them: `(name, arguments)` of each
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` in order, missing or `null` arguments read as `{}`. A turn
+    with a block that is not a JSON object with a string `name` has none at all: TRL's `parse_response` then falls
+    back to the turn's plain text, so the rollout ends there (not a call, not a failure)."""
+    calls = []
+    for match in TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return []
+        arguments = call.get("arguments")
+        calls.append((call["name"], {} if arguments is None else arguments))
+    return calls
+
+
+def trl_tool_turn(
+    text: str, tools: dict[str, Callable], timeout: float | None, state: dict
+) -> tuple[list[dict], dict]:
+    """Run the tool calls of an assistant turn (`trl_tool_calls(text)`) in order as TRL's tool loop does: one
+    `{"role": "tool"}` message each, `str(result)`, or `str({"error": str(exception)})` when the call fails (an
+    unknown tool: `Tool NAME not found.`). Returns the messages and `state` with its `tool_calls` / `tool_errors`
+    counts raised by the calls made and the calls that failed (TRL's `tools/call_frequency`, `failure_frequency`)."""
+    calls = trl_tool_calls(text)
+    out, failures = [], 0
+    for name, arguments in calls:
+        try:
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            if not isinstance(arguments, dict):
+                raise TypeError(f"{name}() argument after ** must be a mapping, not {type(arguments).__name__}")
+            content = str(run_with_timeout(tools[name], arguments, timeout))
+        except Exception as e:
+            failures += 1
+            content = str({"error": str(e)})
+        out.append({"role": "tool", "name": name, "content": content})
+    return out, {
+        **state,
+        "tool_calls": state["tool_calls"] + len(calls),
+        "tool_errors": state["tool_errors"] + failures,
+    }
+
+
+class TRLToolEnv(ToolEnv):
+    """TRL's `tools=` (`GRPOTrainer(..., tools=[...])`): `ToolEnv`'s registry and turns with TRL's tool loop: the tools
+    shown through the chat template (`apply_chat_template(..., tools=...)`) when it renders them, every call of a turn
+    run (`trl_tool_turn`: TRL's error text, no time limit, as TRL), a malformed call read as plain text
+    (`trl_tool_calls`), `state["tool_calls"]` / `state["tool_errors"]` counted per call (TRL's `tools/*` metrics).
+
+    Args:
+        tools (`list[callable]`): the tools, by function name.
+        max_turns (`int`): most assistant turns (`max_tool_calling_iterations + 1`).
+        tokenizer (*optional*): the policy's tokenizer: its chat template shows the tools when it renders `tools=`.
+    """
+
+    def __init__(self, tools, max_turns: int, tokenizer=None):
+        super().__init__(tools, max_turns=max_turns, tool_timeout=None)
+        self.template_tools = tokenizer is not None and template_renders_tools(tokenizer)
+        if self.template_tools:  # the schemas come from signatures and docstrings: fail now, not mid-run
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=self._listed(), tokenize=False)
+
+    def _listed(self) -> list[Callable]:
+        return list(self.tools.values())
+
+    def chat_template_kwargs(self, state: dict) -> dict:
+        return {"tools": self._listed()} if self.template_tools else {}
+
+    def is_completed(self, messages: list[dict], state: dict) -> bool:
+        return not trl_tool_calls(messages[-1]["content"])
+
+    def env_response(self, messages: list[dict], state: dict) -> tuple[list[dict], dict]:
+        return trl_tool_turn(messages[-1]["content"], self.tools, self.tool_timeout, state)
 
 
 def _maybe_await(value):
@@ -286,26 +363,9 @@ class FactoryEnvironment(Environment):
         return {"environments": state.get("environment")}
 
     def is_completed(self, messages: list[dict], state: dict) -> bool:
-        return TOOL_CALL.search(messages[-1]["content"]) is None
+        return not trl_tool_calls(messages[-1]["content"])  # a malformed call is plain text (TRL)
 
     def env_response(self, messages: list[dict], state: dict) -> tuple[list[dict], dict]:
         """Run every tool call of the assistant's turn, in order, on the rollout's instance; one tool message each
         (`str(result)`, or TRL's `{'error': ...}` text when it fails)."""
-        state = dict(state)
-        tools = self.tools_of(state)
-        out = []
-        for call in parse_tool_calls(messages[-1]["content"]):
-            state["tool_calls"] += 1
-            name = "unknown"
-            try:
-                if isinstance(call, ToolCallError):
-                    raise call
-                name, arguments = call
-                if name not in tools:
-                    raise ValueError(f"Tool {name} not found.")
-                content = str(run_with_timeout(tools[name], arguments, self.tool_timeout))
-            except Exception as e:
-                state["tool_errors"] += 1
-                content = str({"error": str(e)})
-            out.append({"role": "tool", "name": name, "content": content})
-        return out, state
+        return trl_tool_turn(messages[-1]["content"], self.tools_of(state), self.tool_timeout, state)

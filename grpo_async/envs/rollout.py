@@ -12,8 +12,8 @@ env turn    env_response(messages, state) → new messages; their tokens are the
             conversation with them minus its rendering without them (checked: the latter must be a prefix of the
             former), plus any end-of-turn tokens the template puts after an assistant message that the model did
             not sample (e.g. a newline after the EOS)        ▶ append (env_mask 0, logprob 0)
-turn t      backend.generate([prompt + completion so far], n=1), all live rollouts of the turn in one call per
-            remaining budget
+turn t      backend.generate([prompt + completion so far], n=1), all live rollouts of the turn in one call, at
+            the largest token budget left; each is cut at its own (TRL's tool loop does the same)
 ```
 
 The model's own tokens are never re-tokenized: what is trained is exactly what was sampled. A rollout ends when the
@@ -116,8 +116,37 @@ def env_turn_ids(
     before = template_ids(tokenizer, messages, False, **template_kwargs)
     after = template_ids(tokenizer, messages + new_messages, True, **template_kwargs)
     _check_prefix(tokenizer, head, before, turn, "adding the assistant's message")
+    if after[: len(before)] != before:
+        tail = _after_past_turn(tokenizer, messages, before[len(head) :], after, sampled, template_kwargs)
+        if tail is not None:
+            return tail
     _check_prefix(tokenizer, before, after, turn, "adding the environment's messages")
     return _unsampled_turn_end(before[len(head) :], sampled) + after[len(before) :]
+
+
+def _after_past_turn(tokenizer, messages, assistant_part, after, sampled, template_kwargs) -> list[int] | None:
+    """The environment's tokens when the template renders the conversation's last assistant message differently from
+    a past one only in what it writes around the model's tokens (Qwen3 writes an empty `<think></think>` block into
+    the last assistant turn only, so that turn changes once the environment's messages follow it): what follows the
+    turn's end-of-turn token in `after`, as TRL's tool loop aligns its tool suffix on it. Only when every earlier
+    message renders identically (`messages[:-1]` is a prefix of `after`), the sampled turn ended with a special token
+    (its end-of-turn, which the assistant's decoded text cannot contain) and the past turn still ends with the
+    sampled text (a template that rewrites the model's own words stays an error); `None` otherwise (the caller
+    raises)."""
+    if not sampled or sampled[-1] not in set(tokenizer.all_special_ids):
+        return None
+    end = sampled[-1]
+    history = template_ids(tokenizer, messages[:-1], False, **template_kwargs)
+    if after[: len(history)] != history:
+        return None
+    turn_ends = [i for i, t in enumerate(after) if t == end and i >= len(history)]
+    k = assistant_part.count(end)  # the assistant's turn holds k of them (1: its end-of-turn)
+    if k < 1 or len(turn_ends) < k:
+        return None
+    past_turn = after[len(history) : turn_ends[k - 1] + 1]
+    if not tokenizer.decode(past_turn).endswith(tokenizer.decode(sampled)):
+        return None
+    return after[turn_ends[k - 1] + 1 :]
 
 
 def run_rollouts(
@@ -168,7 +197,7 @@ def run_rollouts(
     live = list(range(R))
     turn = 0
     while live:
-        # one generate call per distinct remaining budget (turn 0: each prompt once, n = its rollouts)
+        # turn 0: each prompt once, n = its rollouts (one call per group size); later turns: one call
         outputs: dict[int, Completion] = {}
         if turn == 0:
             for call, (size, groups) in enumerate(_turn0_groups(results, G).items()):
@@ -177,17 +206,13 @@ def run_rollouts(
                 completions = backend.generate([results[g[0]].prompt_ids for g in groups], s)
                 for i, c in zip([i for g in groups for i in g], completions, strict=True):
                     outputs[i] = c
-        else:
-            by_budget: dict[int, list[int]] = {}
-            for i in live:
-                room = max_completion_length - len(results[i].completion_ids)
-                by_budget.setdefault(min(per_turn, room), []).append(i)
-            for call, (budget, idx) in enumerate(sorted(by_budget.items())):
-                s = _call_sampling(sampling, turn, call)
-                s.n, s.max_tokens = 1, budget
-                inputs = [results[i].prompt_ids + results[i].completion_ids for i in idx]
-                for i, c in zip(idx, backend.generate(inputs, s), strict=True):
-                    outputs[i] = c
+        else:  # every live rollout in one call at the largest room left, each cut at its own (as TRL's tool loop)
+            budgets = [min(per_turn, max_completion_length - len(results[i].completion_ids)) for i in live]
+            s = _call_sampling(sampling, turn, 0)
+            s.n, s.max_tokens = 1, max(budgets)
+            inputs = [results[i].prompt_ids + results[i].completion_ids for i in live]
+            for i, c, budget in zip(live, backend.generate(inputs, s), budgets, strict=True):
+                outputs[i] = _cut(c, budget)
         turn += 1
         still = []
         for i in live:
@@ -227,6 +252,14 @@ def run_rollouts(
     for r in results:
         r.columns = dict(columns(r.state)) if columns is not None else {}
     return results
+
+
+def _cut(c: Completion, budget: int) -> Completion:
+    """`c` cut to its first `budget` tokens (`finish_reason="length"`) when it is longer; the per-token fields a
+    multi-turn rollout does not keep (`versions`, `sampling_mask`, `routed_experts`) are dropped then."""
+    if len(c.completion_ids) <= budget:
+        return c
+    return Completion(list(c.completion_ids[:budget]), list(c.logprobs[:budget]), "length", c.text, dict(c.extra))
 
 
 def _call_sampling(sampling: SamplingConfig, turn: int, call: int) -> SamplingConfig:

@@ -62,6 +62,17 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict] | ToolCallError]:
     return calls
 
 
+def tool_metrics(states: list) -> dict[str, float]:
+    """TRL's `tools/call_frequency` (tool calls per completion) and `tools/failure_frequency` (failed calls per call,
+    0 without calls) over a round's rollouts, from their final states' `tool_calls` / `tool_errors` counts (`ToolEnv`,
+    `TRLToolEnv`, `FactoryEnvironment`); empty when a rollout's environment does not count them."""
+    if not states or not all(isinstance(s, dict) and "tool_calls" in s and "tool_errors" in s for s in states):
+        return {}
+    calls = sum(s["tool_calls"] for s in states)
+    failures = sum(s["tool_errors"] for s in states)
+    return {"tools/call_frequency": calls / len(states), "tools/failure_frequency": failures / calls if calls else 0.0}
+
+
 def tools_system_prompt(tools: dict[str, Callable]) -> str:
     """A description of `tools` (name → callable) and of the call format, for a system message."""
     lines = ["You can call these tools:"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import threading
 
@@ -280,7 +281,7 @@ class HFBackend:
         routing = None if calls is None else self._routing(calls, seqs.shape[0], P, seqs.shape[1])  # [b*n,T,L,k]
         scores = None if isinstance(gen, torch.Tensor) else getattr(gen, "scores", None)
         kept = None  # per step, per row: the sampler's kept set (None: the sampler is unknown, e.g. beam search)
-        if sampler is not None:  # the sampled tokens' logprobs, recorded step by step
+        if sampler is not None and len(sampler.logps) >= seqs.shape[1]:  # the sampled tokens' logprobs, step by step
             token_logps = torch.stack(sampler.logps[: seqs.shape[1]], dim=1).cpu()  # [b*n, T]
             kept = sampler.kept[: seqs.shape[1]]
         elif scores and scores[0].shape[0] == seqs.shape[0] and kwargs.get("num_beams") in (None, 1):
@@ -288,7 +289,8 @@ class HFBackend:
             logps = torch.stack([torch.log_softmax(sc.float(), dim=-1) for sc in scores], dim=1).cpu()
             token_logps = logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [b*n, T]
             kept = [encode_support(torch.isfinite(sc)) for sc in scores]
-        else:  # beam search, or no per-row scores: the copy scores its own sequences (temperature applied)
+        else:  # beam search, no per-row scores, or a custom `generate` (e.g. a test's patched `model.generate`)
+            # that never ran the seeded sampler: the copy scores its own sequences (temperature applied)
             token_logps = self._score(sequences, attention_mask.to(device), P, s.temperature)  # [b*n, T]
         completions = []
         for k, (row, lp) in enumerate(zip(seqs.tolist(), token_logps.tolist(), strict=True)):
@@ -339,7 +341,12 @@ class HFBackend:
         from ..algo.logprobs import selective_log_softmax
 
         mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, P:])], dim=1)  # [b, P+T]
-        logits = self.model(input_ids=sequences, attention_mask=mask).logits[:, P - 1 : -1].float()  # [b, T, V]
+        T = sequences.shape[1] - P
+        # only the T positions that predict a completion token: the logits of a long prompt times a large vocabulary
+        # (Qwen3's 151,936) would be the largest tensor of the run
+        takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        keep = {"logits_to_keep": T + 1} if takes_keep else {}
+        logits = self.model(input_ids=sequences, attention_mask=mask, **keep).logits[:, -(T + 1) : -1].float()
         return selective_log_softmax(logits / (temperature or 1.0), sequences[:, P:]).cpu()
 
     def close(self) -> None:

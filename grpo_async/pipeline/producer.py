@@ -28,6 +28,7 @@ from ..algo.advantages import aggregate_advantages, combine_rewards, group_std_i
 from ..algo.router_replay import stack_routing
 from ..algo.sampling_support import pad_kept_sets
 from ..envs.rollout import template_ids
+from ..envs.tools import tool_metrics
 from ..generation.base import Completion, GenerationAborted, SamplingConfig, derive_seed
 from ..generation.shared import SharedBackend
 from ..rewards import RewardLogs, score_completions
@@ -502,6 +503,7 @@ class RoundProducer:
             m["env/turns/max"] = turns.max().item()
             m["env/env_tokens_frac"] = env_tokens / max(1.0, completion_mask.sum().item())
             m["env/max_turns_ratio"] = sum(c.finish_reason == "max_turns" for c in completions) / R
+            m.update(tool_metrics([c.extra.get("state") for c in completions]))  # TRL's tools/* (tool environments)
         for i, name in enumerate(self.reward_names):
             m[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
             m[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
