@@ -499,3 +499,15 @@ def test_log_multimodal_puts_each_rows_images_in_the_completions_table(vlm_path,
     images = [Image.open(io.BytesIO(row[0])) for row in read_completions(str(tmp_path / "out_True"))["images"]]
     known = {square_image(name, 40, i).tobytes() for i, name in enumerate(dataset["answer"])}
     assert images and all(img.convert("RGB").tobytes() in known for img in images)
+
+
+def test_a_micro_batch_reads_like_trls_vlm_inputs(trained):
+    """A `compute_loss` override written for TRL reads `inputs["pixel_values"]`, `inputs["image_grid_thw"]`, ...: the
+    micro-batch's rows' own, flattened as the processor gives them."""
+    _, seen, _, _ = trained
+    batch = seen[0]
+    for key, value in batch.vision_inputs().items():
+        assert key in batch and torch.equal(batch[key], value) and torch.equal(batch.get(key), value)
+    assert "pixel_values" in batch and "video_grid_thw" not in batch and batch.get("video_grid_thw") is None
+    with pytest.raises(KeyError):
+        batch["video_grid_thw"]

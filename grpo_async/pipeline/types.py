@@ -158,15 +158,19 @@ class MicroBatch:
     # ---- TRL-style read access (`inputs["advantages"]`) ----------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
         value = getattr(self, key) if key in _FIELDS else None
+        if value is None and self.vision is not None:  # a VLM's `inputs["pixel_values"]`, as TRL's forward takes it
+            value = self.vision_inputs().get(key)
         if value is None:
             raise KeyError(key)
         return value
 
     def __contains__(self, key: object) -> bool:
-        return key in _FIELDS and getattr(self, key) is not None
+        if key in _FIELDS:
+            return getattr(self, key) is not None
+        return self.vision is not None and key in self.vision_inputs()
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self else default
+        return self[key] if key in self else default
 
     def keys(self) -> list[str]:
         return [k for k in _FIELDS if k in self]
