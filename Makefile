@@ -20,7 +20,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install torch-cpu test test-fast test-all demo demo-real lint format bench clean
+.PHONY: install torch-cpu test test-fast test-all demo demo-real demo-vlm lint format bench clean
 
 install: $(STAMP)
 
@@ -77,6 +77,12 @@ demo: install
 demo-real: install
 	$(PY) recipes/real_math.py
 
+# a vision-language model: a tiny Qwen2-VL learns "what colour is the square?" from its images (recipes/vlm.py,
+# docs/vlm.md); VLM_ARGS: extra flags (e.g. VLM_ARGS="--family idefics3 --backend vllm")
+VLM_ARGS ?=
+demo-vlm: install
+	$(PY) recipes/vlm.py $(VLM_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -89,4 +95,4 @@ bench: install
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache demo_output
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo_output vlm_output
