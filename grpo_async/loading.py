@@ -110,8 +110,10 @@ def load_model(name_or_path, **from_pretrained_kwargs):
     from .vision_processor import is_vision_config
 
     resolve_name_or_path(name_or_path, "model", revision=from_pretrained_kwargs.get("revision"))
-    keys = ("revision", "trust_remote_code")
-    config = load_model_config(name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in keys})
+    keys = ("revision", "trust_remote_code", "gguf_file", "subfolder", "token", "cache_dir", "local_files_only")
+    config = from_pretrained_kwargs.get("config")
+    if config is None:
+        config = load_model_config(name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in keys})
     auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     return auto.from_pretrained(name_or_path, **from_pretrained_kwargs)
 
