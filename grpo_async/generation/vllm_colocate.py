@@ -22,7 +22,13 @@ from grpo_async.generation.vllm_common import (
     check_prompts,
     to_vllm_sampling_params,
 )
-from grpo_async.generation.vllm_images import check_engine_prompts, engine_prompts, placeholder_words, suppress_words
+from grpo_async.generation.vllm_images import (
+    check_engine_prompts,
+    engine_prompts,
+    placeholder_words,
+    reset_vision_caches,
+    suppress_words,
+)
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
 from grpo_async.weight_sync.transports import ColocateTransport, ShmTransport
 
@@ -287,6 +293,7 @@ class VLLMColocateBackend:
     def load_weights(self, groups: Groups, version: int) -> None:
         def load():
             self.transport.push(groups, version)
+            reset_vision_caches(self.llm)  # a VLM: no image features of the old vision tower
             if self.separate_process:
                 self.llm.reset_prefix_cache()
             self.lora_request = None  # full weights are the whole policy
@@ -304,6 +311,7 @@ class VLLMColocateBackend:
 
         spec = adapter_spec(version, config)
         self.transport.push(groups, version, lora=spec)
+        reset_vision_caches(self.llm)  # an adapter on the vision tower changes the image features too
         if self.separate_process:
             self.llm.reset_prefix_cache()
         # the path is a label: the worker already holds the adapter, so vLLM never reads it

@@ -85,3 +85,15 @@ def suppress_words(params, words: list[str]):
     for p in params if isinstance(params, list) else [params]:
         p.bad_words = list(dict.fromkeys([*(p.bad_words or []), *words]))
     return params
+
+
+def reset_vision_caches(llm) -> None:
+    """After new weights, a multimodal engine's cached image features are stale (the old vision tower made them).
+    The weight-sync worker clears the model runner's encoder cache (`weight_sync.worker`), but vLLM 0.32's scheduler
+    keeps believing those features are cached: a prompt with an image seen before the push then fails with "Encoder
+    cache miss" (measured: round 1 of a run whose images recur). `LLMEngine.reset_encoder_cache` resets both sides;
+    the processed-input cache goes in step (`LLM.reset_mm_cache`). No-op for a text model."""
+    if not llm.llm_engine.model_config.is_multimodal_model:
+        return
+    llm.llm_engine.reset_encoder_cache()
+    llm.reset_mm_cache()
