@@ -20,7 +20,8 @@ TRL 1.16's `tests/test_grpo_trainer.py` is not installed and the one stored in t
 written from TRL 1.16's trainer code (`trl/trainer/grpo_trainer.py`: `_tool_call_loop`, the environment pool,
 `get_reward`, the dataset-less placeholder; `trl/chat_template_utils.py`: `parse_response`) with the same scripted
 completions and TRL's metrics. `GRPO_ASYNC_TRL_PARITY=1 pytest tests/test_trl_qwen3_tools.py` runs this file on
-TRL's own `GRPOTrainer` instead (about 45 s a step on a loaded 2-core machine): every assertion holds there too.
+TRL's own `GRPOTrainer` instead (`use_cpu`, no bf16; ~10 minutes on a loaded 2-core machine): every assertion
+holds there too (checked with TRL 1.16).
 """
 
 from __future__ import annotations
@@ -87,12 +88,11 @@ def _args(tmp_path, **overrides) -> GRPOConfig:
 
 class ScriptedGenerate:
     """TRL's `fake_generate`: a call of `len(first_turn)` rows gets `first_turn` (padded to one width), any other
-    call `after_tools[0]` per row. Keeps the text of every call's inputs (`prompts`) and the calls' row counts."""
+    call `Done!` per row. Keeps the text of every call's inputs (`prompts`) and the calls' row counts (`rows`)."""
 
-    def __init__(self, tokenizer, first_turn: list[list[int]], after_tools: list[list[int]] = (DONE,)):
+    def __init__(self, tokenizer, first_turn: list[list[int]]):
         width = max(map(len, first_turn))
         self.first_turn = [row + [PAD] * (width - len(row)) for row in first_turn]
-        self.after_tools = after_tools[0]
         self.tokenizer = tokenizer
         self.rows: list[int] = []
         self.prompts: list[str] = []
@@ -103,14 +103,14 @@ class ScriptedGenerate:
     def __call__(self, input_ids, **kwargs):
         self.rows.append(input_ids.shape[0])
         self.prompts += self.tokenizer.batch_decode(input_ids, skip_special_tokens=False)
-        rows = self.first_turn if input_ids.shape[0] == len(self.first_turn) else [self.after_tools] * len(input_ids)
+        rows = self.first_turn if input_ids.shape[0] == len(self.first_turn) else [DONE] * len(input_ids)
         return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=-1)
 
 
-def _train(trainer, first_turn, after_tools=(DONE,)) -> ScriptedGenerate:
+def _train(trainer, first_turn) -> ScriptedGenerate:
     """Train under the scripted `generate`; assert TRL's closing checks (a train loss, every parameter moved)."""
     previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
-    fake = ScriptedGenerate(trainer.processing_class, first_turn, after_tools)
+    fake = ScriptedGenerate(trainer.processing_class, first_turn)
     with patch.object(trainer.model, "generate", side_effect=fake):
         trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None

@@ -12,6 +12,8 @@ env turn    env_response(messages, state) → new messages; their tokens are the
             conversation with them minus its rendering without them (checked: the latter must be a prefix of the
             former), plus any end-of-turn tokens the template puts after an assistant message that the model did
             not sample (e.g. a newline after the EOS)        ▶ append (env_mask 0, logprob 0)
+            (a template that renders the last assistant turn differently from a past one only around the model's
+            tokens, as Qwen3's empty <think></think>: what follows the turn's end-of-turn token, as TRL takes it)
 turn t      backend.generate([prompt + completion so far], n=1), all live rollouts of the turn in one call, at
             the largest token budget left; each is cut at its own (TRL's tool loop does the same)
 ```
