@@ -189,7 +189,6 @@ def test_trl_reads_malformed_tool_calls_as_plain_text():
 
 
 # ---- tools= ---------------------------------------------------------------------------------------------------------
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_training_with_tools(standin, tmp_path):
     """TRL's `test_training_with_tools`: 3 completions per round, 2 of them call `multiply` (one with a wrong
     argument name, which fails), one answers in text; after the tool results each caller writes `Done!`."""
@@ -216,7 +215,6 @@ def test_training_with_tools(standin, tmp_path):
     assert '"name": "multiply"' in fake.prompts[0]  # the tool's schema, rendered by Qwen3's chat template
 
 
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_train_with_malformed_tool_calls(standin, tmp_path):
     """Malformed tool calls: TRL reads a `<tool_call>` whose JSON does not parse, or that names no tool, as plain
     text (its `parse_response` falls back to the decoded text): not a call, and the rollout ends; a call without
@@ -291,7 +289,6 @@ class NotebookEnv:
         return text
 
 
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_train_with_environment_factory(standin, tmp_path):
     """`environment_factory`: one `MultiplyEnv` per rollout, its `multiply` the tool; the reward function reads the
     rollouts' environments. Same scripted turns as `test_training_with_tools`, so TRL's tool metrics are the same."""
@@ -317,7 +314,6 @@ def test_train_with_environment_factory(standin, tmp_path):
     assert seen == [[[12], [], []]] * 6  # each rollout's own instance, reset between rounds
 
 
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_train_with_environment_factory_multiple_environments(standin, tmp_path):
     """A dict of factories routed by the dataset's `environment` column: a `multiply` row's rollouts get a
     `MultiplyEnv` and its tool, a `notebook` row's a `NotebookEnv`, where `multiply` is not a tool (both calls fail:
@@ -365,7 +361,6 @@ class ScoredMultiplyEnv(MultiplyEnv):
         return 1.0 if self.products == [12] else 0.0
 
 
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_train_with_environment_factory_environment_owned_reward(standin, tmp_path):
     """An environment with `get_reward` is a reward source of its own (weight 1, logged under its class name), so
     `reward_funcs` may be omitted: per round the rollout that computed 12 scores 1, the other two 0."""
@@ -393,7 +388,6 @@ class TaskEnv(ScoredMultiplyEnv):
         return "What is 3 times 4? Use the multiply tool."
 
 
-@pytest.mark.slow  # ~15-25 s: a 6-step run
 def test_train_with_environment_factory_environment_owned_data(standin, tmp_path):
     """No `train_dataset`: the environment owns the data (`reset()` returns the prompt, appended to an empty user
     message) and `max_steps` sets the length; `get_reward` scores it."""
