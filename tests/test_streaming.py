@@ -177,8 +177,8 @@ def test_a_sample_spanning_a_weight_update_carries_both_versions(tiny_model_path
     # the logged per-token metrics see it too: some trained tokens came after a load, so fresher than their rows
     logs = [h for h in trainer.state.log_history if "async/token_staleness" in h]
     assert logs and max(h["async/tokens_after_weight_load"] for h in logs) > 0, logs
-    assert all(h["async/token_staleness"] <= h["async/staleness"] + 1e-9 for h in logs), logs
-    assert any(h["async/token_staleness"] < h["async/staleness"] for h in logs), logs
+    # per token never staler than the stalest row (a token mean may exceed the row mean: long rows weigh more)
+    assert all(0 <= h["async/token_staleness"] <= h["async/staleness_max"] + 1e-9 for h in logs), logs
     b, i, versions = max(spans, key=lambda s: int((s[2] > s[2][0]).sum()))  # the most tokens after a load
     assert torch.all(versions[1:] >= versions[:-1]), versions
     assert int(b["policy_version"][i]) == int(versions.min())
