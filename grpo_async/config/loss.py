@@ -200,7 +200,7 @@ class LossFields:
             "those tokens through them (prompt tokens are routed by the trainer); 'record': recorded and compared "
             "only (metrics routing/mismatch_tokens, routing/mismatch_pairs), routed by the trainer; 'off': neither. "
             "Backends: hf and the in-process vllm engine (servers refuse). Default 'off': replay needs a MoE model "
-            "and a recording backend, and on the tiny Qwen3-MoE with a bfloat16 sampler (1% of tokens routed "
+            "and a recording backend, and on the tiny Qwen3-MoE with a bfloat16 sampler (1 percent of tokens routed "
             "elsewhere) it cut the KL of the tokens after a misrouted one 5x but the whole sampling/kl only 1.5x, "
             "from 6.5e-7 (docs/moe.md); use 'rollout' for MoE models sampled in bfloat16. Refused: dense models, "
             "a MoE router it cannot drive, gradient_checkpointing with 'rollout', an environment or a rollout_func.",
