@@ -19,6 +19,11 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED := 1
+# DeepSpeed's CPU op is compiled by torch into $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions, shared by every
+# venv). Shared, each venv (each clone) recompiles it over the others' build, and a build killed half-way leaves a
+# `lock` file there that every later build waits on forever (torch's FileBaton has no timeout): a CI run hung 85 min in
+# `make install` on one. One folder per venv, built once by `make install`, read by the tests (tests/conftest.py).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install torch-cpu test test-fast test-all demo demo-real demo-vlm lint format bench clean
 
@@ -34,10 +39,12 @@ $(STAMP): setup.py
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	@if [ "$(FLAVOUR)" = cpu ]; then $(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	@# DeepSpeed's CPU communication op (shared-memory allreduce) is compiled (~50 CPU-s of g++) the first time a
-	@# process starts under a DeepSpeed config, into ~/.cache/torch_extensions; compiled here once instead, as DeepSpeed's
+	@# process starts under a DeepSpeed config, into $$TORCH_EXTENSIONS_DIR; compiled here once instead, as DeepSpeed's
 	@# `DS_BUILD_SHM_COMM=1 pip install` does, by the function DeepSpeed calls then (`deepspeed.comm.torch.build_shm_op`)
-	@# (not fatal: without a C++ compiler only DeepSpeed's CPU launches need it, and they try again then)
-	@if [ "$(FLAVOUR)" = cpu ]; then $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+	@# (not fatal: without a C++ compiler only DeepSpeed's CPU launches need it, and they try again then). The lock of a
+	@# build of this venv's that was killed half-way is removed first, and the build is bounded, so install never hangs.
+	@if [ "$(FLAVOUR)" = cpu ]; then rm -f "$$TORCH_EXTENSIONS_DIR"/*/deepspeed_shm_comm*/lock; \
+		timeout 900 $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 		|| echo "make install: DeepSpeed's CPU op did not build here; a DeepSpeed launch will try again"; fi
 	$(PY) -c "import torch, transformers, grpo_async; print('installed: torch', torch.__version__, 'transformers', transformers.__version__)"
 	@rm -f $(VENV)/.install-stamp-*; touch $(STAMP)

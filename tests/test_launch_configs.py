@@ -75,6 +75,35 @@ DEMO_ARGS = ["--backend", "hf", "--max_steps", "2", "--per_device_train_batch_si
 DEMO_ARGS += ["--max_completion_length", "8"]
 
 
+STALE_LOCK_S = 600  # the op compiles in ~50-70 s; a lock this old was left by a build that was killed
+
+
+def clear_stale_build_locks(extensions_dir: str) -> list[str]:
+    """Removes the `lock` files of torch extension builds under `extensions_dir` older than `STALE_LOCK_S`: torch's
+    `FileBaton` waits forever on a lock whose builder was killed, so a DeepSpeed rank would hang until the test's
+    timeout. Returns (and prints) what it removed."""
+    import glob
+    import time
+
+    removed = []
+    for lock in glob.glob(os.path.join(extensions_dir, "*", "*", "lock")):
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            removed.append(lock)
+            print(f"removed a stale torch extension build lock (its build was killed): {lock}")
+    return removed
+
+
+def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
+    live, stale = tmp_path / "py311_cpu" / "op_a" / "lock", tmp_path / "py311_cpu" / "op_b" / "lock"
+    for lock in (live, stale):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    os.utime(stale, (0, 0))
+    assert clear_stale_build_locks(str(tmp_path)) == [str(stale)]
+    assert live.exists() and not stale.exists()
+
+
 def run_demo_forked(config: str, out: str) -> str:
     """`accelerate launch --config_file <config> recipes/demo.py` for 2 steps on the HF backend, its 2 ranks forked
     from the warm interpreter (`warm_launch.run_2cpu`), each given the environment `accelerate launch --config_file
@@ -84,6 +113,8 @@ def run_demo_forked(config: str, out: str) -> str:
     `tests/test_clean_exit.py::test_two_processes_agree_on_the_horizon`."""
     from support.warm_launch import config_file_env, run_2cpu
 
+    if config.startswith("deepspeed"):
+        clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
     launch_env = config_file_env(os.path.join(CONFIGS, f"{config}.yaml"))
     env = {"TOKENIZERS_PARALLELISM": "false"}
     script = os.path.join(ROOT, "recipes", "demo.py")
