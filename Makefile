@@ -43,7 +43,7 @@ $(STAMP): setup.py
 	@# `DS_BUILD_SHM_COMM=1 pip install` does, by the function DeepSpeed calls then (`deepspeed.comm.torch.build_shm_op`)
 	@# (not fatal: without a C++ compiler only DeepSpeed's CPU launches need it, and they try again then). The lock of a
 	@# build of this venv's that was killed half-way is removed first, and the build is bounded, so install never hangs.
-	@if [ "$(FLAVOUR)" = cpu ]; then rm -f "$$TORCH_EXTENSIONS_DIR"/*/deepspeed_shm_comm*/lock; \
+	@if [ "$(FLAVOUR)" = cpu ]; then rm -f "$$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm*/lock; \
 		timeout 900 $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 		|| echo "make install: DeepSpeed's CPU op did not build here; a DeepSpeed launch will try again"; fi
 	$(PY) -c "import torch, transformers, grpo_async; print('installed: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -86,7 +86,7 @@ def clear_stale_build_locks(extensions_dir: str) -> list[str]:
     import time
 
     removed = []
-    for lock in glob.glob(os.path.join(extensions_dir, "*", "*", "lock")):
+    for lock in glob.glob(os.path.join(extensions_dir, "**", "lock"), recursive=True):
         if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
             os.remove(lock)
             removed.append(lock)
@@ -95,7 +95,7 @@ def clear_stale_build_locks(extensions_dir: str) -> list[str]:
 
 
 def test_a_stale_build_lock_is_cleared_and_a_live_one_kept(tmp_path):
-    live, stale = tmp_path / "py311_cpu" / "op_a" / "lock", tmp_path / "py311_cpu" / "op_b" / "lock"
+    live, stale = tmp_path / "op_a" / "lock", tmp_path / "py311_cpu" / "op_b" / "lock"  # both layouts torch uses
     for lock in (live, stale):
         lock.parent.mkdir(parents=True)
         lock.touch()
