@@ -25,21 +25,18 @@ the kernel) is refused.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..algo.router_replay import routing_dtype, unrouted
+from .request_records import RequestRecords
 
 
-class RoutingRecorder:
-    """Records each request's routed experts by position, keyed by vLLM's internal request id (`"<id>-<suffix>"`, a
-    request with `n > 1`: `"<index>_<id>-<suffix>"`). Thread-safe: the engine steps in one thread, completions are
-    taken in another."""
+class RoutingRecorder(RequestRecords):
+    """Records each request's routed experts by position (`RequestRecords`: a request's record is a list of
+    `(positions [n], experts [n, L, k])`, one per step that ran some of its tokens)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id → [(positions [n], experts [n,L,k])]
+        super().__init__()
         self._step: tuple | None = None  # the forward in progress: (req ids, query starts, positions, [L] experts)
         self.layers = 0
         self.top_k = 0
@@ -92,43 +89,21 @@ class RoutingRecorder:
             return
         self._step = None
         stacked = torch.stack(experts, 1)  # [n, L, k]
-        with self._lock:
-            for i, rid in enumerate(req_ids):
-                a, b = int(starts[i]), int(starts[i + 1])
-                if b > a:
-                    self._seen.setdefault(rid, []).append((positions[a:b], stacked[a:b]))
+        runs = [(rid, int(starts[i]), int(starts[i + 1])) for i, rid in enumerate(req_ids)]
+        self._add((rid, (positions[a:b], stacked[a:b])) for rid, a, b in runs if b > a)
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def take(self, request_id: str, prompt_len: int, length: int, index: int | None = None) -> torch.Tensor:
         """The experts `[length, L, k]` of the completion of request `request_id` (sample `index` of a request with
         `n > 1`) after its `prompt_len` prompt tokens, removed from the record; `unrouted` where no step ran the token
         (its last one). A `RuntimeError` when nothing or more than one record matches."""
-        prefix = request_id if index is None else f"{index}_{request_id}"
-        with self._lock:
-            keys = [k for k in self._seen if k.rsplit("-", 1)[0] == prefix]
-            if len(keys) != 1:
-                raise RuntimeError(f"router replay: request {prefix!r}: {len(keys)} routing records match: {keys[:3]}")
-            runs = self._seen.pop(keys[0])
+        prefix, matched = self._pop(request_id, index)
+        if len(matched) != 1:
+            raise RuntimeError(f"router replay: request {prefix!r}: {len(matched)} routing records match")
+        runs = matched[0]
         out = torch.full((length, self.layers, self.top_k), unrouted(self.dtype), dtype=self.dtype)
         for positions, experts in runs:  # in step order: a recomputed position keeps its last run
             t = positions - prompt_len  # [n] completion index of each token
             inside = (t >= 0) & (t < length)
             out[t[inside]] = experts[inside]
         return out
-
-    def discard(self, request_ids) -> None:
-        """Forget the records of requests that end without a completion (aborted)."""
-        ids = set(request_ids)
-        with self._lock:
-            for k in [k for k in self._seen if k.rsplit("-", 1)[0] in ids]:
-                del self._seen[k]
-
-    def clear(self) -> None:
-        """Forget every record (no request of the engine is running)."""
-        with self._lock:
-            self._seen.clear()
-
-    def pending(self) -> int:
-        """Requests recorded and not taken yet."""
-        with self._lock:
-            return len(self._seen)

@@ -22,24 +22,22 @@ trainer applies the sampler's filter itself (`algo.sampling_support.TruncationFi
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..algo.sampling_support import encode_support
+from .request_records import RequestRecords
 
 
 class SamplingMaskMismatch(RuntimeError):
     """A completion's tokens differ from what the recorder saw its request sample."""
 
 
-class SamplingMaskRecorder:
-    """Records the sampler's kept sets, keyed by vLLM's internal request id (`"<id>-<suffix>"`, a request with `n > 1`
-    `"<index>_<id>-<suffix>"`). Thread-safe: the engine steps in one thread, completions are taken in another."""
+class SamplingMaskRecorder(RequestRecords):
+    """Records the sampler's kept sets (`RequestRecords`: a request's record is a list of `(token, encoded set |
+    None)`, one per sampling step)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._seen: dict[str, list[tuple[int, list[int] | None]]] = {}  # internal id → [(token, encoded set | None)]
+        super().__init__()
         self.installed = False
 
     # ---- the worker side ---------------------------------------------------------------------------------------
@@ -64,10 +62,7 @@ class SamplingMaskRecorder:
 
     def _record(self, req_ids: list[str], sampled: torch.Tensor, processed: torch.Tensor) -> None:
         kept = encode_support(torch.isfinite(processed))  # [n] encoded sets, None where nothing was cut
-        rows = list(zip(req_ids, sampled.view(-1).tolist(), kept, strict=True))
-        with self._lock:
-            for rid, token, kept in rows:
-                self._seen.setdefault(rid, []).append((token, kept))
+        self._add((rid, (token, k)) for rid, token, k in zip(req_ids, sampled.view(-1).tolist(), kept, strict=True))
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def take(
@@ -77,14 +72,12 @@ class SamplingMaskRecorder:
         request with `n > 1`), removed from the record; `None` when the sampler recorded nothing for it (greedy
         requests that asked for no log-probs). Raises `SamplingMaskMismatch` when the record's tokens are not the
         completion's."""
-        prefix = request_id if index is None else f"{index}_{request_id}"
-        with self._lock:
-            keys = [k for k in self._seen if k.rsplit("-", 1)[0] == prefix]
-            if len(keys) > 1:
-                raise SamplingMaskMismatch(f"request {prefix!r}: {len(keys)} sampler records match: {keys[:3]}")
-            seen = self._seen.pop(keys[0]) if keys else None
-        if seen is None:
+        prefix, matched = self._pop(request_id, index)
+        if len(matched) > 1:
+            raise SamplingMaskMismatch(f"request {prefix!r}: {len(matched)} sampler records match")
+        if not matched:
             return None
+        seen = matched[0]
         T = len(completion_ids)
         tail = seen[len(seen) - T :] if T else []
         if len(seen) < T or [t for t, _ in tail] != list(completion_ids):
@@ -93,20 +86,3 @@ class SamplingMaskRecorder:
                 f"is {list(completion_ids)[:8]}..."
             )
         return [kept for _, kept in tail]
-
-    def discard(self, request_ids) -> None:
-        """Forget the records of requests that end without a completion (aborted)."""
-        ids = set(request_ids)
-        with self._lock:
-            for k in [k for k in self._seen if k.rsplit("-", 1)[0] in ids]:
-                del self._seen[k]
-
-    def clear(self) -> None:
-        """Forget every record (no request of the engine is running)."""
-        with self._lock:
-            self._seen.clear()
-
-    def pending(self) -> int:
-        """Requests recorded and not taken yet."""
-        with self._lock:
-            return len(self._seen)
