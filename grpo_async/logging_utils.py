@@ -11,7 +11,7 @@ import time
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .plotting import METRICS_FILE, PLOT_FILE, plot_metrics
+from .plotting import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class MetricsJsonlCallback(TrainerCallback):
         if not self.plot or not state.is_world_process_zero or self.path is None or not os.path.exists(self.path):
             return
         try:
+            if not any("train_runtime" not in row for row in read_metrics(self.path)):  # logging_steps > the steps
+                logger.info("no training step was logged (logging_steps=%s): no %s", args.logging_steps, PLOT_FILE)
+                return
             plot_metrics(self.path, os.path.join(args.output_dir, PLOT_FILE), title=os.path.basename(args.output_dir))
         except Exception as e:  # a plot must not fail a finished run; say why it is missing
             logger.warning("could not plot %s: %s: %s", self.path, type(e).__name__, e)

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # DeepSpeed's CPU op: the per-venv folder `make install` compiled it into (Makefile: TORCH_EXTENSIONS_DIR), not the
-# ~/.cache folder every venv shares (where each clone recompiles over the others and a killed build's lock hangs the next)
+# ~/.cache folder every venv shares (each clone recompiles over the others there; a killed build's lock hangs the next)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # `make test` runs the suite on 2 workers (pytest-xdist `-n 2 --dist loadgroup`, units planned by tests/suite_plan.py):

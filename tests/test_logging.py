@@ -264,6 +264,23 @@ def test_a_fresh_run_moves_an_earlier_runs_metrics_aside(tmp_path):
     assert (tmp_path / "metrics.previous.jsonl").read_text() == earlier
 
 
+def test_a_run_that_logged_no_step_draws_no_plot_and_warns_nothing(tmp_path, caplog):
+    """`logging_steps` above the run's steps (TRL's default 10, a 6-step run): only the train summary is logged, so
+    there is no plot, said at info level, not as a failed plot."""
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    from grpo_async.logging_utils import MetricsJsonlCallback
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=10)
+    callback, state = MetricsJsonlCallback(), TrainerState(global_step=6, max_steps=6, is_world_process_zero=True)
+    callback.on_train_begin(args, TrainerState(global_step=0, max_steps=6), TrainerControl())
+    callback.on_log(args, state, TrainerControl(), logs={"train_runtime": 1.0, "reward": 0.5})
+    with caplog.at_level("INFO", logger="grpo_async.logging_utils"):
+        callback.on_train_end(args, state, TrainerControl())
+    assert not (tmp_path / PLOT_FILE).exists()
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "logging_steps=10" in caplog.text
+
+
 def test_one_short_console_line_per_log():
     from grpo_async.logging_utils import summary_line
 

@@ -91,6 +91,19 @@ def test_vision_rows_keep_each_rows_patches_through_select_cat_trim_and_checkpoi
     assert VisionRows.from_flat({}) is None
 
 
+def test_prompts_with_different_image_counts_in_an_inner_dimension_pad_with_zero_images():
+    """Idefics3's processor gives `pixel_values` `[1, images, 3, H, W]` per prompt: prompts with 1 and 2 images stack
+    (and `cat`) into rows zero-padded to 2 images, as the processor pads a batch."""
+    one, two = torch.rand(1, 1, 3, 4, 4), torch.rand(1, 2, 3, 4, 4)
+    rows = VisionRows.from_prompts([{"pixel_values": one}, {"pixel_values": two}], [5, 5])
+    flat = rows.model_inputs()["pixel_values"]  # [2, 2, 3, 4, 4]
+    assert flat.shape == (2, 2, 3, 4, 4)
+    assert torch.equal(flat[0, 0], one[0, 0]) and not flat[0, 1].any() and torch.equal(flat[1], two[0])
+    joined = VisionRows.cat([rows.select(slice(0, 1)), None, rows.select(slice(1, 2))], [1, 1, 1])
+    assert joined.counts["pixel_values"].tolist() == [1, 0, 1]
+    assert torch.equal(joined.model_inputs()["pixel_values"], flat)
+
+
 def test_multimodal_messages_place_images_as_trl_does():
     from grpo_async.pipeline.vision_prompts import as_pil, multimodal_messages, row_images
 

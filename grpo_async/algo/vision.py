@@ -15,6 +15,11 @@ model_inputs(T):      pixel_values = cat(stacks[b, :counts[b]] for b in rows)  â
                       mm_token_type_ids = [tokens | zeros(B, T)]               â†’ [B, P+T], aligned with the ids
 ```
 
+A processor that batches a prompt's images in an inner dimension (Idefics3's `pixel_values` `[1, images, 3, H, W]`
+and `pixel_attention_mask` `[1, images, H, W]`) gives prompts with different image counts different trailing
+shapes: the stacks are zero-padded at the end of every dimension, as the processor pads a batch itself (Idefics3 drops
+the all-zero images; LLaVA-NeXT's crops are counted from `image_sizes`).
+
 `select` (micro-batch, process slice, shuffle), `cat` (rows of several processes or groups), `to`, and the prompt
 columns' `trim_prompt` / `pad_prompt` keep the rows, their images and their token types together.
 Pure tensor code: no model, no processor.
@@ -77,10 +82,11 @@ class VisionRows:
                 out.tokens[name] = tok
                 continue
             n = torch.tensor([0 if v is None else v.size(0) for v in values], dtype=torch.long)
-            stack = ref.new_zeros((B, int(n.max()), *ref.shape[1:]))
+            trailing = [max(v.size(d) for v in values if v is not None) for d in range(1, ref.dim())]
+            stack = ref.new_zeros((B, int(n.max()), *trailing))
             for b, v in enumerate(values):
                 if v is not None and v.size(0):
-                    stack[b, : v.size(0)] = v
+                    stack[(b, *(slice(0, k) for k in v.shape))] = v
             out.stacks[name], out.counts[name] = stack, n
         return out
 
@@ -115,8 +121,8 @@ class VisionRows:
         parts = [p if p is not None else _empty_like(ref, n) for p, n in zip(parts, lengths, strict=True)]
         out = VisionRows()
         for name in ref.stacks:
-            N = max(p.stacks[name].size(1) for p in parts)
-            out.stacks[name] = torch.cat([_pad_dim1(p.stacks[name], N) for p in parts])
+            shape = [max(p.stacks[name].size(d) for p in parts) for d in range(1, ref.stacks[name].dim())]
+            out.stacks[name] = torch.cat([_zero_pad(p.stacks[name], shape) for p in parts])
             out.counts[name] = torch.cat([p.counts[name] for p in parts])
         for name in ref.tokens:
             P = max(p.tokens[name].size(1) for p in parts)
@@ -178,11 +184,13 @@ class VisionRows:
         return out
 
 
-def _pad_dim1(t: torch.Tensor, N: int) -> torch.Tensor:
-    if t.size(1) == N:
+def _zero_pad(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """`t` `[B, ...]` padded with zeros at the end of every dimension but the first to `[B, *shape]`."""
+    if list(t.shape[1:]) == shape:
         return t
-    pad = t.new_zeros((t.size(0), N - t.size(1), *t.shape[2:]))
-    return torch.cat([t, pad], dim=1)
+    out = t.new_zeros((t.size(0), *shape))
+    out[tuple(slice(0, k) for k in t.shape)] = t
+    return out
 
 
 def _empty_like(ref: VisionRows, rows: int) -> VisionRows:
