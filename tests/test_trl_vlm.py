@@ -5,8 +5,8 @@ pays a completion's length) and checks TRL's closing assertions (a train loss; t
 
 What stands in for the Hub (built offline, `grpo_async.testing.vlm`): TRL's `trl-internal-testing/tiny-<Family>`
 models are tiny random VLMs of the same classes (`Qwen2VLForConditionalGeneration`,
-`Qwen2_5_VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`; `Idefics3ForConditionalGeneration`, the
-class TRL's commented-out SmolVLM case names), with real image processors; `trl-internal-testing/zen-image` is two
+`Qwen2_5_VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`, `LlavaNextForConditionalGeneration`;
+`Idefics3ForConditionalGeneration`, the class TRL's commented-out SmolVLM case names), with real image processors; `trl-internal-testing/zen-image` is two
 Zen of Python aphorisms as conversational prompts, each with a square image (so a run is 6 steps: 3 epochs of one
 prompt per step); `zen-multi-image` the same with an `images` column of one or two images a row.
 
@@ -17,7 +17,7 @@ every family rather than Qwen2.5-VL alone.
 
 Not ported: `test_training_vlm_and_liger` (`use_liger_kernel` is refused with its reason,
 `tests/test_trl_config_compat.py`), `test_training_vlm_and_vllm` (skipped in TRL itself; our in-process vLLM engine
-with a VLM is tested in `tests/test_vlm.py`), LLaVA-NeXT (no tiny builder here; docs/vlm.md).
+with a VLM is tested in `tests/test_vlm.py`).
 
 `GRPO_ASYNC_TRL_PARITY=1 pytest tests/test_trl_vlm.py` runs this file on TRL 1.16's own `GRPOTrainer` instead.
 """
@@ -31,7 +31,7 @@ import torch
 from datasets import Dataset
 from support.qwen3 import zen_lines
 
-from grpo_async.testing.vlm import COLOURS, TinyVLMSpec, build_tiny_vlm, square_image
+from grpo_async.testing.vlm import COLOURS, UNUSED_PARAMETERS, TinyVLMSpec, build_tiny_vlm, square_image
 
 PARITY = os.environ.get("GRPO_ASYNC_TRL_PARITY") == "1"  # run on TRL's GRPOTrainer (see the module docstring)
 if PARITY:
@@ -39,9 +39,7 @@ if PARITY:
 else:
     from grpo_async import GRPOConfig, GRPOTrainer
 
-FAMILIES = ["gemma3", "qwen2_5_vl", "qwen2_vl", "idefics3"]
-#: parameters the model's forward never reads (Gemma3 uses SigLIP's patch features, not its pooling head)
-UNUSED = ("model.vision_tower.head.",)
+FAMILIES = ["gemma3", "llava_next", "qwen2_5_vl", "qwen2_vl", "idefics3"]
 VISION = ("model.visual.", "model.vision_tower.", "model.vision_model.", "model.multi_modal_projector.")
 
 
@@ -60,12 +58,14 @@ def tiny_vlms(tmp_path_factory):
 
 def zen_image(multi: bool = False) -> Dataset:
     """A stand-in for `trl-internal-testing/zen-image` (`conversational_prompt_only`): two aphorisms, each without
-    its last word, with an `image`; `multi`: `zen-multi-image`, an `images` column of 1 and 2 images."""
+    its last word, with an `image`; `multi`: `zen-multi-image`, an `images` column of 1 and 2 images (the second
+    one twice as tall)."""
     colours = list(COLOURS)
     rows = []
     for i, line in enumerate(zen_lines()[:2]):
         row = {"prompt": [{"role": "user", "content": line.rsplit(" ", 1)[0]}]}
         images = [square_image(colours[(i + j) % len(colours)], 40, 10 * i + j) for j in range(1 + i)]
+        images[1:] = [image.resize((40, 80)) for image in images[1:]]  # LLaVA-NeXT: 3 crops where a square has 5
         row.update({"images": images} if multi else {"image": images[0]})
         rows.append(row)
     return Dataset.from_list(rows)
@@ -90,7 +90,7 @@ def _train_and_check_every_used_parameter_moved(trainer) -> set[str]:
     assert trainer.state.log_history[-1]["train_loss"] is not None
     moved = set()
     for n, param in previous_trainable_params.items():
-        if n.startswith(UNUSED):
+        if n.startswith(UNUSED_PARAMETERS.get(trainer.model.config.model_type, ())):
             continue
         new_param = trainer.model.get_parameter(n)
         assert not torch.equal(param, new_param), f"Parameter {n} has not changed."

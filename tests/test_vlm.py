@@ -14,12 +14,19 @@ import torch
 
 from grpo_async.algo.vision import VisionRows
 from grpo_async.testing import tiny_config
-from grpo_async.testing.vlm import TinyVLMSpec, build_tiny_vlm, colour_dataset, colour_reward, square_image
+from grpo_async.testing.vlm import (
+    UNUSED_PARAMETERS,
+    TinyVLMSpec,
+    build_tiny_vlm,
+    colour_dataset,
+    colour_reward,
+    square_image,
+)
 
 ATOL = 1e-4  # float32 sampler vs trainer (as test_moe)
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "llava_next"]
 
 
 def _build(tmp_path_factory, family: str) -> str:
@@ -210,14 +217,10 @@ def letter_share(completions, answer, **kwargs) -> list[float]:
     return [t.count(a[0]) / max(1, len(t)) for t, a in zip(texts, answer, strict=True)]
 
 
-#: parameters the model's forward never reads (Gemma3 uses SigLIP's patch features, not its pooling head)
-UNUSED = ("model.vision_tower.head.",)
-
-
 def test_training_moves_every_parameter_vision_tower_included(trained):
     trainer, seen, before, _ = trained
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
-    used = {n for n in before if not n.startswith(UNUSED)}
+    used = {n for n in before if not n.startswith(UNUSED_PARAMETERS.get(trainer.model.config.model_type, ()))}
     assert changed == used, f"parameters left unchanged: {sorted(used - changed)}"
     assert any(n.startswith(("model.visual.", "model.vision_tower.", "model.vision_model.")) for n in changed)
     logs = [h for h in trainer.state.log_history if "reward" in h]

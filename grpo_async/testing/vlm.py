@@ -42,7 +42,11 @@ VLM_FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
 }
+#: model type -> the prefixes of parameters its forward never reads (nothing trains them): Gemma3 uses SigLIP's patch
+#: features, not its pooling head; LLaVA-NeXT reads CLIP's last hidden state, before CLIP's post-layernorm
+UNUSED_PARAMETERS = {"gemma3": ("model.vision_tower.head.",), "llava_next": ("model.vision_tower.post_layernorm.",)}
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
@@ -54,6 +58,7 @@ _FAMILY_TOKENS = {
     "qwen2_5_vl": (VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>"),
     "gemma3": (list(GEMMA3_TOKENS.values()), "<start_of_image>"),
     "idefics3": (IDEFICS3_TOKENS, "<image>"),
+    "llava_next": (["<image>"], "<image>"),
 }
 
 
@@ -132,6 +137,15 @@ def build_image_processor(spec: TinyVLMSpec):
 
         edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
         return Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
+    if spec.family == "llava_next":  # "anyres": a 28×28 view of the whole image plus the 28×28 crops of its best grid
+        from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+        edge = LLAVA_NEXT_IMAGE_SIZE
+        return LlavaNextImageProcessorPil(
+            size={"shortest_edge": edge},
+            crop_size={"height": edge, "width": edge},
+            image_grid_pinpoints=[[edge, edge], [edge, 2 * edge], [2 * edge, edge], [2 * edge, 2 * edge]],
+        )
     if spec.family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -147,6 +161,46 @@ GEMMA3_IMAGE_SIZE = 56  # 4×4 SigLIP patches of 14, pooled 2×2 into 4 image to
 GEMMA3_IMAGE_TOKENS = 4
 IDEFICS3_IMAGE_SIZE = 56  # 4×4 patches of 14, pixel-shuffled 2×2 into 4 image tokens
 IDEFICS3_IMAGE_TOKENS = 4
+#: LLaVA-NeXT: 2×2 CLIP patches of 14 a crop; a square image is 1 view + 4 crops, a 1:2 one 1 view + 2 crops
+LLAVA_NEXT_IMAGE_SIZE = 28
+
+
+def _llava_next_config(spec: TinyVLMSpec, tokenizer):
+    from transformers import LlavaNextConfig
+
+    edge = LLAVA_NEXT_IMAGE_SIZE
+    return LlavaNextConfig(
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_attention_heads,
+            head_dim=spec.hidden_size // spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=spec.initializer_range,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=spec.vision_embed_dim,
+            intermediate_size=2 * spec.vision_embed_dim,
+            num_hidden_layers=spec.vision_depth,
+            num_attention_heads=spec.vision_heads,
+            image_size=edge,
+            patch_size=14,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=[[edge, edge], [edge, 2 * edge], [2 * edge, edge], [2 * edge, 2 * edge]],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_seq_length=4,
+        initializer_range=spec.initializer_range,
+    )
 
 
 def _idefics3_config(spec: TinyVLMSpec, tokenizer):
@@ -248,9 +302,9 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
                 return path
     os.makedirs(path, exist_ok=True)
     tokenizer = build_vlm_tokenizer(spec.family)
-    if spec.family in ("gemma3", "idefics3"):
-        config = (_gemma3_config if spec.family == "gemma3" else _idefics3_config)(spec, tokenizer)
-        return _save(path, spec, dtype, marker, wanted, tokenizer, config)
+    configs = {"gemma3": _gemma3_config, "idefics3": _idefics3_config, "llava_next": _llava_next_config}
+    if spec.family in configs:
+        return _save(path, spec, dtype, marker, wanted, tokenizer, configs[spec.family](spec, tokenizer))
     vocab = tokenizer.get_vocab()
     half = head_dim // 2  # M-RoPE: (temporal, height, width) sections of the rotary half, Qwen's 1 : 1.5 : 1.5
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
@@ -313,14 +367,16 @@ def _save(path: str, spec: TinyVLMSpec, dtype: str, marker: str, wanted: dict, t
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(path)
-    if spec.family in ("gemma3", "idefics3"):  # no video processor: saves and loads without torchvision
-        from transformers import Gemma3Processor, Idefics3Processor
+    if spec.family in ("gemma3", "idefics3", "llava_next"):  # no video processor: saves and loads without torchvision
+        from transformers import Gemma3Processor, Idefics3Processor, LlavaNextProcessor
 
         template, image_processor = tokenizer.chat_template, build_image_processor(spec)
         if spec.family == "gemma3":
             processor = Gemma3Processor(image_processor, tokenizer, template, image_seq_length=GEMMA3_IMAGE_TOKENS)
-        else:
+        elif spec.family == "idefics3":
             processor = Idefics3Processor(image_processor, tokenizer, IDEFICS3_IMAGE_TOKENS, template)
+        else:  # CLIP's class token is dropped ("default" strategy) but counted by the processor
+            processor = LlavaNextProcessor(image_processor, tokenizer, 14, "default", template, "<image>", 1)
         processor.save_pretrained(path)
     else:
         tokenizer.save_pretrained(path)
