@@ -6,9 +6,10 @@ pays a completion's length) and checks TRL's closing assertions (a train loss; t
 What stands in for the Hub (built offline, `grpo_async.testing.vlm`): TRL's `trl-internal-testing/tiny-<Family>`
 models are tiny random VLMs of the same classes (`Qwen2VLForConditionalGeneration`,
 `Qwen2_5_VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`, `LlavaNextForConditionalGeneration`;
-`Idefics3ForConditionalGeneration`, the class TRL's commented-out SmolVLM case names), with real image processors; `trl-internal-testing/zen-image` is two
-Zen of Python aphorisms as conversational prompts, each with a square image (so a run is 6 steps: 3 epochs of one
-prompt per step); `zen-multi-image` the same with an `images` column of one or two images a row.
+`Idefics3ForConditionalGeneration`, the class TRL's commented-out SmolVLM case names), with real image processors;
+`trl-internal-testing/zen-image` is two Zen of Python aphorisms as conversational prompts, each with a square image
+(so a run is 6 steps: 3 epochs of one prompt per step); `zen-multi-image` the same with an `images` column of one or
+two images a row.
 
 Where ours asserts more than TRL's: TRL skips the vision towers when it checks that parameters moved ("the
 gradient does not flow properly through the vision parts" of its tiny models); ours checks every parameter the
