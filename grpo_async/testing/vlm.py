@@ -165,35 +165,45 @@ IDEFICS3_IMAGE_TOKENS = 4
 LLAVA_NEXT_IMAGE_SIZE = 28
 
 
+def _text_config(spec: TinyVLMSpec, tokenizer, **extra) -> dict:
+    """The text tower of Idefics3, Gemma3 and LLaVA-NeXT (`extra`: the family's own fields)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+
+
+def _vision_config(spec: TinyVLMSpec, image_size: int, **extra) -> dict:
+    """A ViT of 14-pixel patches over `image_size`² images (SigLIP, Idefics3's, CLIP)."""
+    return dict(
+        hidden_size=spec.vision_embed_dim,
+        intermediate_size=2 * spec.vision_embed_dim,
+        num_hidden_layers=spec.vision_depth,
+        num_attention_heads=spec.vision_heads,
+        image_size=image_size,
+        patch_size=14,
+        **extra,
+    )
+
+
 def _llava_next_config(spec: TinyVLMSpec, tokenizer):
     from transformers import LlavaNextConfig
 
     edge = LLAVA_NEXT_IMAGE_SIZE
     return LlavaNextConfig(
-        text_config=dict(
-            model_type="llama",
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_attention_heads,
-            head_dim=spec.hidden_size // spec.num_attention_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            initializer_range=spec.initializer_range,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        ),
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=spec.vision_embed_dim,
-            intermediate_size=2 * spec.vision_embed_dim,
-            num_hidden_layers=spec.vision_depth,
-            num_attention_heads=spec.vision_heads,
-            image_size=edge,
-            patch_size=14,
-        ),
+        text_config=_text_config(spec, tokenizer, model_type="llama"),
+        vision_config=_vision_config(spec, edge, model_type="clip_vision_model"),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         image_grid_pinpoints=[[edge, edge], [edge, 2 * edge], [2 * edge, edge], [2 * edge, 2 * edge]],
         vision_feature_layer=-1,
@@ -207,29 +217,8 @@ def _idefics3_config(spec: TinyVLMSpec, tokenizer):
     from transformers import Idefics3Config
 
     return Idefics3Config(
-        text_config=dict(
-            model_type="llama",
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_attention_heads,
-            head_dim=spec.hidden_size // spec.num_attention_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            initializer_range=spec.initializer_range,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        ),
-        vision_config=dict(
-            hidden_size=spec.vision_embed_dim,
-            intermediate_size=2 * spec.vision_embed_dim,
-            num_hidden_layers=spec.vision_depth,
-            num_attention_heads=spec.vision_heads,
-            image_size=IDEFICS3_IMAGE_SIZE,
-            patch_size=14,
-        ),
+        text_config=_text_config(spec, tokenizer, model_type="llama"),
+        vision_config=_vision_config(spec, IDEFICS3_IMAGE_SIZE),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=2,
         pad_token_id=tokenizer.pad_token_id,
@@ -242,29 +231,8 @@ def _gemma3_config(spec: TinyVLMSpec, tokenizer):
 
     vocab = tokenizer.get_vocab()
     return Gemma3Config(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_attention_heads,
-            head_dim=spec.hidden_size // spec.num_attention_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            sliding_window=spec.max_position_embeddings // 4,
-            initializer_range=spec.initializer_range,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        ),
-        vision_config=dict(
-            hidden_size=spec.vision_embed_dim,
-            intermediate_size=2 * spec.vision_embed_dim,
-            num_hidden_layers=spec.vision_depth,
-            num_attention_heads=spec.vision_heads,
-            image_size=GEMMA3_IMAGE_SIZE,
-            patch_size=14,
-        ),
+        text_config=_text_config(spec, tokenizer, sliding_window=spec.max_position_embeddings // 4),
+        vision_config=_vision_config(spec, GEMMA3_IMAGE_SIZE),
         mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
         boi_token_index=vocab[GEMMA3_TOKENS["boi_token"]],
         eoi_token_index=vocab[GEMMA3_TOKENS["eoi_token"]],
