@@ -48,16 +48,18 @@ class TinyModelSpec:
         return self.hidden_size // self.num_attention_heads
 
 
-def build_tokenizer():
-    """A character-level `PreTrainedTokenizerFast` with a chat template; EOS is `<|end|>`, PAD is `<pad>`."""
+def build_tokenizer(more_special_tokens: list[str] = (), chat_template: str = CHAT_TEMPLATE, **kwargs):
+    """A character-level `PreTrainedTokenizerFast` with a chat template; EOS is `<|end|>`, PAD is `<pad>`.
+    `more_special_tokens` follow the demo's special tokens (a VLM's vision tokens); `kwargs` go to the tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    specials = SPECIAL_TOKENS + list(more_special_tokens)
+    vocab = {tok: i for i, tok in enumerate(specials + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -65,9 +67,38 @@ def build_tokenizer():
         bos_token="<s>",
         eos_token="<|end|>",
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
+        **kwargs,
     )
+
+
+def cached_folder(path: str | os.PathLike, spec, dtype: str) -> tuple[str, str, dict, bool]:
+    """A builder's folder for `spec` (a dataclass) in `dtype`: `(folder, its marker file, what the marker holds,
+    whether the folder already holds that build)`; the folder is created when missing. Write the marker last."""
+    import json
+
+    path = os.fspath(path)
+    marker = os.path.join(path, "tiny_spec.json")
+    wanted = {**asdict(spec), "dtype": dtype}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return path, marker, wanted, True
+    os.makedirs(path, exist_ok=True)
+    return path, marker, wanted, False
+
+
+def save_model(model, tokenizer, path: str) -> None:
+    """Write `model` with a generation config of `tokenizer`'s BOS / EOS / PAD ids to `path`."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
 
 
 def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None, dtype: str = "float32") -> str:
@@ -84,7 +115,7 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
     import json
 
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinyModelSpec()
     if spec.head_dim < 32:
@@ -93,14 +124,9 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
             f"{spec.num_attention_heads} heads) is below 32; vLLM's CPU attention needs head_dim in "
             "{32, 64, 80, 96, 112, 128, ...}."
         )
-    path = os.fspath(path)
-    marker = os.path.join(path, "tiny_spec.json")
-    wanted = {**asdict(spec), "dtype": dtype}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == wanted:
-                return path
-    os.makedirs(path, exist_ok=True)
+    path, marker, wanted, built = cached_folder(path, spec, dtype)
+    if built:
+        return path
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -117,13 +143,7 @@ def build_tiny_model(path: str | os.PathLike, spec: TinyModelSpec | None = None,
         head_dim=spec.head_dim,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(path)
+    save_model(LlamaForCausalLM(config).to(getattr(torch, dtype)), tokenizer, path)
     tokenizer.save_pretrained(path)
     with open(marker, "w") as f:
         json.dump(wanted, f)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 #: family -> (config class, model class) in transformers
 MOE_FAMILIES = {
@@ -80,9 +80,8 @@ def build_tiny_moe(path: str | os.PathLike, spec: TinyMoESpec | None = None, dty
     """
     import torch
     import transformers
-    from transformers import GenerationConfig
 
-    from . import build_tokenizer
+    from . import build_tokenizer, cached_folder, save_model
 
     spec = spec or TinyMoESpec()
     if spec.family not in MOE_FAMILIES:
@@ -90,14 +89,9 @@ def build_tiny_moe(path: str | os.PathLike, spec: TinyMoESpec | None = None, dty
     head_dim = spec.hidden_size // spec.num_attention_heads
     if head_dim < 32:
         raise ValueError(f"head_dim {head_dim} is below 32; vLLM's CPU attention needs head_dim >= 32")
-    path = os.fspath(path)
-    marker = os.path.join(path, "tiny_spec.json")
-    wanted = {**asdict(spec), "dtype": dtype}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == wanted:
-                return path
-    os.makedirs(path, exist_ok=True)
+    path, marker, wanted, built = cached_folder(path, spec, dtype)
+    if built:
+        return path
     tokenizer = build_tokenizer()
     config_cls, model_cls = (getattr(transformers, n) for n in MOE_FAMILIES[spec.family])
     config = config_cls(
@@ -116,13 +110,7 @@ def build_tiny_moe(path: str | os.PathLike, spec: TinyMoESpec | None = None, dty
         **_family_fields(spec),
     )
     torch.manual_seed(spec.seed)
-    model = model_cls(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(path)
+    save_model(model_cls(config).to(getattr(torch, dtype)), tokenizer, path)
     tokenizer.save_pretrained(path)
     with open(marker, "w") as f:
         json.dump(wanted, f)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 #: family -> (config class, model class) in transformers
 VLM_FAMILIES = {
@@ -104,29 +104,11 @@ def build_vlm_tokenizer(family: str = "qwen2_vl"):
     """The demo's character-level tokenizer plus `family`'s vision tokens (Gemma3's also as the tokenizer's
     `boi_token` / `image_token` / `eoi_token`, which its processor reads), with a chat template that renders image
     parts (`vlm_chat_template`)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from . import CHARS, SPECIAL_TOKENS
+    from . import build_tokenizer
 
     vision, image_part = _FAMILY_TOKENS[family]
-    specials = SPECIAL_TOKENS + vision
-    vocab = {tok: i for i, tok in enumerate(specials + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|end|>",
-        padding_side="left",
-        chat_template=vlm_chat_template(image_part),
-        model_max_length=4096,
-        **({"extra_special_tokens": dict(GEMMA3_TOKENS)} if family == "gemma3" else {}),
-    )
+    extra = {"extra_special_tokens": dict(GEMMA3_TOKENS)} if family == "gemma3" else {}
+    return build_tokenizer(vision, vlm_chat_template(image_part), **extra)
 
 
 def build_image_processor(spec: TinyVLMSpec):
@@ -255,20 +237,17 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
     """
     import transformers
 
+    from . import cached_folder
+
     spec = spec or TinyVLMSpec()
     if spec.family not in VLM_FAMILIES:
         raise ValueError(f"TinyVLMSpec.family must be one of {sorted(VLM_FAMILIES)}, got {spec.family!r}")
     head_dim = spec.hidden_size // spec.num_attention_heads
     if head_dim < 32 or head_dim % 4:
         raise ValueError(f"head_dim {head_dim}: vLLM's CPU attention needs >= 32, and M-RoPE a multiple of 4")
-    path = os.fspath(path)
-    marker = os.path.join(path, "tiny_spec.json")
-    wanted = {**asdict(spec), "dtype": dtype}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == wanted:
-                return path
-    os.makedirs(path, exist_ok=True)
+    path, marker, wanted, built = cached_folder(path, spec, dtype)
+    if built:
+        return path
     tokenizer = build_vlm_tokenizer(spec.family)
     configs = {"gemma3": _gemma3_config, "idefics3": _idefics3_config, "llava_next": _llava_next_config}
     if spec.family in configs:
@@ -322,19 +301,15 @@ def _save(path: str, spec: TinyVLMSpec, dtype: str, marker: str, wanted: dict, t
     """Initialise the model of `config` (seeded), write it, its tokenizer and its processor, then the marker."""
     import torch
     import transformers
-    from transformers import GenerationConfig
+
+    from . import save_model
 
     torch.manual_seed(spec.seed)
     model = getattr(transformers, VLM_FAMILIES[spec.family][1])(config).to(getattr(torch, dtype))
     if spec.family == "gemma3":  # transformers starts the projection at zero: every image would embed as 0
         with torch.no_grad():
             model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=spec.initializer_range)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(path)
+    save_model(model, tokenizer, path)
     if spec.family in ("gemma3", "idefics3", "llava_next"):  # no video processor: saves and loads without torchvision
         from transformers import Gemma3Processor, Idefics3Processor, LlavaNextProcessor
 
