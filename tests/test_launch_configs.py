@@ -200,16 +200,16 @@ def test_multi_node_launch_flags_parse():
     finally:
         sys.path.remove(os.path.join(ROOT, "recipes"))
     from grpo_async import GRPOConfig
-    from grpo_async.generation import server_transport
     from grpo_async.model_config import ModelConfig
     from grpo_async.recipe_parser import parse_recipe_args
+    from grpo_async.weight_sync.names import server_transport
 
     for name, argv in _multi_node_flags().items():
         argv = [a.replace("recipes/", os.path.join(ROOT, "recipes") + "/") for a in argv]
         _, args, model_args = parse_recipe_args((MathArguments, GRPOConfig, ModelConfig), argv)
         assert args.generation_backend == "vllm_server", name
         assert args.server_urls == ["http://10.0.0.3:8000"], (name, args.server_urls)
-        assert server_transport(args, args.server_urls) == "broadcast", name
+        assert server_transport(args.weight_sync_transport, args.server_urls, cuda=False) == "broadcast", name
         assert args.vllm_master_address is None  # found per server on the trainer (address_seen_by)
         assert model_args.model_name_or_path
 

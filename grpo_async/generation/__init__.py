@@ -43,15 +43,6 @@ def _vllm_max_model_len(args, model) -> int:
     return min(want, limit) if limit else want
 
 
-def server_transport(args, urls: list[str]) -> str:
-    """`weight_sync_transport` → the wire transport of a server backend (`weight_sync.names.server_transport`)."""
-    import torch
-
-    from ..weight_sync.names import server_transport as resolve
-
-    return resolve(args.weight_sync_transport, urls, cuda=torch.cuda.is_available())
-
-
 def _lora_rank(args, model) -> int | None:
     """The adapter's rank when the policy reaches vLLM as a LoRA adapter (`GRPOConfig.vllm_lora_sync`), else None."""
     from ..weight_sync.lora import adapter_max_rank, lora_sync_mode
@@ -81,11 +72,14 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_proces
 
 
 def _make_vllm_server(args, model, tokenizer, model_path: str):
+    import torch
+
+    from ..weight_sync.names import server_transport
     from .stock_server import detect_server_kind
     from .vllm_server import VLLMServerBackend
 
     urls = list(args.server_urls)
-    transport = server_transport(args, urls)
+    transport = server_transport(args.weight_sync_transport, urls, cuda=torch.cuda.is_available())
     if detect_server_kind(urls[0], args.vllm_api_key) == "stock":  # a plain `vllm serve` / `trl vllm-serve`
         return _make_stock_server(args, urls, transport)
     return VLLMServerBackend(
@@ -229,6 +223,5 @@ __all__ = [
     "make_backend",
     "register_backend",
     "registered_backends",
-    "server_transport",
     "unregister_backend",
 ]
