@@ -17,9 +17,8 @@ from .interrupt import TrainingInterrupted, debug_enabled, install_exit_hook, in
 from .logging_utils import log_completions
 from .pipeline import checkpointing as ckpt
 from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
-from .pipeline.evaluation import Evaluator, eval_chunk_prompts
 from .pipeline.metrics import ROUND_TOKENS, MetricWindows
-from .trainer_setup import bound_collectives, needs_old_logps, reference_client, reference_scorer
+from .trainer_setup import bound_collectives
 from .trl_attributes import generate_override_rollout, overrides_generate
 
 logger = logging.getLogger("grpo_async.trainer")
@@ -42,24 +41,18 @@ class TrainerPipeline:
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-        self.ref_client = reference_client(a)
         self.num_generations = a.num_generations
         self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
         unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
         self.collectives = AcceleratorCollectives(self.accelerator)  # the one way across the training processes
         self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives)
         self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
-        self.compute_old_logps = needs_old_logps(a)
         self.metric_windows = MetricWindows()  # what `log` reports; step timings
         self._step = 0  # training_step calls
         self._completions_logged_round = None  # the round whose samples `log_completions` printed last
-        scoring = {"temperature": a.temperature, "padding_free": a.padding_free, "device": self.accelerator.device}
         link = TrainerLink(self, rollout_func)  # what the pipeline reads from this trainer while it runs
         if a.sync_ref_model:  # TR-DPO: ref ← α·policy + (1 − α)·ref every ref_model_sync_steps optimizer steps
             self.add_callback(RefModelSyncCallback.from_config(a, self.ref_model, link.unwrapped_policy))
-        scoring["share_prefix"] = a.share_prompt_prefix  # algo/prefix_sharing.py
-        scoring["max_positions"] = a.token_budget  # a packed pass's positions, filler included (algo/packing.py)
-        ref_logps = reference_scorer(self.ref_client, self.ref_model, link, scoring) if a.beta else None
         pipeline = build_pipeline(  # pipeline/build.py: which component reads what, receives what, calls what
             a,
             link,
@@ -69,14 +62,12 @@ class TrainerPipeline:
             reward_weights=weights,
             environment=self.environment,
             model_source=self._model_source,
-            scoring=scoring,
-            old_logps=self.compute_old_logps,
-            ref_logps=ref_logps,
+            ref_model=self.ref_model,
+            device=self.accelerator.device,
         )
         self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
-        self.consumer, self.rounds = pipeline.consumer, pipeline.scheduler
-        dev, chunk = self.accelerator.device, eval_chunk_prompts(a)
-        self.evaluator = Evaluator(a, self.producer, self.collectives, ref_logps, dev, chunk)  # evaluate()
+        self.consumer, self.rounds, self.evaluator = pipeline.consumer, pipeline.scheduler, pipeline.evaluator
+        self.ref_client, self.compute_old_logps = pipeline.ref_client, pipeline.old_logps  # TRL's attributes
 
     def _publish(self) -> None:
         self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)

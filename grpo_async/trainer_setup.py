@@ -464,38 +464,3 @@ class ProducerAttribute:
 
     def __set__(self, trainer, value) -> None:
         setattr(trainer.producer, self.name, value if isinstance(value, torch.Tensor) else list(value))
-
-
-def reference_client(args: GRPOConfig):
-    """The client of the reference server (`ref_server_url`) when `beta > 0`, else None."""
-    from .generation.ref_client import RefLogpsClient
-
-    if args.beta > 0 and args.ref_server_url is not None:
-        api_key = args.ref_server_api_key or args.vllm_api_key
-        return RefLogpsClient(args.ref_server_url, api_key, args.vllm_server_timeout)
-    return None
-
-
-def needs_old_logps(a: GRPOConfig) -> bool:
-    """Whether the consumer scores π_old before training a round: the policy moves before the round's last
-    micro-batch is trained (μ > 1, or several optimizer steps per round), or importance sampling needs π_old."""
-    return (
-        a.num_iterations > 1
-        or a.steps_per_generation > a.gradient_accumulation_steps
-        or a.importance_sampling_correction
-    )
-
-
-def reference_scorer(ref_client, ref_model, link, scoring: dict):
-    """Reference logps `fn(ids, mask, T) -> [b, T]`: the frozen server, the frozen copy, or (PEFT) the policy with its
-    adapter disabled. `link.policy()` / `link.unwrapped_policy()` (`pipeline.build.TrainerLink`) return the training
-    model (wrapped by the Trainer after construction, hence callables)."""
-    from .algo.logprobs import LogpsScorer
-
-    policy, unwrapped_policy = link.policy, link.unwrapped_policy
-
-    if ref_client is not None:
-        return lambda ids, mask, T: ref_client.completion_logps(ids, mask, T, scoring["temperature"])
-    if ref_model is not None:
-        return LogpsScorer(lambda: ref_model, **scoring)
-    return LogpsScorer(policy, **scoring, context=lambda: unwrapped_policy().disable_adapter())

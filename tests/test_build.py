@@ -20,8 +20,11 @@ def test_the_docstring_table_names_every_component_and_its_file():
         "RoundConsumer",
         "RoundScheduler",
         "RoundJoiner",
+        "LogpsScorer",
+        "Evaluator",
     ]
-    for module in ("publisher.py", "producer.py", "consumer.py", "scheduler.py", "shared.py", "join.py"):
+    modules = ("publisher.py", "producer.py", "consumer.py", "scheduler.py", "shared.py", "join.py", "reference.py")
+    for module in (*modules, "evaluation.py"):
         assert module in table, module
     assert set(build.Pipeline.__dataclass_fields__) == {
         "engine",
@@ -29,7 +32,10 @@ def test_the_docstring_table_names_every_component_and_its_file():
         "producer",
         "consumer",
         "scheduler",
+        "evaluator",
         "collectives",
+        "ref_client",
+        "old_logps",
         "per_rank",
     }
 

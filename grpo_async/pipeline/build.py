@@ -23,6 +23,11 @@ RoundScheduler   pipeline/         Settings.from_config:     collectives (gather
 RoundJoiner      pipeline/         G, scale_rewards,          the producer's reward         —
 (every rank      join.py           multi_objective_agg.,      weights and names
  generates)                        the pad token
+LogpsScorer      pipeline/         beta, ref_server_url,      the reference copy or client, the scored model /
+(π_ref, π_old)   reference.py      temperature, padding_free, the policy (PEFT: adapter     the reference server
+                                   μ, importance sampling     off), the device
+Evaluator        pipeline/         per_device_eval_batch_size the producer, collectives,    producer.evaluate,
+                 evaluation.py     num_generations_eval       the π_ref scorer, the device  the π_ref scorer
 ```
 Everything the components read from the trainer while training runs (the model, wrapped by the Trainer after
 construction; its state; its metrics) goes through one [`TrainerLink`]; everything they exchange across processes
@@ -51,9 +56,11 @@ from ..generation.shared import SharedBackend
 from ..weight_sync.lora import lora_sync_mode
 from .collectives import AcceleratorCollectives
 from .consumer import ConsumerSettings, RoundConsumer
+from .evaluation import Evaluator, eval_chunk_prompts
 from .join import JoinSettings, RoundJoiner
 from .producer import ProducerSettings, RoundProducer
 from .publisher import PolicyPublisher
+from .reference import needs_old_logps, reference_client, reference_scorer
 from .scheduler import RoundScheduler, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -145,7 +152,10 @@ class Pipeline:
     producer: RoundProducer
     consumer: RoundConsumer
     scheduler: RoundScheduler
+    evaluator: Evaluator  # `Trainer.evaluate`: generates and scores the eval set with the same producer
     collectives: AcceleratorCollectives
+    ref_client: Any = None  # the reference server's client (`ref_server_url`), else None
+    old_logps: bool = False  # the consumer scores π_old (`needs_old_logps`)
     per_rank: bool = False  # every rank generates its own rows (`generates_on_every_rank`)
 
 
@@ -159,9 +169,8 @@ def build_pipeline(
     reward_weights: torch.Tensor,
     environment=None,
     model_source: str | None = None,
-    scoring: dict,
-    old_logps: bool,
-    ref_logps,
+    ref_model: nn.Module | None = None,
+    device=None,
 ) -> Pipeline:
     """Build the round pipeline from `config` (a `GRPOConfig`) and join its components.
 
@@ -175,13 +184,20 @@ def build_pipeline(
         reward_weights (`torch.Tensor` `[F]`).
         environment (*optional*): a multi-turn environment.
         model_source (`str`, *optional*): what engines that load a model themselves read (the model's id or path).
-        scoring (`dict`): keyword arguments of the log-prob scorers (`LogpsScorer`): temperature, padding_free,
-            device, ...
-        old_logps (`bool`): whether the consumer scores π_old (the policy moves before a round is trained, or the
-            importance-sampling correction needs it).
-        ref_logps (`LogpsFn` or `None`): the reference log-prob scorer (`trainer_setup.reference_scorer`); `None`
-            when `beta == 0`.
+        ref_model (`nn.Module`, *optional*): the frozen reference copy, prepared by the accelerator (`beta > 0`
+            without PEFT or a reference server; `pipeline/reference.py`).
+        device: where the log-prob scorers and the evaluation run (the accelerator's device).
     """
+    scoring = {  # the log-prob scorers' (`LogpsScorer`) settings: π_old, π_ref, evaluation
+        "temperature": config.temperature,
+        "padding_free": config.padding_free,
+        "device": device,
+        "share_prefix": config.share_prompt_prefix,  # algo/prefix_sharing.py
+        "max_positions": config.token_budget,  # a packed pass's positions, filler included (algo/packing.py)
+    }
+    ref_client = reference_client(config)
+    ref_logps = reference_scorer(ref_client, ref_model, link, scoring) if config.beta else None
+    old_logps = needs_old_logps(config)
     per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
     has_engine = per_rank or collectives.is_main
     alone = not per_rank and collectives.num_processes > 1
@@ -229,4 +245,7 @@ def build_pipeline(
         join=joiner if per_rank else None,
         assemble=joiner if config.async_mode == "stream" else None,
     )
-    return Pipeline(engine, publisher, producer, consumer, scheduler, collectives, per_rank)
+    evaluator = Evaluator(config, producer, collectives, ref_logps, device, eval_chunk_prompts(config))
+    return Pipeline(
+        engine, publisher, producer, consumer, scheduler, evaluator, collectives, ref_client, old_logps, per_rank
+    )
