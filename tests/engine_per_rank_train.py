@@ -6,13 +6,12 @@ in-process vLLM with groups of 16, which one rank's 8 rows of a round would spli
 "vllm_eval": in-process vLLM without weight sync, `evaluate()` before `train()`)
 """
 
-import gc
 import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
+from support.rank_result import exit_cleanly
 from support.recorders import recorded
 
 from grpo_async import GRPOConfig
@@ -161,9 +160,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # free the DDP reducer before the process group goes (see tests/mp_train.py)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_cleanly()  # the DDP reducer freed before the process group (tests/support/rank_result.py)

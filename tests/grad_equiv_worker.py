@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from support.rank_result import exit_cleanly
 from transformers import AutoModelForCausalLM
 
 from grpo_async import GRPOConfig, GRPOTrainer
@@ -126,9 +127,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_cleanly()  # the DDP reducer freed before the process group (tests/support/rank_result.py)

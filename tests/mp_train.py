@@ -6,13 +6,10 @@ GRPO_TEST_STOP_AT (stop after that step), GRPO_TEST_RESUME (checkpoint folder to
 (sampling's top_p: the kept sets travel from the main process's round to each rank's slice).
 """
 
-import gc
-import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
+from support.rank_result import exit_cleanly, write_rank_result
 from support.recorders import recorded
 from transformers import TrainerCallback
 
@@ -80,33 +77,11 @@ def main():
     )
     trainer.train(resume_from_checkpoint=os.environ.get("GRPO_TEST_RESUME"))
     trainer.close()
-    rank = trainer.accelerator.process_index
-    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(
-            {
-                "rank": rank,
-                "world": trainer.accelerator.num_processes,
-                "seen": seen.records,
-                "param_checksum": float(params.double().sum()),
-                "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
-                "is_ratio_mean": [
-                    h["sampling/importance_sampling_ratio/mean"]
-                    for h in trainer.state.log_history
-                    if "sampling/importance_sampling_ratio/mean" in h
-                ],
-            },
-            f,
-        )
+    write_rank_result(
+        trainer, out_dir, seen, {"rewards": "reward", "is_ratio_mean": "sampling/importance_sampling_ratio/mean"}
+    )
 
 
 if __name__ == "__main__":
     main()
-    # Free the trainer (its DDP reducer holds the process group) BEFORE destroying the group: a reducer collected
-    # after `destroy_process_group` joins gloo's worker threads in its destructor and can hang forever (seen here).
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter finalizers: whatever else still holds gloo state must not hang the test
+    exit_cleanly()

@@ -5,13 +5,9 @@ image checksum, and the sampler-vs-trainer log-prob gap of every round.
 argv: MODEL OUT_DIR
 """
 
-import gc
-import json
-import os
 import sys
 
-import torch
-import torch.distributed as dist
+from support.rank_result import exit_cleanly, write_rank_result
 from support.recorders import recorded
 
 from grpo_async import GRPOConfig
@@ -56,28 +52,9 @@ def main():
     )
     trainer.train()
     trainer.close()
-    rank = trainer.accelerator.process_index
-    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(
-            {
-                "rank": rank,
-                "world": trainer.accelerator.num_processes,
-                "seen": seen.records,
-                "param_checksum": float(params.double().sum()),
-                "logp_diff_max": [
-                    h["sampling/logp_diff/max"] for h in trainer.state.log_history if "sampling/logp_diff/max" in h
-                ],
-            },
-            f,
-        )
+    write_rank_result(trainer, out_dir, seen, {"logp_diff_max": "sampling/logp_diff/max"})
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # the DDP reducer before the process group (tests/mp_train.py)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_cleanly()

@@ -12,14 +12,13 @@ the trainer's. After training, `sync_weights()` pushes the final version, checke
 """
 
 import copy
-import gc
 import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
+from support.rank_result import exit_cleanly
 from transformers import TrainerCallback
 from vllm_utils import hf_logprobs
 
@@ -140,9 +139,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # free the DDP reducer before the group (see mp_train.py)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_cleanly()  # the DDP reducer freed before the process group (tests/support/rank_result.py)
