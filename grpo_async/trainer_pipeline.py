@@ -67,7 +67,7 @@ class TrainerPipeline:
         )
         self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
         self.consumer, self.rounds, self.evaluator = pipeline.consumer, pipeline.scheduler, pipeline.evaluator
-        self.ref_client, self.compute_old_logps = pipeline.ref_client, pipeline.old_logps  # TRL's attributes
+        self.ref_client = pipeline.ref_client  # None unless a reference server scores π_ref
 
     def _publish(self) -> None:
         self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)

@@ -35,7 +35,6 @@ def test_the_docstring_table_names_every_component_and_its_file():
         "evaluator",
         "collectives",
         "ref_client",
-        "old_logps",
         "per_rank",
     }
 

@@ -155,7 +155,6 @@ class Pipeline:
     evaluator: Evaluator  # `Trainer.evaluate`: generates and scores the eval set with the same producer
     collectives: AcceleratorCollectives
     ref_client: Any = None  # the reference server's client (`ref_server_url`), else None
-    old_logps: bool = False  # the consumer scores π_old (`needs_old_logps`)
     per_rank: bool = False  # every rank generates its own rows (`generates_on_every_rank`)
 
 
@@ -246,6 +245,4 @@ def build_pipeline(
         assemble=joiner if config.async_mode == "stream" else None,
     )
     evaluator = Evaluator(config, producer, collectives, ref_logps, device, eval_chunk_prompts(config))
-    return Pipeline(
-        engine, publisher, producer, consumer, scheduler, evaluator, collectives, ref_client, old_logps, per_rank
-    )
+    return Pipeline(engine, publisher, producer, consumer, scheduler, evaluator, collectives, ref_client, per_rank)
