@@ -148,7 +148,7 @@ LLAVA_NEXT_IMAGE_SIZE = 28
 
 
 def _text_config(spec: TinyVLMSpec, tokenizer, **extra) -> dict:
-    """The text tower of Idefics3, Gemma3 and LLaVA-NeXT (`extra`: the family's own fields)."""
+    """A tiny VLM's text tower (`extra`: the family's own fields)."""
     return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -272,19 +272,8 @@ def build_tiny_vlm(path: str | os.PathLike, spec: TinyVLMSpec | None = None, dty
         vision.update(window_size=112)
         vision.pop("embed_dim"), vision.pop("mlp_ratio")
     config = config_cls(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_attention_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            initializer_range=spec.initializer_range,
-            rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0},
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+        text_config=_text_config(
+            spec, tokenizer, rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
         ),
         vision_config=vision,
         image_token_id=vocab["<|image_pad|>"],
