@@ -83,11 +83,9 @@ class VisionRows:
                 continue
             n = torch.tensor([0 if v is None else v.size(0) for v in values], dtype=torch.long)
             trailing = [max(v.size(d) for v in values if v is not None) for d in range(1, ref.dim())]
-            stack = ref.new_zeros((B, int(n.max()), *trailing))
-            for b, v in enumerate(values):
-                if v is not None and v.size(0):
-                    stack[(b, *(slice(0, k) for k in v.shape))] = v
-            out.stacks[name], out.counts[name] = stack, n
+            none = ref.new_zeros((0, *ref.shape[1:]))  # a prompt without images: no entry
+            rows = [_zero_pad((none if v is None else v)[None], [int(n.max()), *trailing]) for v in values]
+            out.stacks[name], out.counts[name] = torch.cat(rows), n
         return out
 
     def __len__(self) -> int:
