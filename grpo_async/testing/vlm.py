@@ -126,7 +126,7 @@ def build_image_processor(spec: TinyVLMSpec):
         return LlavaNextImageProcessorPil(
             size={"shortest_edge": edge},
             crop_size={"height": edge, "width": edge},
-            image_grid_pinpoints=[[edge, edge], [edge, 2 * edge], [2 * edge, edge], [2 * edge, 2 * edge]],
+            image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
         )
     if spec.family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -145,6 +145,10 @@ IDEFICS3_IMAGE_SIZE = 56  # 4×4 patches of 14, pixel-shuffled 2×2 into 4 image
 IDEFICS3_IMAGE_TOKENS = 4
 #: LLaVA-NeXT: 2×2 CLIP patches of 14 a crop; a square image is 1 view + 4 crops, a 1:2 one 1 view + 2 crops
 LLAVA_NEXT_IMAGE_SIZE = 28
+#: the "anyres" grids an image is resized to (the processor's and the model's, which must agree)
+LLAVA_NEXT_PINPOINTS = [
+    [h * LLAVA_NEXT_IMAGE_SIZE, w * LLAVA_NEXT_IMAGE_SIZE] for h, w in ((1, 1), (1, 2), (2, 1), (2, 2))
+]
 
 
 def _text_config(spec: TinyVLMSpec, tokenizer, **extra) -> dict:
@@ -182,12 +186,11 @@ def _vision_config(spec: TinyVLMSpec, image_size: int, **extra) -> dict:
 def _llava_next_config(spec: TinyVLMSpec, tokenizer):
     from transformers import LlavaNextConfig
 
-    edge = LLAVA_NEXT_IMAGE_SIZE
     return LlavaNextConfig(
         text_config=_text_config(spec, tokenizer, model_type="llama"),
-        vision_config=_vision_config(spec, edge, model_type="clip_vision_model"),
+        vision_config=_vision_config(spec, LLAVA_NEXT_IMAGE_SIZE, model_type="clip_vision_model"),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        image_grid_pinpoints=[[edge, edge], [edge, 2 * edge], [2 * edge, edge], [2 * edge, 2 * edge]],
+        image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
         image_seq_length=4,
