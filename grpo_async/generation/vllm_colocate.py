@@ -132,6 +132,8 @@ class VLLMColocateBackend:
         if not enforce_eager and vllm_cpu.default_cpu_aot_compile(os.environ):  # a restart: inductor cache
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         hook, single = sys.excepthook, not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        if not separate_process:
+            ensure_expert_group(model_path)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -334,6 +336,32 @@ class VLLMColocateBackend:
                 llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # noqa: BLE001 - best effort
                 logger.warning("VLLMColocateBackend.close: engine shutdown failed: %r", e)
+
+
+def ensure_expert_group(model_path: str) -> None:
+    """Give a mixture-of-experts model the expert-parallel group its in-process engine needs, when this process's
+    vLLM parallel groups already exist without one.
+
+    vLLM keeps its parallel groups in module globals, made by the first engine a process builds and reused by every
+    engine built while it lives; a dense model's engine makes no expert-parallel group, so a MoE engine built beside
+    it in the same process (an evaluation engine, a test) failed in its model's constructor ("expert parallel group is not
+    initialized"). The group is made as vLLM's `initialize_model_parallel` makes it for data- and context-parallel
+    size 1, the in-process engine's: the tensor-parallel groups. vLLM has no setter, hence its module global."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps._EP is not None:
+        return
+    from transformers import AutoConfig
+
+    from grpo_async.model_config import EXPERT_COUNT_FIELDS
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    if not any(getattr(text, k, None) for k in EXPERT_COUNT_FIELDS):
+        return
+    world, tp = ps.get_world_group(), ps.get_tp_group()
+    groups = [list(range(s, s + tp.world_size)) for s in range(0, world.world_size, tp.world_size)]
+    backend = torch.distributed.get_backend(world.device_group)
+    ps._EP = ps.init_model_parallel_group(groups, world.local_rank, backend, group_name="ep")
 
 
 def _cpu_kv_cache_size(model_path: str, dtype: str, max_model_len: int, seqs: int | None, llm_kwargs: dict) -> int:
