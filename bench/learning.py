@@ -8,7 +8,8 @@ Modes (every other setting the same; `MODES` holds the flags):
 - `async`: `num_batches_ahead=1` (the default), rounds mode, the publish waits for the round being generated;
 - `async2`: `num_batches_ahead=2`;
 - `stream`: `async_mode="stream"` with `weight_sync_inflight=True` (weights load between engine steps while groups
-  generate), `num_batches_ahead=1`.
+  generate), `num_batches_ahead=1`; rows lag up to 2 steps (a group started before a push is trained after the next);
+- `stream1`: `stream` with `max_staleness=1` (pacing holds a group whose rows would lag more).
 
 Each run is `recipes/real_math.py`'s training, built by its own `make_trainer` and scored by its own `greedy_accuracy`
 (through `bench/stream_real.py`'s run: per-step wall times, weight copies every `--eval_every` steps scored after
@@ -18,7 +19,7 @@ temperature as `real_math_defaults()`, 64-token completions) with `--max_steps` 
 1 (one torch thread). Seeds 0, 1, 2 (`--seed`: the training problems and their order, the per-completion sampling
 seeds; nothing else is random: full fine-tuning, no new layers); the held-out problems are the same for every run
 (`--eval_seed 1000`), so the initial model is scored once (the first run) and that score is every curve's step 0.
-Runs go seed by seed, the four modes in turn within a seed, so a change in the machine's load hits every mode alike.
+Runs go seed by seed, the modes in turn within a seed, so a change in the machine's load hits every mode alike.
 
 Collapse (per run): the held-out accuracy at the last step is below half the run's own peak (step 0 included), or the
 training reward (`reward`: the sum of both rewards, mean over the step's 16 completions) is 0 at half or more of the
@@ -38,10 +39,10 @@ last 10 steps (of all steps, with fewer than 10).
 Goals (printed as `learning_goal_*` 1/0): no seed of any mode collapses; every async mode's final mean accuracy ≥
 sync's worst seed; every async mode's `time_to_sync_final` ≤ 0.9.
 
-Cost (2 CPU cores, quiet; an estimate from `bench/stream_real.py`'s 13.4 s/step): 12 runs of `--max_steps 16` at
-~9–15 s a step, ~45 s of start-up and ~40 s of scoring (4 checkpoints × 128 problems) each, plus the server's start:
-~50–60 min (`python bench/learning.py`). Measured beside three other sessions' work (load 2–13), 2026-11-28: 14.5–28
-s a step, 9–10 min a run (7 runs in 67 min before the server died; bench/NOTES.md): ~2 h for 12 at that load.
+Cost (2 CPU cores, quiet; an estimate from `bench/stream_real.py`'s 13.4 s/step): 15 runs (5 modes × 3 seeds) of
+`--max_steps 16` at ~9–15 s a step, ~45 s of start-up and ~40 s of scoring (4 checkpoints × 128 problems) each, plus
+the server's start: ~60–75 min (`python bench/learning.py`). Measured beside three other sessions' work (load 2–13),
+2026-11-28: 14.5–28 s a step, 9–10 min a run (7 runs in 67 min before the server died; bench/NOTES.md).
 `--smoke`: the tiny random model, every mode for 2 steps with 1 seed, a handful of problems, each run a fork of one
 warm interpreter (~1 min). Writes `bench/out/learning.partial.json` after every run (the runs so far), then
 `bench/out/learning.json` (or `bench/out/smoke/`) and `bench/plots/learning.png`
@@ -68,8 +69,10 @@ MODES = {
     "async": ["--num_batches_ahead", "1"],
     "async2": ["--num_batches_ahead", "2"],
     "stream": ["--num_batches_ahead", "1", "--async_mode", "stream", "--weight_sync_inflight", "true"],
+    "stream1": ["--num_batches_ahead", "1", "--async_mode", "stream", "--weight_sync_inflight", "true"]
+    + ["--max_staleness", "1"],
 }
-COLORS = {"sync": "black", "async": "tab:blue", "async2": "tab:orange", "stream": "tab:green"}
+COLORS = {"sync": "black", "async": "tab:blue", "async2": "tab:orange", "stream": "tab:green", "stream1": "tab:red"}
 EVAL_SEED = 1000  # the held-out problems of every run
 #: per-step metrics kept from each run's metrics.jsonl (the collapse rule reads `reward`; the rest explain a collapse)
 STEP_METRICS = (
