@@ -344,9 +344,10 @@ def ensure_expert_group(model_path: str) -> None:
 
     vLLM keeps its parallel groups in module globals, made by the first engine a process builds and reused by every
     engine built while it lives; a dense model's engine makes no expert-parallel group, so a MoE engine built beside
-    it in the same process (an evaluation engine, a test) failed in its model's constructor ("expert parallel group is not
-    initialized"). The group is made as vLLM's `initialize_model_parallel` makes it for data- and context-parallel
-    size 1, the in-process engine's: the tensor-parallel groups. vLLM has no setter, hence its module global."""
+    it in the same process (an evaluation engine, a test) failed in its model's constructor ("expert parallel group
+    is not initialized"). The group is made as vLLM's `initialize_model_parallel` makes it for data- and
+    context-parallel size 1, the in-process engine's: the tensor-parallel groups. vLLM has no setter, hence its
+    module global."""
     from vllm.distributed import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps._EP is not None:
