@@ -59,17 +59,25 @@ def test_encode_support_lists_the_shorter_side():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("k, p", [(5, None), (None, 0.8), (7, 0.6), (None, 0.95)])
-def test_truncation_filter_keeps_what_vllm_keeps(k, p):
-    """The trainer-side filter (servers' fallback) against vLLM's own top-k / top-p on the same logits."""
+@pytest.mark.parametrize(
+    "k, p, banned",
+    [(5, None, ()), (None, 0.8, ()), (7, 0.6, ()), (None, 0.95, ()), (None, 0.8, (3, 250)), (None, None, (7,))],
+)
+def test_truncation_filter_keeps_what_vllm_keeps(k, p, banned):
+    """The trainer-side filter (servers' fallback) against vLLM's own top-k / top-p on the same logits; `banned`
+    (a VLM's image placeholders, every request's `bad_words`) is cut first, as vLLM's bad-words processor does before
+    the sampler's filters."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(0)) * 3  # [16, V]
     kt = None if k is None else torch.full((16,), k, dtype=torch.long)
     pt = None if p is None else torch.full((16,), p)
-    vllm_kept = torch.isfinite(apply_top_k_top_p(logits.clone(), kt, pt))  # [16, V]
-    ours = TruncationFilter(top_k=k or 0, top_p=1.0 if p is None else p).kept(logits)
-    assert torch.equal(ours, vllm_kept)
+    processed = logits.clone()
+    processed[:, list(banned)] = -torch.inf  # vLLM's bad words: before temperature, min-p, top-k, top-p
+    vllm_kept = torch.isfinite(apply_top_k_top_p(processed, kt, pt))  # [16, V]
+    ours = TruncationFilter(top_k=k or 0, top_p=1.0 if p is None else p, banned=banned)
+    assert torch.equal(ours.kept(logits), vllm_kept)
+    assert ours.cuts == bool(k or p or banned) and ours.samples_a_cut == bool(k or p)
 
 
 def test_score_tokens_mass_is_the_same_on_every_path(tiny_model_path):

@@ -42,36 +42,49 @@ NO_TOKEN = -1
 @dataclass(frozen=True)
 class TruncationFilter:
     """A sampler's vocabulary cut, applied by the trainer to its own (temperature-scaled) logits when the backend
-    could not report the kept set. `top_k = 0`, `top_p = 1.0`, `min_p = 0.0` are off. vLLM's order: min-p, top-k,
-    top-p (`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`)."""
+    could not report the kept set. `top_k = 0`, `top_p = 1.0`, `min_p = 0.0` are off. vLLM's order: the banned
+    tokens (its `bad_words` logits processor), then min-p, top-k, top-p (`vllm/v1/sample/sampler.py`,
+    `ops/topk_topp_sampler.py`)."""
 
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    #: token ids the sampler never samples, at any position (vLLM's `bad_words`, hf's `suppress_tokens`: a
+    #: vision-language model's image placeholders, `vision_processor.vision_placeholder_ids`)
+    banned: tuple[int, ...] = ()
 
     @classmethod
-    def from_config(cls, a) -> TruncationFilter:
+    def from_config(cls, a, banned: tuple[int, ...] = ()) -> TruncationFilter:
         """The run's top-k / top-p / min-p (`a`, a `GRPOConfig`), for rows whose kept sets the sampler did not report
         (servers): `generation_kwargs` override the config's fields, as they do in every backend's sampling."""
         extra = a.generation_kwargs or {}
         top_k, top_p, min_p = extra.get("top_k", a.top_k), extra.get("top_p", a.top_p), extra.get("min_p", a.min_p)
-        return cls(top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0)
+        return cls(top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0, banned=tuple(banned))
 
     @property
     def cuts(self) -> bool:
+        return bool(self.banned) or self.samples_a_cut
+
+    @property
+    def samples_a_cut(self) -> bool:
+        """Whether the kept set depends on the logits (top-k, top-p, min-p): the trainer's filter of π_old is then
+        the sampler's only while the two agree. The banned tokens alone are the same set at every position: exact."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def kept(self, logits: torch.Tensor) -> torch.Tensor:
         """`[N, V]` temperature-scaled logits → `[N, V]` bool, the tokens this filter keeps."""
         keep = torch.ones_like(logits, dtype=torch.bool)  # [N, V]
-        probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
+        if self.banned:
+            keep[:, [t for t in self.banned if t < logits.size(-1)]] = False
+        logits = logits.float().masked_fill(~keep, -torch.inf)  # [N, V] what the filters below see
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
         if self.min_p > 0.0:
             keep &= probs >= self.min_p * probs.max(dim=-1, keepdim=True).values
         if self.top_k > 0 and self.top_k < logits.size(-1):
-            kth = logits.float().masked_fill(~keep, -torch.inf).topk(self.top_k, dim=-1).values[..., -1:]  # [N, 1]
-            keep &= logits.float() >= kth
+            kth = logits.masked_fill(~keep, -torch.inf).topk(self.top_k, dim=-1).values[..., -1:]  # [N, 1]
+            keep &= logits >= kth
         if self.top_p < 1.0:
-            masked = logits.float().masked_fill(~keep, -torch.inf)  # [N, V]
+            masked = logits.masked_fill(~keep, -torch.inf)  # [N, V]
             p_sorted, order = torch.softmax(masked, dim=-1).sort(dim=-1, descending=False)  # ascending, as vLLM
             drop_sorted = p_sorted.cumsum(dim=-1) <= 1.0 - self.top_p  # [N, V] the low tail summing to ≤ 1 − p
             drop_sorted[..., -1] = False  # the most likely token always stays

@@ -56,7 +56,7 @@ def _make_vllm_colocate(args, model, tokenizer, model_path: str, separate_proces
     base = base_model(model)
     return VLLMColocateBackend(
         model_path,
-        dtype=_torch_dtype_name(base),
+        dtype=_torch_dtype_name(base) if args.vllm_dtype == "auto" else args.vllm_dtype,
         max_model_len=_vllm_max_model_len(args, base),
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         seed=args.seed,
@@ -81,7 +81,7 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
     urls = list(args.server_urls)
     transport = server_transport(args.weight_sync_transport, urls, cuda=torch.cuda.is_available())
     if detect_server_kind(urls[0], args.vllm_api_key) == "stock":  # a plain `vllm serve` / `trl vllm-serve`
-        return _make_stock_server(args, urls, transport)
+        return _make_stock_server(args, urls, transport, _placeholder_words(model, tokenizer))
     return VLLMServerBackend(
         urls,
         api_key=args.vllm_api_key,
@@ -93,10 +93,20 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
         inflight_updates=args.weight_sync_inflight,
         delta=args.weight_sync_delta,
         delta_full_every=args.weight_sync_delta_full_every,
+        bad_words=_placeholder_words(model, tokenizer),
     )
 
 
-def _make_stock_server(args, urls: list[str], transport: str):
+def _placeholder_words(model, tokenizer) -> list[str]:
+    """A vision-language model's image placeholder tokens, as strings (what vLLM's `bad_words` takes); none for a text
+    model."""
+    from ..vision_processor import vision_placeholder_ids
+
+    ids = vision_placeholder_ids(getattr(model, "config", None))
+    return getattr(tokenizer, "tokenizer", tokenizer).convert_ids_to_tokens(ids) if ids else []
+
+
+def _make_stock_server(args, urls: list[str], transport: str, bad_words: list[str]):
     """A stock vLLM server (no `/ws/*` routes): weights through vLLM's RL API into our `grpo_async` weight-transfer
     engine, over shared memory ('ipc' / 'auto' on this machine; CUDA IPC is not among them) or a gloo broadcast (see
     `stock_server`); 'none': generation only."""
@@ -112,6 +122,7 @@ def _make_stock_server(args, urls: list[str], transport: str):
         master_address=args.vllm_master_address,
         inflight_updates=args.weight_sync_inflight,
         delta=args.weight_sync_delta,  # refused: a stock server takes whole pushes only
+        bad_words=bad_words,
     )
 
 

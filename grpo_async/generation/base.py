@@ -114,6 +114,9 @@ class PromptImages:
     inputs: dict = field(default_factory=dict)
     #: the prompt as its chat template rendered it, image placeholders not expanded (what vLLM takes with the images)
     text: str | None = None
+    #: `text`'s token ids (the processor's tokenizer alone: one placeholder per image, not expanded), what a vLLM
+    #: server's token-in, token-out route takes with the images (`generation.vllm_common.to_generate_body`)
+    text_ids: list[int] | None = None
 
 
 @runtime_checkable
@@ -140,10 +143,10 @@ class GenerationBackend(Protocol):
     # weights the engine loaded, which never move; the policy publisher calls it instead of `load_weights` when
     # `GRPOConfig.vllm_lora_sync` resolves to "adapter" (`grpo_async.weight_sync.lora`).
 
-    # Optional (backends with `takes_images = True`: `HFBackend`, `VLLMColocateBackend`): `generate(prompt_ids,
-    # sampling, images=...)` takes `images[i]`, a `PromptImages` or None, for prompt i: a vision-language model
-    # generates with prompt i's images (its `prompt_ids[i]` already hold the expanded image tokens). The producer
-    # refuses images for other backends.
+    # Optional (backends with `takes_images = True`: `HFBackend`, `VLLMColocateBackend`, `VLLMServerBackend`):
+    # `generate(prompt_ids, sampling, images=...)` takes `images[i]`, a `PromptImages` or None, for prompt i: a
+    # vision-language model generates with prompt i's images (its `prompt_ids[i]` already hold the expanded image
+    # tokens). The producer refuses images for other backends.
 
     # Optional (every built-in backend): `abort()` is called from another thread at shutdown while `generate` may be
     # running; that call (and every later one) then raises `GenerationAborted` as soon as the backend can stop (vLLM

@@ -346,6 +346,9 @@ grpo-async options and defaults (they differ from `vllm serve`):
                         on CPU, default off (unless --max-num-batched-tokens is given): a seeded request
                         (GRPOConfig.seeded_generation) whose prompt vLLM CPU prefills in chunks fails ("CPU Generator
                         does not use offset"); on a GPU, vLLM's default
+  --[no-]enable-scale-out
+                        default on: vLLM's token-in, token-out route (/inference/v1/generate), by which a trainer sends
+                        a vision-language model's prompts with their images (token ids, images as data URLs)
   --enable-lora --max-lora-rank R [--max-cpu-loras 2]
                         vLLM's own flags; needed for LoRA adapter-only sync (GRPOConfig.vllm_lora_sync='adapter'):
                         the trainer then sends only the adapter, served as model `policy-v<version>`
@@ -511,6 +514,8 @@ def main(argv: list[str] | None = None) -> None:
         vllm_cpu.default_cpu_memory(args, argv)
     vllm_cpu.default_cpu_chunked_prefill(args, argv)
     _default_shutdown_timeout(args, argv)
+    if not flag_passed(argv, "--enable-scale-out") and not flag_passed(argv, "--no-enable-scale-out"):
+        args.enable_scale_out = True  # vLLM's token-in, token-out route: a vision-language model's prompts with images
     if not args.enforce_eager:
         if default_cpu_aot_compile(os.environ):
             print(

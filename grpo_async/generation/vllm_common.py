@@ -98,35 +98,100 @@ def to_vllm_sampling_params(s: SamplingConfig):
     return SamplingParams(**{**fields, **(s.extra or {})})  # the extras override the fields (as in a request body)
 
 
-def to_completions_body(model: str, prompt: list[int], s: SamplingConfig) -> dict:
-    """`/v1/completions` body for one tokenized prompt; filters that are off are left out (portable)."""
+def _sampling_fields(s: SamplingConfig, bad_words: list[str] | None) -> dict:
+    """The sampling fields of a request body (vLLM's `SamplingParams` names; filters that are off are left out)."""
     validate_sampling(s)
+    fields = {"n": s.n, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "logprobs": 0}
+    if s.top_k > 0:
+        fields["top_k"] = s.top_k
+    if s.min_p > 0:
+        fields["min_p"] = s.min_p
+    if s.stop:
+        fields["stop"] = s.stop
+    if s.seed is not None:
+        fields["seed"] = s.seed
+    if s.repetition_penalty != 1.0:
+        fields["repetition_penalty"] = s.repetition_penalty  # vLLM extension
+    if bad_words:
+        fields["bad_words"] = list(bad_words)  # vLLM extension: a VLM's image placeholders are never sampled
+    return fields
+
+
+def to_completions_body(model: str, prompt: list[int], s: SamplingConfig, bad_words: list[str] | None = None) -> dict:
+    """`/v1/completions` body for one tokenized prompt; filters that are off are left out (portable)."""
     body = {
         "model": model,
         "prompt": prompt,
-        "n": s.n,
-        "max_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "logprobs": 0,
+        **_sampling_fields(s, bad_words),
         "return_token_ids": True,  # vLLM extension
         "return_tokens_as_token_ids": True,  # fallback: tokens come back as "token_id:<id>"
     }
-    if s.top_k > 0:
-        body["top_k"] = s.top_k
-    if s.min_p > 0:
-        body["min_p"] = s.min_p
-    if s.stop:
-        body["stop"] = s.stop
-    if s.seed is not None:
-        body["seed"] = s.seed
-    if s.repetition_penalty != 1.0:
-        body["repetition_penalty"] = s.repetition_penalty  # vLLM extension
     body.update(s.extra or {})
     return body
 
 
-def parse_completions_response(resp, n: int, where: str) -> list[Completion]:
+#: vLLM's token-in, token-out route (vLLM >= 0.32; `vllm serve --enable-scale-out`, on by default in `grpo-async
+#: serve`): token ids plus raw images, which the server's processor expands as for a text prompt
+GENERATE_ROUTE = "/inference/v1/generate"
+
+
+def to_generate_body(model: str, media, s: SamplingConfig, bad_words: list[str] | None = None) -> dict:
+    """`GENERATE_ROUTE` body for one prompt with images (`media`: its `PromptImages`): the rendered prompt's token ids
+    with one placeholder per image (`media.text_ids`; the server expands them, as it would the text) and each image
+    as a PNG data URL, in the prompt's order. `return_token_ids` asks for the prompt's ids after the expansion, which
+    `parse_generate_response` returns so that they can be held to the trainer's."""
+    import base64
+    import io
+
+    if not media.text_ids:
+        raise ValueError("a prompt with images reaches a vLLM server as its rendered text's ids, which it lacks")
+    parts = []
+    for image in media.images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        parts.append({"type": "image_url", "url": url})
+    sampling = {**_sampling_fields(s, bad_words), **(s.extra or {})}
+    return {
+        "model": model,
+        "token_ids": list(media.text_ids),
+        "content_parts": parts,
+        "sampling_params": sampling,
+        "return_token_ids": True,
+    }
+
+
+def parse_generate_response(resp, n: int, where: str) -> tuple[list[Completion], list[int]]:
+    """The `n` choices of one `GENERATE_ROUTE` answer, in choice-index order, and the prompt's token ids as the
+    server expanded them. Raises `ServerError` (status None: the server is broken) on an answer of another shape."""
+
+    def bad(what: str):
+        return ServerError(f"{where} returned a malformed {GENERATE_ROUTE} answer: {what}")
+
+    if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
+        raise bad(f"expected a JSON object with a 'choices' list, got {str(resp)[:200]!r}")
+    prompt = resp.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        raise bad("no prompt_token_ids (the request had return_token_ids=true)")
+    choices = []
+    for c in resp["choices"]:
+        content = (c.get("logprobs") or {}).get("content") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or not isinstance(content, list) or not all(isinstance(x, dict) for x in content):
+            raise bad(f"a choice without logprobs content: {str(c)[:200]!r}")
+        # the shape `parse_completions_response` reads: token ids and their log-probs side by side
+        ids = c.get("token_ids")
+        choices.append(
+            {
+                "index": c.get("index", 0),
+                "token_ids": ids if ids is not None else [x.get("token_id") for x in content],
+                "logprobs": {"token_logprobs": [x.get("logprob") for x in content]},
+                "finish_reason": c.get("finish_reason"),
+            }
+        )
+    return parse_completions_response({"choices": choices}, n, where, GENERATE_ROUTE), list(prompt)
+
+
+def parse_completions_response(resp, n: int, where: str, route: str = "/v1/completions") -> list[Completion]:
     """The `n` choices of one `/v1/completions` answer, in choice-index order.
 
     Raises `ServerError` (status `None`, i.e. "the server is broken") naming `where` when the answer does not have the
@@ -134,7 +199,7 @@ def parse_completions_response(resp, n: int, where: str) -> list[Completion]:
     """
 
     def bad(what: str):
-        return ServerError(f"{where} returned a malformed /v1/completions answer: {what}")
+        return ServerError(f"{where} returned a malformed {route} answer: {what}")
 
     if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
         raise bad(f"expected a JSON object with a 'choices' list, got {str(resp)[:200]!r}")

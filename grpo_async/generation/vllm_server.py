@@ -23,12 +23,16 @@ import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.vllm_common import (
+    GENERATE_ROUTE,
     Groups,
     check_prompts,
     parse_completions_response,
+    parse_generate_response,
     to_completions_body,
+    to_generate_body,
     validate_sampling,
 )
+from grpo_async.generation.vllm_images import check_engine_prompts
 from grpo_async.net import ServerAuthError, ServerClient, ServerError, health_problem
 from grpo_async.weight_sync.delta import DeltaSync
 from grpo_async.weight_sync.lora import adapter_spec, vllm_max_lora_rank
@@ -54,6 +58,8 @@ class CompletionsRouter:
         self.model = model
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"{name}-http")
         self.aborted = threading.Event()  # set by the backend's abort(): generate stops waiting for its requests
+        #: tokens no request may sample (`SamplingParams.bad_words`): a vision-language model's image placeholders
+        self.bad_words: list[str] = []
 
     @property
     def live_urls(self) -> list[str]:
@@ -120,14 +126,33 @@ class CompletionsRouter:
                 live = len(self.live)
                 logger.warning("%s: %s rejoined the rotation; %d server(s) live", self.name, client.url, live)
 
-    def _one(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+    def _one(self, prompt: list[int], sampling: SamplingConfig, media=None) -> list[Completion]:
+        """One prompt's `n` completions: `/v1/completions` with its token ids, or, for a prompt with images (`media`,
+        its `PromptImages`), vLLM's token-in, token-out route with the images, whose expanded prompt must be the
+        trainer's (`check_engine_prompts`)."""
         body = None
         while True:
             client = self.pick()
             try:
-                body = body or to_completions_body(self.model, prompt, sampling)
-                resp = client.post("/v1/completions", body)
-                return parse_completions_response(resp, sampling.n, client.url)
+                if media is None:
+                    body = body or to_completions_body(self.model, prompt, sampling, self.bad_words)
+                    resp = client.post("/v1/completions", body)
+                    return parse_completions_response(resp, sampling.n, client.url)
+                body = body or to_generate_body(self.model, media, sampling, self.bad_words)
+                try:
+                    resp = client.post(GENERATE_ROUTE, body)
+                except ServerError as e:
+                    if e.status in (403, 404):  # vLLM < 0.32, or a `vllm serve` without --enable-scale-out
+                        raise ServerError(
+                            f"{client.url} does not take images: its {GENERATE_ROUTE} route answered HTTP {e.status} "
+                            f"({e}); `grpo-async serve` enables it, a stock `vllm serve` (>= 0.32) needs "
+                            "--enable-scale-out",
+                            status=e.status,
+                        ) from e
+                    raise
+                completions, expanded = parse_generate_response(resp, sampling.n, client.url)
+                check_engine_prompts([expanded], [prompt], [media])
+                return completions
             except ServerError as e:
                 if e.status is not None and e.status < 500:
                     raise  # our request is wrong; another server would refuse it too
@@ -135,12 +160,19 @@ class CompletionsRouter:
             finally:
                 self.done(client)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None) -> list[Completion]:
+        """`images[k]` (`PromptImages` or None): prompt k's images, for a vision-language model."""
         check_prompts(prompt_ids)
         validate_sampling(sampling)
+        media = images if images is not None else [None] * len(prompt_ids)
+        if len(media) != len(prompt_ids):
+            raise ValueError(f"{self.name}: {len(media)} prompts' images for {len(prompt_ids)} prompts")
         # seeded: each request its own seed (`SamplingConfig.for_prompt`); without it, G copies of a prompt (n = 1)
         # would sample the same completion
-        futures = [self.pool.submit(self._one, p, sampling.for_prompt(i)) for i, p in enumerate(prompt_ids)]
+        futures = [
+            self.pool.submit(self._one, p, sampling.for_prompt(i), m)
+            for i, (p, m) in enumerate(zip(prompt_ids, media, strict=True))
+        ]
         pending = set(futures)
         while pending:  # every request bounded by the client timeout; `abort()` stops the wait within 0.25 s
             if self.aborted.is_set():
@@ -201,9 +233,18 @@ class VLLMServerBackend:
             since the last push each server acknowledged (`weight_sync.delta`; `GRPOConfig.weight_sync_delta`); the
             statistics of the last push are in `sink.delta.last`.
         delta_full_every (`int`, *optional*, defaults to 50): with `delta`, every this-many-th push is a full one.
+        bad_words (`list[str]`, *optional*): tokens no request may sample (vLLM's `bad_words`): a vision-language
+            model's image placeholders (`vision_processor.vision_placeholder_ids`).
+
+    A vision-language model's prompts with images (`generate(..., images=)`) go to vLLM's token-in, token-out route
+    (`vllm_common.GENERATE_ROUTE`: the rendered prompt's ids and the images as PNG data URLs), which `grpo-async
+    serve` enables; the server's processor expands the image placeholders, and the expanded prompt must be the
+    trainer's, token for token (`vllm_images.check_engine_prompts`). Prompts without images use `/v1/completions`.
     """
 
     takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+    #: `generate(..., images=)`: prompts with images go to vLLM's token-in, token-out route with their images
+    takes_images = True
     takes_delta = True  # `delta=True` (weight_sync.delta) works with its servers
 
     def __init__(
@@ -222,6 +263,7 @@ class VLLMServerBackend:
         rejoin_interval: float | None = 10.0,
         delta: bool = False,
         delta_full_every: int = 50,
+        bad_words: list[str] | tuple[str, ...] = (),
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -268,6 +310,7 @@ class VLLMServerBackend:
                 f"VLLMServerBackend: none of the servers {urls} answered /health (200) and /v1/models: {reasons}"
             )
         self.router = CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend")
+        self.router.bad_words = list(bad_words)
         for c in clients:
             if c.url in left_out:
                 self.router.mark_dead(c, left_out[c.url])
@@ -297,8 +340,9 @@ class VLLMServerBackend:
         """Stream mode: nothing to start; `generate` already takes calls from several threads at once (each request
         its own HTTP call, `max_concurrency` at a time)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        return self.router.generate(prompt_ids, sampling)
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None) -> list[Completion]:
+        """`images[k]` (`PromptImages` or None): prompt k's images, for a vision-language model."""
+        return self.router.generate(prompt_ids, sampling, images)
 
     def _new_transport(self, client: ServerClient, device: torch.device):
         """A server's weight transport (`ServerFanout`'s `make_transport`): the wire transport this backend was built

@@ -53,6 +53,7 @@ from torch import nn
 from ..algo.logprobs import LogpsScorer
 from ..generation.registry import backend_spec
 from ..generation.shared import SharedBackend
+from ..vision_processor import vision_placeholder_ids
 from ..weight_sync.lora import lora_sync_mode
 from .collectives import AcceleratorCollectives
 from .consumer import ConsumerSettings, RoundConsumer
@@ -218,8 +219,9 @@ def build_pipeline(
         extra_columns=link.reward_columns,
         rollout_func=link.rollout if link.rollout_func is not None else None,
     )
+    never_sampled = tuple(vision_placeholder_ids(getattr(link.unwrapped_policy(), "config", None)))
     consumer = RoundConsumer(
-        ConsumerSettings.from_config(config),
+        ConsumerSettings.from_config(config, never_sampled),  # a VLM's image placeholders: every backend's bad words
         collectives=collectives,
         old_logps=LogpsScorer(link.policy, **scoring).scores if old_logps else None,
         ref_logps=ref_logps,

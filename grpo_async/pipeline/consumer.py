@@ -75,8 +75,9 @@ class ConsumerSettings:
     router_replay: str = "off"
 
     @classmethod
-    def from_config(cls, a) -> ConsumerSettings:
-        """From a `GRPOConfig`."""
+    def from_config(cls, a, never_sampled: tuple[int, ...] = ()) -> ConsumerSettings:
+        """From a `GRPOConfig`; `never_sampled`: the token ids no backend samples (a vision-language model's image
+        placeholders), cut from π_old's support with the sampler's filter (`TruncationFilter.banned`)."""
         return cls(
             steps_per_generation=a.steps_per_generation,
             old_logps_micro_batch_size=a.old_logps_micro_batch_size,
@@ -90,7 +91,7 @@ class ConsumerSettings:
             token_budget=a.token_budget,  # algo/token_budget.py
             keep_groups=keep_groups_together(a),  # the training forward shares each group's prompt
             support_replay=a.importance_sampling_support_replay,
-            truncation=TruncationFilter.from_config(a),  # servers' rows
+            truncation=TruncationFilter.from_config(a, never_sampled),  # servers' rows
             pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
             router_replay=getattr(a, "router_replay", "off"),
         )
@@ -215,6 +216,9 @@ class RoundConsumer:
             return local.sampling_mask  # None: the sampler cut nothing
         if s.truncation is None or not s.truncation.cuts:
             return None
+        if not s.truncation.samples_a_cut:  # only the banned tokens: the same set wherever π_old drifts
+            self.log("sampling/support_exact", 1.0)
+            return s.truncation
         self.log("sampling/support_exact", 0.0)
         if not self._warned_filter:
             self._warned_filter = True

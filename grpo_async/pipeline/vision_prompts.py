@@ -101,7 +101,8 @@ def tokenize_with_images(
     out = processor(images=images, text=[text], return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].tolist()
     inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-    return ids, PromptImages(images=images, inputs=inputs, text=text)
+    text_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids, PromptImages(images=images, inputs=inputs, text=text, text_ids=list(text_ids))
 
 
 def call_images(backend, media: list | None, row: int, n: int, count: int, G: int) -> dict:

@@ -218,6 +218,12 @@ def add_weight_routes(app, idle_timeout: float = RELOAD_IDLE_TIMEOUT_S) -> None:
                         watch(eng, s.id)
                 if paused:
                     await eng.reset_prefix_cache()
+                    if eng.model_config.is_multimodal_model:
+                        # the workers cleared their encoder caches (`WeightSyncWorker`); the scheduler would still
+                        # count an image seen before the push as encoded ("Encoder cache miss" at its next prompt),
+                        # and the processed-input cache holds what the old weights' processor run made
+                        await eng.reset_encoder_cache()
+                        await eng.reset_mm_cache()
                     await eng.resume_generation()
         return {**out[0], "session": s.id if s is not None and not end else None}
 
