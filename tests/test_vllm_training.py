@@ -98,6 +98,24 @@ def test_colocate_trains_end_to_end(tiny_model_path, tmp_path):
         t.close()
 
 
+def test_colocate_engine_in_bfloat16_for_a_float32_policy(tiny_model_path, tmp_path):
+    """`GRPOConfig.vllm_dtype="bfloat16"` (docs/performance.md, settings for speed): the in-process engine holds the
+    float32 policy in bfloat16 and samples with it, the trainer stays float32; every round's sampler log-probs are
+    the trainer's up to bf16 rounding (a difference above float32's ~1e-6, far below a wrong model's), and rounds 1
+    and 2 were sampled on the weights pushed after steps 1 and 2."""
+    args = _args(tmp_path, generation_backend="vllm", vllm_dtype="bfloat16", max_steps=3, num_batches_ahead=0)
+    t, seen = _train(args, tiny_model_path)  # synchronous: each round sampled on the weights just pushed
+    try:
+        assert t.backend.llm.llm_engine.model_config.dtype == torch.bfloat16
+        assert {p.dtype for p in t.model.parameters()} == {torch.float32}
+        diffs = [h["sampling/logp_diff/max"] for h in t.state.log_history if "sampling/logp_diff/max" in h]
+        means = [h["sampling/logp_diff/mean"] for h in t.state.log_history if "sampling/logp_diff/mean" in h]
+        assert len(diffs) == 3 and all(1e-4 < d < 0.5 for d in diffs), (diffs, means)
+        assert {int(b["policy_version"][0]) for b in seen} == {0, 1, 2}  # rounds 1, 2 on the weights pushed
+    finally:
+        t.close()
+
+
 def test_colocate_with_a_model_object_saves_it_for_the_engine(tiny_model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():  # weights that differ from the folder's: the engine must not serve the folder's

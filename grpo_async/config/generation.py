@@ -119,6 +119,19 @@ class GenerationFields:
     vllm_max_model_length: int | None = field(
         default=None, metadata={"help": "vLLM max_model_len. Default: max_prompt_length + max_completion_length."}
     )
+    vllm_dtype: str = checked_field(
+        OneOf(("auto", "float32", "bfloat16", "float16")),
+        default="auto",
+        metadata={
+            "help": "In-process vLLM engine (vllm backend): the dtype it holds the weights in and samples with. "
+            "'auto': the policy's own dtype (a float32 policy samples in float32: sampler and trainer log-probs agree "
+            "to ~1e-6). 'bfloat16' for a float32 policy: half the engine's weights and, on CPUs with bf16 "
+            "instructions (AMX, AVX512-BF16) or a GPU, faster generation; the sampler's log-probs then differ from "
+            "the trainer's by bf16 rounding, which the importance-sampling correction weighs (TRL's vLLM runs a "
+            "float32 model in bfloat16 by default). Each push is rounded to it by vLLM's loader. A server's dtype is "
+            "its own `--dtype`.",
+        },
+    )
     vllm_enforce_eager: bool = field(
         default=True,
         metadata={
