@@ -59,8 +59,8 @@ def force_full_length() -> None:
         p.ignore_eos = True
         return p
 
-    def body(model, prompt, s):
-        return {**to_body(model, prompt, s), "ignore_eos": True}
+    def body(model, prompt, s, *rest):
+        return {**to_body(model, prompt, s, *rest), "ignore_eos": True}
 
     vllm_colocate.to_vllm_sampling_params, vllm_server.to_completions_body = params, body
 
