@@ -133,6 +133,7 @@ class VLLMColocateBackend:
             logger.info("VLLM_USE_AOT_COMPILE=0: vLLM's AOT compile cache does not load on CPU (set it to choose)")
         hook, single = sys.excepthook, not (torch.distributed.is_available() and torch.distributed.is_initialized())
         if not separate_process:
+            forget_stale_groups()
             ensure_expert_group(model_path)
         self.llm = LLM(
             model=model_path,
@@ -338,6 +339,35 @@ class VLLMColocateBackend:
                 logger.warning("VLLMColocateBackend.close: engine shutdown failed: %r", e)
 
 
+#: vLLM's parallel groups (module globals of `vllm.distributed.parallel_state`), from the world down
+VLLM_GROUPS = ("_WORLD", "_INNER_DP_WORLD", "_TP", "_ETP", "_ENGRAM_DP", "_DCP", "_PP", "_DP", "_EP", "_EPLB", "_PCP")
+
+
+def forget_stale_groups() -> None:
+    """Forget vLLM's parallel groups when the process group they were made in is gone, so that the next in-process
+    engine makes them again.
+
+    vLLM keeps its groups in module globals, made by the first in-process engine in the torch.distributed default
+    group it joins or creates, and never destroys them (its in-process executor has no teardown). When something
+    else then destroys that default group (`torch.distributed.destroy_process_group()`: a trainer's end, a test), the
+    globals point at a dead group and every later engine failed at start-up ("Process group ... is not initialized in
+    the world group map", or "Process group cannot be None"). The dead groups cannot be destroyed; they are dropped."""
+    from vllm.distributed import parallel_state as ps
+
+    world = ps._WORLD
+    if world is None:
+        return
+    try:
+        alive = torch.distributed.is_initialized() and torch.distributed.get_backend(world.device_group) is not None
+    except (ValueError, RuntimeError, AssertionError):
+        alive = False
+    if not alive:
+        logger.info("vLLM's parallel groups outlived their process group: forgotten, the engine makes them again")
+        for name in VLLM_GROUPS:
+            if hasattr(ps, name):
+                setattr(ps, name, None)
+
+
 def ensure_expert_group(model_path: str) -> None:
     """Give a mixture-of-experts model the expert-parallel group its in-process engine needs, when this process's
     vLLM parallel groups already exist without one.
@@ -354,10 +384,8 @@ def ensure_expert_group(model_path: str) -> None:
         return
     from transformers import AutoConfig
 
-    from grpo_async.model_config import EXPERT_COUNT_FIELDS
-
     text = AutoConfig.from_pretrained(model_path).get_text_config()
-    if not any(getattr(text, k, None) for k in EXPERT_COUNT_FIELDS):
+    if not any(getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         return
     world, tp = ps.get_world_group(), ps.get_tp_group()
     groups = [list(range(s, s + tp.world_size)) for s in range(0, world.world_size, tp.world_size)]
