@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .algo.router_replay import is_moe_config
+
 LORA_TASK_TYPES = ("CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 
 
@@ -94,13 +96,6 @@ def get_peft_config(model_args: ModelConfig):
 
 
 # ---- checks of the model's own config against the training settings (at trainer construction) ----------------------
-#: config attributes whose positive value marks a Mixture-of-Experts model (an expert no token was routed to gets no
-#: gradient in that step)
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _text_config(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def check_context_length(args, model_config) -> None:
@@ -133,5 +128,4 @@ def needs_find_unused_parameters(model, args) -> bool:
     config = model.config
     if getattr(config, "vision_config", None) is not None:
         return not (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
-    text = _text_config(config)
-    return any(isinstance(getattr(text, n, None), int) and getattr(text, n) > 1 for n in EXPERT_COUNT_FIELDS)
+    return is_moe_config(config)  # an expert no token was routed to gets no gradient in that step

@@ -92,3 +92,10 @@ def vision_placeholder_ids(config) -> list[int]:
         return []
     keys = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
     return sorted({v for k in keys if isinstance(v := getattr(config, k, None), int) and v >= 0})
+
+
+def placeholder_words(config, tokenizer) -> list[str]:
+    """`vision_placeholder_ids(config)` as token strings (what vLLM's `SamplingParams.bad_words` takes); empty for a
+    text model. `tokenizer` may be a processor (its `tokenizer` is used)."""
+    ids = vision_placeholder_ids(config)
+    return getattr(tokenizer, "tokenizer", tokenizer).convert_ids_to_tokens(ids) if ids else []

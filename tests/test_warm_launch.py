@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from mp_utils import ACCELERATE_2CPU
@@ -218,16 +219,24 @@ def test_a_forked_scripts_vllm_worker_is_a_fork_of_the_fork_server_with_the_scri
 def test_an_exit_status_polled_from_several_threads_at_once_is_the_real_one(tmp_path):
     """`test_faults.Proc` polls a forked script from its log reader while the test waits for its exit. The stock
     forkserver handle lets a second reader of the status pipe record 255 over the real status (a CI run failed so);
-    every thread must see the script's own exit status. One run: the stock handle failed it in every run tried (6 of
-    6, 2026-11-29, 8 threads spinning; a spin that sleeps, or fewer threads, missed the race every time)."""
+    every thread must see the script's own exit status. Five exits, 8 threads spinning around each (a spin that sleeps,
+    or fewer threads, missed the race every time); the stock handle failed 2 of 3 single exits (2026-11-29)."""
     import threading
 
     from support.warm_launch import start_script
 
+    # the threads spin only around the exit: the script says it is up, then exits when the test writes to its FIFO
+    # (spinning through its start took 45 s on a loaded CI worker, 4 s alone)
     script = tmp_path / "exit7.py"
-    script.write_text("import sys\nsys.exit(7)\n")
-    for run in range(1):
-        proc = start_script(str(script), [], log_path=str(tmp_path / f"run{run}.log"))
+    script.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).touch()\nopen(sys.argv[2]).read()\nsys.exit(7)")
+    for run in range(5):  # the stock handle failed 2 of 3 single runs of this shape
+        ready, gate = tmp_path / f"ready{run}", tmp_path / f"gate{run}"
+        os.mkfifo(gate)
+        proc = start_script(str(script), [str(ready), str(gate)], log_path=str(tmp_path / f"run{run}.log"))
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the script did not start"
+            time.sleep(0.05)
         seen: list = []
         go = threading.Barrier(9)
 
@@ -241,6 +250,8 @@ def test_an_exit_status_polled_from_several_threads_at_once_is_the_real_one(tmp_
         for t in threads:
             t.start()
         go.wait()
+        with open(gate, "w") as f:  # the script's read returns at the close: it exits while 8 threads poll
+            f.write("exit")
         seen.append(proc.wait(60))
         for t in threads:
             t.join(60)

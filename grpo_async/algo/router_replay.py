@@ -35,6 +35,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+#: config attributes whose value > 1 marks a Mixture-of-Experts model (`is_moe_config`)
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe_config(config) -> bool:
+    """Whether a model's config (a multimodal model's: its text config) describes a Mixture-of-Experts model: one of
+    `EXPERT_COUNT_FIELDS` is an int > 1. `None` is not."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(isinstance(v := getattr(text, n, None), int) and v > 1 for n in EXPERT_COUNT_FIELDS)
+
+
 #: router classes whose forward returns `(logits, scores, indices)` from a softmax top-k -> whether they always
 #: renormalise the top-k scores (else the router's own `norm_topk_prob` says)
 ROUTERS = {
@@ -51,7 +62,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
     if not routers:
         config = getattr(model, "config", None)
-        if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        if is_moe_config(config):
             raise ValueError(
                 f"router replay: {type(model).__name__} is a mixture-of-experts model whose router is not one of "
                 f"{sorted(ROUTERS)}; its routing cannot be captured or replayed"

@@ -7,6 +7,7 @@ the same `register_backend` a user calls. `GRPOConfig` only names a backend and 
 
 from __future__ import annotations
 
+from ..vision_processor import placeholder_words
 from .base import Completion, GenerationBackend, SamplingConfig
 from .registry import BackendSpec, backend_spec, register_backend, registered_backends, unregister_backend
 
@@ -81,7 +82,7 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
     urls = list(args.server_urls)
     transport = server_transport(args.weight_sync_transport, urls, cuda=torch.cuda.is_available())
     if detect_server_kind(urls[0], args.vllm_api_key) == "stock":  # a plain `vllm serve` / `trl vllm-serve`
-        return _make_stock_server(args, urls, transport, _placeholder_words(model, tokenizer))
+        return _make_stock_server(args, urls, transport, placeholder_words(getattr(model, "config", None), tokenizer))
     return VLLMServerBackend(
         urls,
         api_key=args.vllm_api_key,
@@ -93,17 +94,8 @@ def _make_vllm_server(args, model, tokenizer, model_path: str):
         inflight_updates=args.weight_sync_inflight,
         delta=args.weight_sync_delta,
         delta_full_every=args.weight_sync_delta_full_every,
-        bad_words=_placeholder_words(model, tokenizer),
+        bad_words=placeholder_words(getattr(model, "config", None), tokenizer),
     )
-
-
-def _placeholder_words(model, tokenizer) -> list[str]:
-    """A vision-language model's image placeholder tokens, as strings (what vLLM's `bad_words` takes); none for a text
-    model."""
-    from ..vision_processor import vision_placeholder_ids
-
-    ids = vision_placeholder_ids(getattr(model, "config", None))
-    return getattr(tokenizer, "tokenizer", tokenizer).convert_ids_to_tokens(ids) if ids else []
 
 
 def _make_stock_server(args, urls: list[str], transport: str, bad_words: list[str]):

@@ -24,8 +24,8 @@ from grpo_async.generation.vllm_common import (
 )
 from grpo_async.generation.vllm_images import (
     check_engine_prompts,
+    engine_placeholder_words,
     engine_prompts,
-    placeholder_words,
     reset_vision_caches,
     suppress_words,
 )
@@ -151,8 +151,8 @@ class VLLMColocateBackend:
             # every line of this process's uncaught tracebacks with `[rank0]:`: not a distributed run, no prefix
             sys.excepthook = hook
         self.separate_process = separate_process
-        #: a VLM's image placeholder tokens, never sampled (`generation.vllm_images.placeholder_words`)
-        self.placeholder_words = placeholder_words(self.llm)
+        #: a VLM's image placeholder tokens, never sampled (`generation.vllm_images.engine_placeholder_words`)
+        self.placeholder_words = engine_placeholder_words(self.llm)
         #: the sampler's kept sets (`generation.sampling_mask`): recorded in the worker, which must be in this process
         self.sampling_masks: SamplingMaskRecorder | None = None
         if separate_process:
@@ -384,8 +384,9 @@ def ensure_expert_group(model_path: str) -> None:
         return
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(model_path).get_text_config()
-    if not any(getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+    from grpo_async.algo.router_replay import is_moe_config
+
+    if not is_moe_config(AutoConfig.from_pretrained(model_path)):
         return
     world, tp = ps.get_world_group(), ps.get_tp_group()
     groups = [list(range(s, s + tp.world_size)) for s in range(0, world.world_size, tp.world_size)]

@@ -68,13 +68,12 @@ def vllm_vision_support(config) -> str | None:
     return f"vLLM has no model class for {getattr(config, 'architectures', None)}"
 
 
-def placeholder_words(llm) -> list[str]:
+def engine_placeholder_words(llm) -> list[str]:
     """The engine's model's image / video placeholder tokens as strings (`vllm.SamplingParams.bad_words`), empty for a
-    text model: a VLM must not sample them (`vision_processor.vision_placeholder_ids`)."""
-    from ..vision_processor import vision_placeholder_ids
+    text model: a VLM must not sample them (`vision_processor.placeholder_words`)."""
+    from ..vision_processor import placeholder_words
 
-    ids = vision_placeholder_ids(llm.llm_engine.model_config.hf_config)
-    return llm.get_tokenizer().convert_ids_to_tokens(ids) if ids else []
+    return placeholder_words(llm.llm_engine.model_config.hf_config, llm.get_tokenizer())
 
 
 def suppress_words(params, words: list[str]):

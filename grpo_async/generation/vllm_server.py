@@ -46,7 +46,14 @@ logger = logging.getLogger(__name__)
 class CompletionsRouter:
     """Least-outstanding routing of `/v1/completions` requests over live servers, with failover."""
 
-    def __init__(self, clients: list[ServerClient], model: str | None, max_concurrency: int, name: str):
+    def __init__(
+        self,
+        clients: list[ServerClient],
+        model: str | None,
+        max_concurrency: int,
+        name: str,
+        bad_words: list[str] | tuple[str, ...] = (),
+    ):
         self.clients = list(clients)
         self.live = list(clients)
         self.outstanding = {c.url: 0 for c in clients}
@@ -59,7 +66,7 @@ class CompletionsRouter:
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"{name}-http")
         self.aborted = threading.Event()  # set by the backend's abort(): generate stops waiting for its requests
         #: tokens no request may sample (`SamplingParams.bad_words`): a vision-language model's image placeholders
-        self.bad_words: list[str] = []
+        self.bad_words: list[str] = list(bad_words)
 
     @property
     def live_urls(self) -> list[str]:
@@ -309,8 +316,7 @@ class VLLMServerBackend:
             raise RuntimeError(
                 f"VLLMServerBackend: none of the servers {urls} answered /health (200) and /v1/models: {reasons}"
             )
-        self.router = CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend")
-        self.router.bad_words = list(bad_words)
+        self.router = CompletionsRouter(clients, model, max_concurrency, "VLLMServerBackend", bad_words)
         for c in clients:
             if c.url in left_out:
                 self.router.mark_dead(c, left_out[c.url])
