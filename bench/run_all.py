@@ -59,6 +59,7 @@ BENCHES = [
     "stream_real.py",
     "vs_trl.py",
     "vs_trl_2proc.py",
+    "first_step.py",  # TRL's grpo.py vs the same script on ours, 1 and 2 processes, 2 repeats: ~8 min
     "learning.py",  # 12 SmolLM2 runs: ~50-60 min
     "router_replay.py",  # the tiny MoE, 5 training runs (3 engine starts): ~4 min
 ]

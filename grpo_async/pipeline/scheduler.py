@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..generation.registry import backend_spec
 from .batch_generator import AsyncBatchGenerator, BatchRequest
 from .collectives import AcceleratorCollectives
 from .consumer import RoundConsumer
@@ -98,6 +99,12 @@ class SchedulerSettings:
     max_inflight_groups: int = 1  # stream mode: groups generating or being scored at once
     staleness_limit: int | None = None  # policy versions a trained row may lag (`GRPOConfig.staleness_limit`)
     staleness_policy: str = "drop"  # "pace": hold back starts that would exceed the limit; "drop": the consumer drops
+    #: the rounds ahead of a `train()`'s first round are submitted when the trainer ends that first optimizer step's
+    #: last micro-step, not with the round: an engine in the training process (`BackendSpec.in_process`: hf,
+    #: in-process vLLM) shares the trainer's cores, so a round generated beside the first training step only slows
+    #: that step. They are still generated on the weights the first round was (the publish of the next boundary waits
+    #: for them), so what is trained is unchanged. Rounds mode only (docs/performance.md, "The first step").
+    first_round_alone: bool = False
 
     @classmethod
     def from_config(cls, a) -> SchedulerSettings:
@@ -115,6 +122,7 @@ class SchedulerSettings:
             max_inflight_groups=a.max_inflight_groups,
             staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
             staleness_policy=a.staleness_policy,
+            first_round_alone=a.async_mode == "rounds" and backend_spec(a.generation_backend).in_process,
         )
 
 
@@ -170,6 +178,9 @@ class RoundScheduler:
         self._epoch_seen = None
         self._epoch_call = 0  # micro-steps in the current epoch
         self._buffered: list[MicroBatch] | None = None
+        self._first_of_train = True  # the next round fetched is a `train()`'s first (`first_round_alone`)
+        self._deferred: tuple[int, int, float] | None = None  # (round, its first epoch micro-step, horizon) whose
+        # rounds ahead `end_step` submits (`first_round_alone`)
         self._waited = 0.0  # seconds spent waiting for the generator since the last `take_wait`
         self._window = StepWindow(lambda: self.generator.busy_seconds() if self.generator is not None else 0.0)
         self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
@@ -201,6 +212,7 @@ class RoundScheduler:
     def attach(self, loader) -> None:
         """The look-ahead loader of the coming `train()`."""
         self.loader = loader
+        self._first_of_train, self._deferred = True, None
 
     def next_micro_batch(self, generation_batch: list[dict], version: int, policy: nn.Module) -> MicroBatch:
         """The micro-batch of this micro-step; at a round boundary fetches the round (generating it first if it was
@@ -225,6 +237,9 @@ class RoundScheduler:
         """The trainer finished an optimizer step's micro-steps: log and return `async/overlap`,
         `async/trainer_wait`, `async/generator_idle` and `async/bottleneck` of the window since the previous call
         (`pipeline/overlap.py: overlap_metrics` defines them); `None` before the first micro-step."""
+        if self._deferred is not None:  # `first_round_alone`: the first step's rounds ahead, now
+            deferred, self._deferred = self._deferred, None
+            self._send(self._rounds_ahead(*deferred))
         metrics = self._window.close()
         for k, v in (metrics or {}).items():
             self.log(k, v)
@@ -381,6 +396,8 @@ class RoundScheduler:
 
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
+        first = self._first_of_train
+        self._first_of_train = False
         if self.generates and self.generator is None:
             self.producer.build_engine()  # here, on every rank that generates (see `RoundProducer.build_engine`)
             self.generator = self._start_generator()
@@ -388,7 +405,7 @@ class RoundScheduler:
         self.publish(policy, version)  # the weights of this step, for the rounds submitted next
         if self.pacer is not None:
             self._advance_clock(version, fetched=rnd is not None)
-        self._submit(generation_batch)
+        self._submit(generation_batch, ahead=not (first and self.s.first_round_alone))
         if rnd is None:
             rnd = self._fetch()
         self.submitted.discard(self.round)
@@ -446,26 +463,41 @@ class RoundScheduler:
         ga = self.s.gradient_accumulation_steps
         return (self.steps_left() + self._epoch_call // ga) * ga
 
-    def _submit(self, generation_batch: list[dict]) -> None:
-        """Submit the current round if needed and up to `rounds_ahead` rounds after it that the trainer will
-        train (`horizon`; every rank)."""
+    def _submit(self, generation_batch: list[dict], ahead: bool = True) -> None:
+        """Submit the current round if needed and up to `rounds_ahead` rounds after it that the trainer will train
+        (`horizon`; every rank); without `ahead` the rounds after it wait for `end_step` (`first_round_alone`)."""
         todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
-        horizon = self.horizon()
         first = self._epoch_call - self._epoch_call % self.generate_every  # this round's first epoch micro-step
-        held = None
+        if ahead:
+            self._send(todo + self._rounds_ahead(self.round, first, self.horizon()))
+        else:
+            self._send(todo)
+            self._deferred = (self.round, first, self.horizon())
+
+    def _rounds_ahead(self, base: int, first: int, horizon: float) -> list[tuple[int, list[dict]]]:
+        """Up to `rounds_ahead` rounds after round `base` (which starts at epoch micro-step `first`) that start
+        before `horizon` and are not submitted yet, with their rows; a round the pacer holds back ends the list."""
+        todo, held = [], None
         for j in range(1, self.s.rounds_ahead + 1):
-            if self.round + j in self.submitted:
+            if base + j in self.submitted:
                 continue
-            start = first + j * self.generate_every  # the epoch micro-step round + j starts at
+            start = first + j * self.generate_every  # the epoch micro-step round base + j starts at
             if start >= horizon:  # past the last step: never trained, so never generated
                 break
-            if self._paces_rounds and not self.pacer.allows(self.round + j):  # too stale by its turn: later
-                held = self.round + j
+            if self._paces_rounds and not self.pacer.allows(base + j):  # too stale by its turn: later
+                held = base + j
                 break
             future = self.loader.batch_at(start) if self.loader else None
             if future is None:  # end of the epoch: that round is generated when its epoch starts
                 break
-            todo.append((self.round + j, future))
+            todo.append((base + j, future))
+        if self._paces_rounds:
+            self._hold_round(held)
+        return todo
+
+    def _send(self, todo: list[tuple[int, list[dict]]]) -> None:
+        """Submit each `(round id, this rank's rows)` to the generator (every rank: the rows are gathered to the main
+        process, or each rank's engine takes its own)."""
         for round_id, rows in todo:
             if self.join is not None:  # this rank's rows, on its own engine: rows [i·L, (i+1)·L) of the round
                 request = RoundRequest(round_id, list(rows), first_row=self.dist.process_index * len(rows))
@@ -479,8 +511,6 @@ class RoundScheduler:
                     self.generator.submit_batch(BatchRequest(round_id, request))
                 finally:
                     self._add_wait(time.perf_counter() - start)
-        if self._paces_rounds:
-            self._hold_round(held)
 
     @property
     def _paces_rounds(self) -> bool:
