@@ -160,6 +160,10 @@ def test_rounds_mode_drop_policy_generates_then_drops(rounds_trainer):
     assert sum(h["async/dropped_stale"] for h in logs) == 2 * ROUND  # rounds 2 and 3, one process
     assert not [e for e in events if e[0] in ("held", "released")]
     assert "async/pace_wait_s" not in logs[0]
+    # the hf engine shares the trainer's cores: the rounds ahead of round 0 are submitted when the first step ends
+    # (`SchedulerSettings.first_round_alone`), so round 1 (prompts 4..7) is generated after round 0 was trained
+    trained_r0 = [i for i, e in enumerate(events) if e[0] == "train" and e[1][0][0] == 0]
+    assert len(trained_r0) == 2 and max(trained_r0) < events.index(("scored", PROMPTS)), events
 
 
 # ---- stream mode ------------------------------------------------------------------------------------------------

@@ -16,6 +16,15 @@ micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (load
 Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
 (optimizer steps), ≤ ceil(k × steps_per_round) when its round starts.
 
+The first step (`SchedulerSettings.first_round_alone`: an engine in the training process, rounds mode): the rounds
+ahead of a `train()`'s first round are submitted by `end_step` at the end of the first optimizer step instead, so they
+do not share the cores of that step's training; they still generate on v0 (the next publish waits for them):
+
+```txt
+micro-step 0: publish v0 ─▶ submit r0 ─▶ wait r0 ─▶ train a │ micro-step 1: train b ─▶ end_step: submit r1 (on v0)
+micro-step 2: fetch r1 (waits) ─▶ publish v1 ─▶ submit r2 ─▶ train a'     (from here as above)
+```
+
 The horizon: a round ahead is submitted only if the trainer will train it. `steps_left()` (the trainer's
 `max_steps - global_step`: optimizer steps still to run, the one in progress included) bounds the micro-steps of the
 epoch that will run; a round starting at or past that bound (or past the epoch's end: `loader.batch_at` is `None`)
