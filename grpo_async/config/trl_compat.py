@@ -70,8 +70,9 @@ UNSUPPORTED_TRL_INSTEAD = {
     "transformers_continuous_batching_config": "use generation_backend='vllm' (or use_vllm=True) for batched "
     "generation",
     "use_transformers_paged": "use generation_backend='vllm' (or use_vllm=True) for batched generation",
-    "use_liger_kernel": "TRL's GRPOTrainer uses it for Liger's fused GRPO loss, which this trainer does not have; "
-    "to patch the model's layers with fused kernels load it with model_init_kwargs={'use_kernels': True}",
+    "use_liger_kernel": "TRL 1.16 deprecates it (a FutureWarning naming the Hub kernels) and applies only Liger's "
+    "layer kernels with it, which are Triton GPU kernels; as TRL's warning says, load the model with "
+    "model_init_kwargs={'use_kernels': True} to patch its layers with fused kernels",
 }
 #: TRL 1.16 fields accepted only at TRL's default (`NotImplementedError` otherwise): the README's table
 UNSUPPORTED_TRL_FIELDS = tuple(UNSUPPORTED_TRL_INSTEAD)
