@@ -17,8 +17,8 @@ Trainer's `train_runtime` of the 3 steps. Ratios are TRL ÷ ours (> 1: ours fast
 `RESULT first_step_speedup_vs_trl_<n>proc=<x>` and `RESULT runtime_speedup_vs_trl_<n>proc=<x>` for each process
 count; writes `bench/out/first_step.json` (every run, its step times and the load average around it).
 
-Run: `python bench/first_step.py` (~8 min on 2 cores); `--smoke`: the tiny random model, 1 process, 2 steps, 1 repeat,
-forks of a warm interpreter (run by tests/test_benches.py); `--processes 1`, `--repeats 3`.
+Run: `python bench/first_step.py` (~8 min on 2 cores); `--smoke`: the tiny random model, 1 and 2 processes, 2 steps,
+1 repeat, forks of a warm interpreter (run by tests/test_benches.py); `--processes 1`, `--repeats 3`.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def load_average() -> list[float]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="the tiny random model, 1 process, 2 steps, 1 repeat")
+    ap.add_argument("--smoke", action="store_true", help="the tiny random model, 2 steps, 1 repeat")
     ap.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
     if a.smoke:
-        a.processes, a.repeats, a.steps, a.T, a.timeout = [1], 1, 2, 8, 300.0
+        a.processes, a.repeats, a.steps, a.T, a.timeout = [1, 2], 1, 2, 8, 300.0
     out_dir = os.path.join(HERE, "out", "smoke") if a.smoke else os.path.join(HERE, "out")
     os.makedirs(out_dir, exist_ok=True)
     runs, result = [], {}

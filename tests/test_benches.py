@@ -38,8 +38,8 @@ SMOKE = {
     "vs_trl_2proc.py": [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.slow],
     # the tiny MoE trained 2 steps 5 times: 3 in-process engines (float32, bfloat16 twice), 2 hf samplers
     "router_replay.py": [pytest.mark.vllm],
-    # TRL's own trl/scripts/grpo.py and its import-swapped copy on the tiny model, 1 process, 2 steps (warm forks)
-    "first_step.py": [pytest.mark.slow],
+    # TRL's own trl/scripts/grpo.py and its import-swapped copy on the tiny model, 1 and 2 processes (warm forks)
+    "first_step.py": [pytest.mark.slow, pytest.mark.multiprocess],
 }
 RESULT = re.compile(r"^RESULT (\w+)=(\S+)\s*$", re.M)
 

@@ -14,16 +14,8 @@ micro-step 1: train b
 micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (loader.batch_at(4)) ─▶ consumer(r1) → train a'
 ```
 Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
-(optimizer steps), ≤ ceil(k × steps_per_round) when its round starts.
-
-The first step (`SchedulerSettings.first_round_alone`: an engine in the training process, rounds mode): the rounds
-ahead of a `train()`'s first round are submitted by `end_step` at the end of the first optimizer step instead, so they
-do not share the cores of that step's training; they still generate on v0 (the next publish waits for them):
-
-```txt
-micro-step 0: publish v0 ─▶ submit r0 ─▶ wait r0 ─▶ train a │ micro-step 1: train b ─▶ end_step: submit r1 (on v0)
-micro-step 2: fetch r1 (waits) ─▶ publish v1 ─▶ submit r2 ─▶ train a'     (from here as above)
-```
+(optimizer steps), ≤ ceil(k × steps_per_round) when its round starts. With an engine in the training process, r1 is
+submitted by `end_step` at micro-step 1's end instead, still on v0 (`SchedulerSettings.first_round_alone`).
 
 The horizon: a round ahead is submitted only if the trainer will train it. `steps_left()` (the trainer's
 `max_steps - global_step`: optimizer steps still to run, the one in progress included) bounds the micro-steps of the
@@ -108,11 +100,8 @@ class SchedulerSettings:
     max_inflight_groups: int = 1  # stream mode: groups generating or being scored at once
     staleness_limit: int | None = None  # policy versions a trained row may lag (`GRPOConfig.staleness_limit`)
     staleness_policy: str = "drop"  # "pace": hold back starts that would exceed the limit; "drop": the consumer drops
-    #: the rounds ahead of a `train()`'s first round are submitted when the trainer ends that first optimizer step's
-    #: last micro-step, not with the round: an engine in the training process (`BackendSpec.in_process`: hf,
-    #: in-process vLLM) shares the trainer's cores, so a round generated beside the first training step only slows
-    #: that step. They are still generated on the weights the first round was (the publish of the next boundary waits
-    #: for them), so what is trained is unchanged. Rounds mode only (docs/performance.md, "The first step").
+    #: an engine in the training process: the rounds ahead of a `train()`'s first round are submitted at the end of
+    #: its first step (`end_step`), not beside it, still on v0 (docs/async_pipeline.md, "The first step")
     first_round_alone: bool = False
 
     @classmethod
@@ -188,8 +177,7 @@ class RoundScheduler:
         self._epoch_call = 0  # micro-steps in the current epoch
         self._buffered: list[MicroBatch] | None = None
         self._first_of_train = True  # the next round fetched is a `train()`'s first (`first_round_alone`)
-        self._deferred: tuple[int, int, float] | None = None  # (round, its first epoch micro-step, horizon) whose
-        # rounds ahead `end_step` submits (`first_round_alone`)
+        self._deferred: tuple[int, int, float] | None = None  # `first_round_alone`: `_rounds_ahead`'s arguments
         self._waited = 0.0  # seconds spent waiting for the generator since the last `take_wait`
         self._window = StepWindow(lambda: self.generator.busy_seconds() if self.generator is not None else 0.0)
         self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
@@ -405,8 +393,7 @@ class RoundScheduler:
 
     # ---- one round ------------------------------------------------------------------------------------------
     def _next_round(self, generation_batch: list[dict], version: int, policy: nn.Module) -> list[MicroBatch]:
-        first = self._first_of_train
-        self._first_of_train = False
+        first, self._first_of_train = self._first_of_train, False
         if self.generates and self.generator is None:
             self.producer.build_engine()  # here, on every rank that generates (see `RoundProducer.build_engine`)
             self.generator = self._start_generator()
@@ -477,15 +464,13 @@ class RoundScheduler:
         (`horizon`; every rank); without `ahead` the rounds after it wait for `end_step` (`first_round_alone`)."""
         todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
         first = self._epoch_call - self._epoch_call % self.generate_every  # this round's first epoch micro-step
-        if ahead:
-            self._send(todo + self._rounds_ahead(self.round, first, self.horizon()))
-        else:
-            self._send(todo)
-            self._deferred = (self.round, first, self.horizon())
+        ahead_args = (self.round, first, self.horizon())
+        self._send(todo + self._rounds_ahead(*ahead_args) if ahead else todo)
+        self._deferred = None if ahead else ahead_args
 
     def _rounds_ahead(self, base: int, first: int, horizon: float) -> list[tuple[int, list[dict]]]:
-        """Up to `rounds_ahead` rounds after round `base` (which starts at epoch micro-step `first`) that start
-        before `horizon` and are not submitted yet, with their rows; a round the pacer holds back ends the list."""
+        """`(id, rows)` of the rounds after `base` (which starts at epoch micro-step `first`) to submit: up to
+        `rounds_ahead`, before `horizon`, not submitted yet; a round the pacer holds back ends the list."""
         todo, held = [], None
         for j in range(1, self.s.rounds_ahead + 1):
             if base + j in self.submitted:
@@ -505,8 +490,7 @@ class RoundScheduler:
         return todo
 
     def _send(self, todo: list[tuple[int, list[dict]]]) -> None:
-        """Submit each `(round id, this rank's rows)` to the generator (every rank: the rows are gathered to the main
-        process, or each rank's engine takes its own)."""
+        """Submit each `(round id, this rank's rows)` (every rank: gathered to the main process, or its own engine)."""
         for round_id, rows in todo:
             if self.join is not None:  # this rank's rows, on its own engine: rows [i·L, (i+1)·L) of the round
                 request = RoundRequest(round_id, list(rows), first_row=self.dist.process_index * len(rows))
