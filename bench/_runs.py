@@ -468,6 +468,12 @@ def launch_pinned_server(model: str, extra_args: list[str], quick_start: bool, r
     return server, trainer_core
 
 
+def load_average() -> list[float]:
+    """The 1/5/15-minute load averages, rounded: recorded around every run (a ratio measured beside other jobs is no
+    result)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def median(xs):
     import statistics
 

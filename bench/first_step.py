@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # support.warm_launch for --smoke
 
-from _runs import run_python  # noqa: E402
+from _runs import load_average, run_python  # noqa: E402
 
 STEP = re.compile(r"FIRST_STEP rank=(\d+) step=(\d+) t=([0-9.]+)")
 RUNTIME = re.compile(r"'train_runtime': '?([0-9.]+)'?")
@@ -159,10 +159,6 @@ def run_once(which: str, scripts: dict, model: str, work: str, a, processes: int
         "load_after": load_average(),
         "started": started,
     }
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def main(argv=None) -> dict:

@@ -75,7 +75,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _runs import after_warmup, launch, median, run_records  # noqa: E402
+from _runs import after_warmup, launch, load_average, median, run_records  # noqa: E402
 
 # TRL with the best settings a TRL user can set on this machine: `trl.GRPOConfig` fields and environment variables
 # only, nothing patched beyond the layerwise-reload session every TRL run here needs to sync weights at all (see
@@ -257,10 +257,6 @@ MODELS = {
         "suffix": "_smollm2",
     },
 }
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def main(argv=None) -> dict:
