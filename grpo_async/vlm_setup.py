@@ -3,9 +3,9 @@
 
 | feature | with a VLM |
 |---|---|
-| `generation_backend` | `"hf"`, `"vllm_server"`; `"vllm"` for a family vLLM loads (not Qwen-VL / Gemma3) |
+| `generation_backend` | `"hf"`, `"vllm_server"`, `"openai"`; `"vllm"` for a family vLLM loads (not Qwen-VL / Gemma3) |
 | `async_mode="stream"` with `"vllm"` | refused (its engine loop submits token prompts, without images) |
-| `"stream"` or `weight_sync_inflight` with `"vllm_server"` | refused (a push resets the image-encoder cache) |
+| `weight_sync_inflight` with `"vllm_server"` | refused (a push resets the image-encoder cache; stream mode holds) |
 | `padding_free` | `True` refused (packed bins cannot carry each row's images); `None` (default) → padded |
 | `share_prompt_prefix` | off, one warning (`algo.prefix_sharing.unsupported_reason`) |
 | `ref_server_url` | refused (the reference server scores token ids, it takes no images) |
@@ -28,18 +28,18 @@ def check_vision_model(args, model) -> None:
         return
     name = type(model).__name__
     backend = args.generation_backend
-    if backend not in ("hf", "vllm", "vllm_server"):
+    if backend not in ("hf", "vllm", "vllm_server", "openai"):
         raise ValueError(
             f"GRPOConfig.generation_backend={backend!r}: {name} is a vision-language model, whose images only the "
-            "hf backend, the in-process vLLM engine ('vllm') and vLLM servers ('vllm_server') generate with here "
-            "(docs/vlm.md)"
+            "hf backend, the in-process vLLM engine ('vllm'), vLLM servers ('vllm_server') and OpenAI-compatible "
+            "chat servers ('openai') generate with here (docs/vlm.md)"
         )
-    if backend == "vllm_server" and (args.async_mode == "stream" or args.weight_sync_inflight):
-        what = "async_mode='stream'" if args.async_mode == "stream" else "weight_sync_inflight=True"
+    if backend == "vllm_server" and args.weight_sync_inflight:
         raise ValueError(
-            f"GRPOConfig.{what}: {name} is a vision-language model, which vLLM servers train in rounds mode with "
-            "whole-round weight pushes only (a push resets the server's image-encoder cache, which requests running "
-            "across it would still read); use async_mode='rounds' and weight_sync_inflight=False"
+            f"GRPOConfig.weight_sync_inflight=True: {name} is a vision-language model, whose weights a vLLM server "
+            "loads with no request running (a push resets the server's image-encoder cache, which a request running "
+            "across it would still read); leave weight_sync_inflight=False (stream mode then holds the stream for "
+            "each push: the running groups finish on the old weights first)"
         )
     if backend == "vllm":
         from .generation.vllm_images import vllm_vision_support

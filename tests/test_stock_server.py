@@ -9,43 +9,22 @@ server by itself: the config is the one a `grpo-async serve` user writes.
 from __future__ import annotations
 
 import copy
-import os
 import random
-import sys
 
 import pytest
-from support.warm_launch import start_server_command
 from transformers import TrainerCallback
-from vllm_utils import hf_logprobs
+from vllm_utils import ENGINE_FLAG, hf_logprobs, start_stock_server
 
 from grpo_async import GRPOTrainer
 from grpo_async.demo_task import make_dataset
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
 from grpo_async.generation.stock_server import StockVLLMServerBackend, detect_server_kind
-from grpo_async.net import ServerClient, free_port
+from grpo_async.net import ServerClient
 from grpo_async.testing import tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ENGINE_FLAG = ["--weight-transfer-config", '{"backend": "grpo_async"}']
-STOCK_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]
 #: prompt → completion pairs whose logprobs the server and the trainer must agree on after every push
 SEQUENCES = [([7, 8, 9, 10, 11], [12, 40, 41, 3]), ([20, 21, 22], [23, 24, 60, 61, 62]), ([30, 31], [5])]
-
-
-def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=()) -> ServerProcess:
-    """A plain `vllm serve` on a free loopback port (vLLM's api_server module, not grpo-async serve): its command line
-    and environment, the API process forked from the warm interpreter (`warm_launch.start_server_command`: what the
-    server answers is the subject here, not how a process starts)."""
-    port = free_port()
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs", *STOCK_ARGS]
-    args += list(extra_args)
-    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
-    env.pop("VLLM_SERVER_DEV_MODE", None)
-    if dev_mode:
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-    return wait_ready(start_server_command(args, env, port=port, api_key=None), timeout=300)
 
 
 def sampler_logprobs(url: str, prompt: list[int], completion: list[int]) -> list[float]:

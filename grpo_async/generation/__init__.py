@@ -132,6 +132,7 @@ def _make_openai(args, model, tokenizer, model_path: str):
         checkpoint_dir=os.path.join(args.output_dir, "sampler_weights") if checkpoint else None,
         timeout=args.vllm_server_timeout,
         max_concurrency=args.vllm_max_concurrency,
+        bad_words=placeholder_words(getattr(model, "config", None), tokenizer),  # empty for a text model
     )
 
 

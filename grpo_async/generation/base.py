@@ -117,6 +117,11 @@ class PromptImages:
     #: `text`'s token ids (the processor's tokenizer alone: one placeholder per image, not expanded), what a vLLM
     #: server's token-in, token-out route takes with the images (`generation.vllm_common.to_generate_body`)
     text_ids: list[int] | None = None
+    #: the chat messages `text` was rendered from, each image in its place (a `{"type": "image", "image": <PIL>}`
+    #: part), and the chat template's extra arguments: what an OpenAI-compatible chat route takes
+    #: (`generation.vllm_common.to_chat_body`)
+    messages: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -143,10 +148,10 @@ class GenerationBackend(Protocol):
     # weights the engine loaded, which never move; the policy publisher calls it instead of `load_weights` when
     # `GRPOConfig.vllm_lora_sync` resolves to "adapter" (`grpo_async.weight_sync.lora`).
 
-    # Optional (backends with `takes_images = True`: `HFBackend`, `VLLMColocateBackend`, `VLLMServerBackend`):
-    # `generate(prompt_ids, sampling, images=...)` takes `images[i]`, a `PromptImages` or None, for prompt i: a
-    # vision-language model generates with prompt i's images (its `prompt_ids[i]` already hold the expanded image
-    # tokens). The producer refuses images for other backends.
+    # Optional (backends with `takes_images = True`: `HFBackend`, `VLLMColocateBackend`, `VLLMServerBackend`,
+    # `OpenAIRemoteBackend`): `generate(prompt_ids, sampling, images=...)` takes `images[i]`, a `PromptImages` or
+    # None, for prompt i: a vision-language model generates with prompt i's images (its `prompt_ids[i]` already hold
+    # the expanded image tokens). The producer refuses images for other backends.
 
     # Optional (every built-in backend): `abort()` is called from another thread at shutdown while `generate` may be
     # running; that call (and every later one) then raises `GenerationAborted` as soon as the backend can stop (vLLM

@@ -1,4 +1,5 @@
-"""`OpenAIRemoteBackend(base_url, model)`: generation on any OpenAI-compatible `/v1/completions`; weights: none, or
+"""`OpenAIRemoteBackend(base_url, model)`: generation on any OpenAI-compatible `/v1/completions` (a vision-language
+model's prompts with images: `/v1/chat/completions`, images as `image_url` parts); weights: none, or
 `"checkpoint_dir"` (writes safetensors for the remote's operator).
 """
 
@@ -8,7 +9,7 @@ import os
 from typing import Literal
 
 from grpo_async.generation.base import Completion, SamplingConfig
-from grpo_async.generation.vllm_common import Groups
+from grpo_async.generation.vllm_common import CHAT_ROUTE, Groups
 from grpo_async.generation.vllm_server import CompletionsRouter
 from grpo_async.net import ServerClient
 from grpo_async.weight_sync.buckets import iter_buckets
@@ -30,12 +31,23 @@ class OpenAIRemoteBackend:
         checkpoint_dir (`str`, *optional*): required with `weight_sync="checkpoint_dir"`.
         timeout (`float`, *optional*, defaults to 120): seconds per request.
         max_concurrency (`int`, *optional*, defaults to 8): requests in flight.
+        bad_words (`list[str]`, *optional*): words no request may sample (vLLM's `bad_words`): a vision-language
+            model's image placeholders (`vision_processor.placeholder_words`); empty for a text model.
 
     Sampler logprobs are what the remote returns; only a vLLM started with `--logprobs-mode processed_logprobs`
     returns temperature-scaled ones.
+
+    A vision-language model's prompts with images go to `/v1/chat/completions` as their chat messages, each image an
+    `image_url` part (a PNG data URL): the server renders them with its chat template and expands the images with its
+    processor. It must return the token ids of the completions and of the expanded prompt (vLLM's `return_token_ids`),
+    which must equal the trainer's prompt ids (`check_engine_prompts`: a server whose template or processor renders
+    the prompt otherwise is refused, naming the prompt); `bad_words` (vLLM's extension) keeps the image placeholders
+    from being sampled.
     """
 
     takes_per_prompt_sampling = True  # `SamplingConfig.per_prompt` honoured
+    #: `generate(..., images=)`: prompts with images go to the chat route as chat messages with image parts
+    takes_images = True
 
     def __init__(
         self,
@@ -47,6 +59,7 @@ class OpenAIRemoteBackend:
         checkpoint_dir: str | None = None,
         timeout: float = 120.0,
         max_concurrency: int = 8,
+        bad_words: list[str] | tuple[str, ...] = (),
     ):
         if weight_sync not in ("none", "checkpoint_dir"):
             raise ValueError(
@@ -61,7 +74,12 @@ class OpenAIRemoteBackend:
         base = base_url.rstrip("/")
         base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.router = CompletionsRouter(
-            [ServerClient(base, api_key=api_key, timeout=timeout)], model, max_concurrency, "OpenAIRemoteBackend"
+            [ServerClient(base, api_key=api_key, timeout=timeout)],
+            model,
+            max_concurrency,
+            "OpenAIRemoteBackend",
+            bad_words,
+            image_route=CHAT_ROUTE,
         )
         self.weight_sync = weight_sync
         self.checkpoint_dir = checkpoint_dir
@@ -70,8 +88,9 @@ class OpenAIRemoteBackend:
     def start_streaming(self) -> None:
         """Stream mode: as `VLLMServerBackend.start_streaming` (concurrent calls are already safe)."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
-        return self.router.generate(prompt_ids, sampling)
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None) -> list[Completion]:
+        """`images[k]` (`PromptImages` or None): prompt k's images, for a vision-language model."""
+        return self.router.generate(prompt_ids, sampling, images)
 
     def load_weights(self, groups: Groups, version: int) -> None:
         """`checkpoint_dir`: write `version-<v>/` as safetensors shards (one per bucket, with the standard

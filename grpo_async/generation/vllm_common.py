@@ -135,60 +135,111 @@ def to_completions_body(model: str, prompt: list[int], s: SamplingConfig, bad_wo
 GENERATE_ROUTE = "/inference/v1/generate"
 
 
+def image_data_urls(media) -> list[str]:
+    """A prompt's images (`media`: its `PromptImages`) as PNG data URLs, in the prompt's order."""
+    import base64
+
+    from .vllm_images import png_bytes
+
+    return ["data:image/png;base64," + base64.b64encode(b).decode("ascii") for b in png_bytes(media.images)]
+
+
 def to_generate_body(model: str, media, s: SamplingConfig, bad_words: list[str] | None = None) -> dict:
     """`GENERATE_ROUTE` body for one prompt with images (`media`: its `PromptImages`): the rendered prompt's token ids
     with one placeholder per image (`media.text_ids`; the server expands them, as it would the text) and each image
     as a PNG data URL, in the prompt's order. `return_token_ids` asks for the prompt's ids after the expansion, which
     `parse_generate_response` returns so that they can be held to the trainer's."""
-    import base64
-    import io
-
     if not media.text_ids:
         raise ValueError("a prompt with images reaches a vLLM server as its rendered text's ids, which it lacks")
-    parts = []
-    for image in media.images:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-        parts.append({"type": "image_url", "url": url})
     sampling = {**_sampling_fields(s, bad_words), **(s.extra or {})}
     return {
         "model": model,
         "token_ids": list(media.text_ids),
-        "content_parts": parts,
+        "content_parts": [{"type": "image_url", "url": url} for url in image_data_urls(media)],
         "sampling_params": sampling,
         "return_token_ids": True,
     }
 
 
-def parse_generate_response(resp, n: int, where: str) -> tuple[list[Completion], list[int]]:
-    """The `n` choices of one `GENERATE_ROUTE` answer, in choice-index order, and the prompt's token ids as the
-    server expanded them. Raises `ServerError` (status None: the server is broken) on an answer of another shape."""
+#: the OpenAI chat route: a prompt with images goes to an OpenAI-compatible server as its chat messages
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def to_chat_body(model: str, media, s: SamplingConfig, bad_words: list[str] | None = None) -> dict:
+    """`CHAT_ROUTE` body for one prompt with images (`media`: its `PromptImages`): the chat messages it was rendered
+    from, each image an `image_url` part holding a PNG data URL (the OpenAI format), rendered by the server's chat
+    template with a generation prompt, as the trainer's processor rendered them. vLLM's extensions ask for the token
+    ids of the completions and of the prompt as the server expanded it (`parse_generate_response` reads both)."""
+    if not media.messages:
+        raise ValueError(
+            "a prompt with images reaches an OpenAI-compatible server as its chat messages, which it lacks"
+        )
+    urls = iter(image_data_urls(media))
+    messages = []
+    for m in media.messages:
+        parts = m.get("content")
+        if isinstance(parts, list):
+            parts = [
+                {"type": "image_url", "image_url": {"url": next(urls)}} if p.get("type") == "image" else p
+                for p in parts
+            ]
+        messages.append({**m, "content": parts})
+    if next(urls, None) is not None:
+        raise ValueError(f"a prompt's messages hold fewer image parts than its {len(media.images)} images")
+    fields = _sampling_fields(s, bad_words)
+    body = {
+        "model": model,
+        "messages": messages,
+        **{k: v for k, v in fields.items() if k != "logprobs"},
+        "logprobs": True,  # the chat route's logprobs are a flag, each sampled token's log-prob in `content`
+        "add_generation_prompt": True,
+        "return_token_ids": True,  # vLLM extension: the completion's and the expanded prompt's token ids
+        "return_tokens_as_token_ids": True,  # fallback: tokens come back as "token_id:<id>"
+    }
+    if media.template_kwargs:
+        body["chat_template_kwargs"] = dict(media.template_kwargs)
+    body.update(s.extra or {})
+    return body
+
+
+def parse_generate_response(
+    resp, n: int, where: str, route: str = GENERATE_ROUTE
+) -> tuple[list[Completion], list[int]]:
+    """The `n` choices of one `GENERATE_ROUTE` (or `CHAT_ROUTE`) answer, in choice-index order, and the prompt's token
+    ids as the server expanded them. Raises `ServerError` (status None: the server is broken) on an answer of another
+    shape."""
 
     def bad(what: str):
-        return ServerError(f"{where} returned a malformed {GENERATE_ROUTE} answer: {what}")
+        return ServerError(f"{where} returned a malformed {route} answer: {what}")
 
     if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list):
         raise bad(f"expected a JSON object with a 'choices' list, got {str(resp)[:200]!r}")
     prompt = resp.get("prompt_token_ids")
     if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-        raise bad("no prompt_token_ids (the request had return_token_ids=true)")
+        raise bad("no prompt_token_ids (the request had vLLM's return_token_ids=true)")
     choices = []
     for c in resp["choices"]:
         content = (c.get("logprobs") or {}).get("content") if isinstance(c, dict) else None
         if not isinstance(c, dict) or not isinstance(content, list) or not all(isinstance(x, dict) for x in content):
             raise bad(f"a choice without logprobs content: {str(c)[:200]!r}")
-        # the shape `parse_completions_response` reads: token ids and their log-probs side by side
+        # the shape `parse_completions_response` reads: token ids (else "token_id:<id>" tokens) beside their log-probs
         ids = c.get("token_ids")
+        if ids is None and all("token_id" in x for x in content):
+            ids = [x["token_id"] for x in content]
+        message = c.get("message")
         choices.append(
             {
                 "index": c.get("index", 0),
-                "token_ids": ids if ids is not None else [x.get("token_id") for x in content],
-                "logprobs": {"token_logprobs": [x.get("logprob") for x in content]},
+                "token_ids": ids,
+                "logprobs": {
+                    "tokens": [x.get("token") for x in content],
+                    "token_logprobs": [x.get("logprob") for x in content],
+                },
                 "finish_reason": c.get("finish_reason"),
+                "text": message.get("content") if isinstance(message, dict) else c.get("text"),
             }
         )
-    return parse_completions_response({"choices": choices}, n, where, GENERATE_ROUTE), list(prompt)
+    return parse_completions_response({"choices": choices}, n, where, route), list(prompt)
 
 
 def parse_completions_response(resp, n: int, where: str, route: str = "/v1/completions") -> list[Completion]:

@@ -50,6 +50,18 @@ def check_engine_prompts(prompt_token_ids: list[list[int]], prompt_ids: list[lis
             )
 
 
+def png_bytes(images: list) -> list[bytes]:
+    """Each PIL image as PNG bytes (what a server request carries, and the completions table's `images` column)."""
+    import io
+
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
 def vllm_vision_support(config) -> str | None:
     """Why vLLM cannot load this vision-language model here (its model module fails to import, e.g. for want of
     torchvision), or None when it can."""

@@ -23,11 +23,13 @@ import torch
 
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.vllm_common import (
+    CHAT_ROUTE,
     GENERATE_ROUTE,
     Groups,
     check_prompts,
     parse_completions_response,
     parse_generate_response,
+    to_chat_body,
     to_completions_body,
     to_generate_body,
     validate_sampling,
@@ -42,6 +44,9 @@ from grpo_async.weight_sync.transports import make_transport
 
 logger = logging.getLogger(__name__)
 
+#: the routes a prompt with images can go to, and the body each takes (`CompletionsRouter(image_route=...)`)
+IMAGE_BODIES = {GENERATE_ROUTE: to_generate_body, CHAT_ROUTE: to_chat_body}
+
 
 class CompletionsRouter:
     """Least-outstanding routing of `/v1/completions` requests over live servers, with failover."""
@@ -53,7 +58,10 @@ class CompletionsRouter:
         max_concurrency: int,
         name: str,
         bad_words: list[str] | tuple[str, ...] = (),
+        image_route: str = GENERATE_ROUTE,
     ):
+        if image_route not in IMAGE_BODIES:
+            raise ValueError(f"{name}: image_route must be one of {sorted(IMAGE_BODIES)}, not {image_route!r}")
         self.clients = list(clients)
         self.live = list(clients)
         self.outstanding = {c.url: 0 for c in clients}
@@ -67,6 +75,8 @@ class CompletionsRouter:
         self.aborted = threading.Event()  # set by the backend's abort(): generate stops waiting for its requests
         #: tokens no request may sample (`SamplingParams.bad_words`): a vision-language model's image placeholders
         self.bad_words: list[str] = list(bad_words)
+        #: where a prompt with images goes: vLLM's token-in, token-out route, or the OpenAI chat route
+        self.image_route = image_route
 
     @property
     def live_urls(self) -> list[str]:
@@ -135,8 +145,8 @@ class CompletionsRouter:
 
     def _one(self, prompt: list[int], sampling: SamplingConfig, media=None) -> list[Completion]:
         """One prompt's `n` completions: `/v1/completions` with its token ids, or, for a prompt with images (`media`,
-        its `PromptImages`), vLLM's token-in, token-out route with the images, whose expanded prompt must be the
-        trainer's (`check_engine_prompts`)."""
+        its `PromptImages`), `image_route` with the images, whose expanded prompt must be the trainer's
+        (`check_engine_prompts`)."""
         body = None
         while True:
             client = self.pick()
@@ -145,19 +155,19 @@ class CompletionsRouter:
                     body = body or to_completions_body(self.model, prompt, sampling, self.bad_words)
                     resp = client.post("/v1/completions", body)
                     return parse_completions_response(resp, sampling.n, client.url)
-                body = body or to_generate_body(self.model, media, sampling, self.bad_words)
+                body = body or IMAGE_BODIES[self.image_route](self.model, media, sampling, self.bad_words)
                 try:
-                    resp = client.post(GENERATE_ROUTE, body)
+                    resp = client.post(self.image_route, body)
                 except ServerError as e:
-                    if e.status in (403, 404):  # vLLM < 0.32, or a `vllm serve` without --enable-scale-out
-                        raise ServerError(
+                    if e.status in (403, 404) and self.image_route == GENERATE_ROUTE:
+                        raise ServerError(  # vLLM < 0.32, or a `vllm serve` without --enable-scale-out
                             f"{client.url} does not take images: its {GENERATE_ROUTE} route answered HTTP {e.status} "
                             f"({e}); `grpo-async serve` enables it, a stock `vllm serve` (>= 0.32) needs "
                             "--enable-scale-out",
                             status=e.status,
                         ) from e
                     raise
-                completions, expanded = parse_generate_response(resp, sampling.n, client.url)
+                completions, expanded = parse_generate_response(resp, sampling.n, client.url, self.image_route)
                 check_engine_prompts([expanded], [prompt], [media])
                 return completions
             except ServerError as e:

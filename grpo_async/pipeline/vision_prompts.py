@@ -102,7 +102,14 @@ def tokenize_with_images(
     ids = out["input_ids"][0].tolist()
     inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
     text_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids, PromptImages(images=images, inputs=inputs, text=text, text_ids=list(text_ids))
+    return ids, PromptImages(
+        images=images,
+        inputs=inputs,
+        text=text,
+        text_ids=list(text_ids),
+        messages=messages,
+        template_kwargs=dict(template_kwargs or {}),
+    )
 
 
 def call_images(backend, media: list | None, row: int, n: int, count: int, G: int) -> dict:
@@ -135,9 +142,6 @@ def with_vision(batch, per_row: list | None):
 
 def png_images(media: PromptImages | None) -> list[bytes]:
     """A prompt's images as PNG bytes (the completions table's `images` column, `GRPOConfig.log_multimodal`)."""
-    out = []
-    for image in media.images if media is not None else []:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        out.append(buffer.getvalue())
-    return out
+    from ..generation.vllm_images import png_bytes
+
+    return png_bytes(media.images) if media is not None else []
