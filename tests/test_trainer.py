@@ -100,23 +100,30 @@ def test_round_reuse_old_logps_and_reference(tiny_model_path, tmp_path):
 
 def test_importance_sampling_correction(tiny_model_path, tmp_path):
     # round 0 is sampled and trained with the initial weights: π_old = π_sampler, ratio 1. Round 1 was sampled with
-    # the initial weights too but is trained after one optimizer step (num_batches_ahead = 1): ratio ≠ 1.
+    # the initial weights too but is trained after one optimizer step (num_batches_ahead = 1): ratio ≠ 1. One optimizer
+    # step per round: π_old is the training forward's own (`InForwardImportanceSampling`), no separate pass.
     args = _args(tmp_path, num_batches_ahead=1, importance_sampling_mode="token_truncate", max_steps=2)
     t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
-    by_round = {int(b["round_id"][0]): b for b in seen.records}
-    r0, r1 = by_round[0], by_round[1]
-    m0, m1 = r0["loss_mask"].bool(), r1["loss_mask"].bool()
-    assert r0["is_weights"].shape == r0["loss_mask"].shape  # token level
-    torch.testing.assert_close(r0["is_weights"][m0], torch.ones(int(m0.sum())), atol=1e-4, rtol=0)
-    assert (r1["is_weights"][m1] - 1).abs().max() > 1e-3
-    assert r1["is_weights"].max() <= 3.0  # clipped at importance_sampling_clip_max
+    assert t.objective.importance_sampling is not None
+    assert not any("old_logps" in r or "is_weights" in r for r in seen.records)  # the objective weighs the rows
     logs = [h for h in t.state.log_history if "reward" in h]
     assert logs[0]["sampling/logp_diff/max"] < 1e-4 < logs[1]["sampling/logp_diff/max"]
+    assert logs[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-4)
+    assert logs[1]["sampling/importance_sampling_ratio/max"] <= 3.0  # clipped at importance_sampling_clip_max
     for key in ("mean", "min", "max"):
         assert f"sampling/importance_sampling_ratio/{key}" in logs[1]
+    # several optimizer steps per round: π_old moves, so the consumer scores it before training; token level
+    args = _args(tmp_path, importance_sampling_mode="token_truncate", max_steps=2, steps_per_generation=4)
+    t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    t.train()
+    assert t.objective.importance_sampling is None
+    r0 = seen.records[0]
+    m0 = r0["loss_mask"].bool()
+    assert r0["is_weights"].shape == r0["loss_mask"].shape
+    torch.testing.assert_close(r0["is_weights"][m0], torch.ones(int(m0.sum())), atol=1e-4, rtol=0)
     # sequence level: one weight per completion; off: no weights at all
-    args = _args(tmp_path, importance_sampling_mode="sequence_mask", max_steps=1)
+    args = _args(tmp_path, importance_sampling_mode="sequence_mask", max_steps=1, steps_per_generation=4)
     t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     assert seen.records[0]["is_weights"].shape == (8, 1)
@@ -124,6 +131,38 @@ def test_importance_sampling_correction(tiny_model_path, tmp_path):
     t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
     t.train()
     assert "is_weights" not in seen.records[0] and "old_logps" not in seen.records[0]
+    assert t.objective.importance_sampling is None
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_importance_weights_from_the_training_forward_train_as_a_separate_pass(tiny_model_path, tmp_path, mode):
+    """π_old taken from the training forward (the default with one optimizer step per round) trains the same weights
+    as the consumer's separate no-grad pass over the round (`InForwardImportanceSampling.from_config` returning None
+    makes the product take that path) and logs the same `sampling/*` metrics; without importance sampling the weights
+    differ far more (round 1, sampled one step behind, has ratios ≠ 1: the weights reach the loss)."""
+    from grpo_async.algo.objective import InForwardImportanceSampling
+
+    def run(name, **kw):
+        args = _args(tmp_path / name, num_batches_ahead=1, importance_sampling_mode=mode, max_steps=3, **kw)
+        t = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+        t.train()
+        logs = [h for h in t.state.log_history if "reward" in h]
+        params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        return t.objective.importance_sampling, params, logs
+
+    fused, a, logs_a = run("fused")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(InForwardImportanceSampling, "from_config", classmethod(lambda cls, a, never_sampled=(): None))
+        separate, b, logs_b = run("separate")
+    _, c, _ = run("off", importance_sampling_correction=False)
+    assert fused is not None and separate is None
+    gap = max((a[n] - b[n]).abs().max().item() for n in a)
+    off = max((a[n] - c[n]).abs().max().item() for n in a)
+    assert gap < 1e-4 and off > 10 * max(gap, 1e-7), (gap, off)  # float noise of two forward passes
+    for la, lb in zip(logs_a, logs_b, strict=True):  # extremes equal; means: of micro-batches vs of the round
+        for key in [k for k in lb if k.startswith("sampling/") and "support" not in k]:
+            extreme = key.endswith(("/max", "/min"))
+            assert la[key] == (pytest.approx(lb[key], abs=1e-4) if extreme else pytest.approx(lb[key], rel=0.05)), key
 
 
 def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_path, caplog):
@@ -341,6 +380,7 @@ def test_every_stage_runs_only_full_chunks_of_its_own_size(tiny_model_path, tmp_
         old_logps_micro_batch_size=6,
         beta=0.1,
         max_steps=2,
+        top_k=5,  # a cut vocabulary: π_old's mass on it needs the consumer's pass (not the training forward's)
     )
     sizes = {"ref": [], "old": []}
     t, seen = _recorded(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))

@@ -142,7 +142,7 @@ WIRED = {
     "num_generations_eval": ("producer.num_generations_eval", 2),  # TRL's None: num_generations (4)
     "mask_truncated_completions": ("producer.mask_truncated_completions", True),
     # importance sampling against the sampler (ConsumerSettings.from_config), TRL's names of our knobs
-    "vllm_importance_sampling_correction": ("consumer.importance_sampling_correction", False),
+    "vllm_importance_sampling_correction": ("importance_sampling.on", False),
     "vllm_importance_sampling_mode": ("consumer.importance_sampling_mode", "token_truncate"),
     "vllm_importance_sampling_clip_max": ("consumer.importance_sampling_clip_max", 2.0),
     "vllm_importance_sampling_clip_min": ("consumer.importance_sampling_clip_min", 0.5),
@@ -331,7 +331,7 @@ def wiring(c) -> dict:
     """What the trainer's components receive from config `c`, built with the trainer's own construction helpers."""
     import torch
 
-    from grpo_async.algo.objective import PolicyObjective, SingleProcess
+    from grpo_async.algo.objective import InForwardImportanceSampling, PolicyObjective, SingleProcess
     from grpo_async.algo.ref_sync import RefModelSyncCallback
     from grpo_async.pipeline.consumer import ConsumerSettings
     from grpo_async.pipeline.producer import ProducerSettings
@@ -352,6 +352,11 @@ def wiring(c) -> dict:
                 **{k: getattr(entropy, k) for k in ("coef", "adaptive", "coef_min", "coef_max", "delta", "target")},
             },
             "aux_loss": {"coef": objective.aux_loss_coef, "router": objective.router},
+            # π_old / π_sampler weighs the rows: the consumer's (after its π_old pass) or the training objective's
+            "importance_sampling": {
+                "on": ConsumerSettings.from_config(c).importance_sampling_correction
+                or InForwardImportanceSampling.from_config(c) is not None
+            },
             "backend": {"name": c.generation_backend, "urls": c.server_urls},
             "ref_sync": {"on": c.sync_ref_model, "alpha": ref_sync.alpha, "sync_steps": ref_sync.sync_steps},
             "tools": {"max_turns": make_environment(None, [_add], args=c).max_turns},

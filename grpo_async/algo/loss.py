@@ -448,3 +448,37 @@ def importance_sampling_outside(
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return (ratio < low) | (ratio > high)
+
+
+def importance_sampling_stats(
+    weights: torch.Tensor,
+    diff: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's sums behind the importance-sampling metrics (`pipeline.metrics.importance_sampling_metrics`
+    names them), from `importance_sampling_weights`' `(weights [B, T] or [B, 1], diff [B, T])` over `mask [B, T]`:
+    `stats [6]` = Σ|d|, the token count, max |d|, Σ k3 (`exp(d) − 1 − d`, the k3 estimate of KL(sampler ‖ π_old)),
+    the tokens (or completions in sequence modes) whose ratio fell outside the clip range, the tokens (completions)
+    that count; `ratios [4]` = min, Σ, count, max of the weights that count (±inf, 0 when none does)."""
+    outside = importance_sampling_outside(diff, mode, clip_min, clip_max)  # [B, T] or [B, 1]
+    on = mask.bool() if weights.size(1) > 1 else mask.bool().any(1, keepdim=True)  # tokens / completions that count
+    d, w = diff[mask.bool()].float(), weights[on].float()
+    k3 = torch.expm1(d) - d  # [n] ≥ 0
+    stats = torch.tensor(
+        [
+            float(d.abs().sum()),
+            float(d.numel()),
+            float(d.abs().max()) if d.numel() else 0.0,
+            float(k3.sum()),
+            float(outside[on].sum()),
+            float(on.sum()),
+        ]
+    )
+    empty = w.numel() == 0  # every token of this process's rows is masked
+    extremes = (
+        [math.inf, 0.0, 0.0, -math.inf] if empty else [float(w.min()), float(w.sum()), w.numel(), float(w.max())]
+    )
+    return stats, torch.tensor(extremes, dtype=torch.float32)

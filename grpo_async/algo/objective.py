@@ -6,6 +6,7 @@ state, the adaptive entropy coefficient, has `state_dict` / `load_state_dict` fo
 ```txt
 TokenScores(logps [B, T], entropies [B, T], aux_loss [])  +  micro-batch (advantages, masks, old/ref/rollout logps)
    ─▶ entropy mask [B, T] (top_entropy_quantile < 1: entropy ≥ the (1 − ρ)-quantile of all processes' tokens)
+   ─▶ IS weights π_old / π_sampler [B, T] or [B, 1], π_old = logps.detach()   (`InForwardImportanceSampling`)
    ─▶ grpo_loss(...)                                        policy loss, scaled for gradient accumulation
    ─▶ − coef · mean entropy over the (entropy-masked) tokens / GA        (entropy_coef ≠ 0 or use_adaptive_entropy)
    ─▶ + router_aux_loss_coef · aux_loss / GA                             (MoE models, as TRL)
@@ -20,7 +21,16 @@ from typing import Protocol
 
 import torch
 
-from .loss import LossContext, LossOutput, LossSettings, grpo_loss, mean_entropy
+from .loss import (
+    LossContext,
+    LossOutput,
+    LossSettings,
+    grpo_loss,
+    importance_sampling_stats,
+    importance_sampling_weights,
+    mean_entropy,
+)
+from .sampling_support import TruncationFilter
 
 
 class Collectives(Protocol):
@@ -164,6 +174,47 @@ def router_aux_settings(model_config, coef: float | None) -> tuple[float, tuple[
     return float(value), (int(experts), int(top_k))
 
 
+@dataclass(frozen=True)
+class InForwardImportanceSampling:
+    """Importance sampling (`GRPOConfig.importance_sampling_correction`) with π_old taken from the training forward
+    itself (its log-probs, detached) instead of a no-grad pass over the round before it is trained (the consumer's).
+
+    Exact where π_old is the policy that trains the row: the policy does not move before the round's last micro-batch
+    is trained (`num_iterations == 1`, one optimizer step per round), so every micro-batch of the round sees the same
+    weights a separate pass would have. Not used where π_old is needed for more than the ratio: its mass on a
+    vocabulary the sampler cut (`importance_sampling_support_replay` with top-k / top-p / min-p or banned tokens:
+    the consumer measures it in its pass) or router replay's routing statistics. TRL 1.16 scores π_old in a pass of
+    its own whenever its vLLM importance sampling is on (`_generate_and_score_completions`); this skips it: the same
+    weights, the same rows, one forward fewer per row.
+    """
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+    @classmethod
+    def from_config(cls, a, never_sampled: tuple[int, ...] = ()) -> InForwardImportanceSampling | None:
+        """From a `GRPOConfig`, or None where the consumer's π_old pass is needed (or importance sampling is off);
+        `never_sampled`: the tokens no backend samples (a vision-language model's image placeholders)."""
+        if not a.importance_sampling_correction:
+            return None
+        if a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps:
+            return None  # the policy moves before the round's last micro-batch is trained
+        if getattr(a, "router_replay", "off") != "off":
+            return None
+        if a.importance_sampling_support_replay and TruncationFilter.from_config(a, never_sampled).cuts:
+            return None
+        return cls(a.importance_sampling_mode, a.importance_sampling_clip_min, a.importance_sampling_clip_max)
+
+    def weights(self, logps: torch.Tensor, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`(weights [B, T] or [B, 1], (stats [6], ratios [4]))` of `batch` (`rollout_logps`, `loss_mask [B, T]`)
+        given the training forward's `logps [B, T]` (`algo.loss.importance_sampling_stats`)."""
+        old = logps.detach()
+        clip = (self.clip_min, self.clip_max)
+        weights, diff = importance_sampling_weights(old, batch.rollout_logps, batch.loss_mask, self.mode, *clip)
+        return weights, importance_sampling_stats(weights, diff, batch.loss_mask, self.mode, *clip)
+
+
 @dataclass
 class ObjectiveOutput:
     loss: torch.Tensor  # [] what is backpropagated, scaled for gradient accumulation
@@ -173,6 +224,9 @@ class ObjectiveOutput:
     entropy_bonus: bool  # the bonus is on (TRL then logs policy_loss)
     entropy_coef: float | None  # the coefficient after this micro-batch, at the end of a window (bonus on)
     aux_loss: torch.Tensor | None  # [] MoE load-balancing loss (unscaled)
+    #: this process's importance-sampling sums `(stats [6], ratios [4])` (`algo.loss.importance_sampling_stats`),
+    #: when this objective weighed the micro-batch itself (`InForwardImportanceSampling`)
+    importance_stats: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PolicyObjective:
@@ -187,6 +241,8 @@ class PolicyObjective:
         router_replay (`str`, *optional*, defaults to `"off"`): `GRPOConfig.router_replay`; `"rollout"`: the forward
             pass routes the completion tokens of a micro-batch that carries `routed_experts` (the sampler's) to them
             (`algo.router_replay`); `"record"` and `"off"`: the routers route.
+        importance_sampling (`InForwardImportanceSampling`, *optional*): weigh each micro-batch that carries no
+            `is_weights` of its own by π_old / π_sampler with π_old = this forward's log-probs (training only).
     """
 
     def __init__(
@@ -199,16 +255,22 @@ class PolicyObjective:
         router: tuple[int, int] | None = None,
         ops: Collectives | None = None,
         router_replay: str = "off",
+        importance_sampling: InForwardImportanceSampling | None = None,
     ):
         self.settings, self.top_entropy_quantile = settings, top_entropy_quantile
         self.router_replay = router_replay
+        self.importance_sampling = importance_sampling
         self.entropy = entropy or EntropyController()
         self.aux_loss_coef, self.router = aux_loss_coef, router
         self.ops = ops or SingleProcess()
 
     @classmethod
-    def from_config(cls, args, model_config, ops: Collectives) -> PolicyObjective:
-        """From a `GRPOConfig` (TRL's field names) and the policy's model config (for the MoE auxiliary loss)."""
+    def from_config(
+        cls, args, model_config, ops: Collectives, importance_sampling: InForwardImportanceSampling | None = None
+    ) -> PolicyObjective:
+        """From a `GRPOConfig` (TRL's field names) and the policy's model config (for the MoE auxiliary loss);
+        `importance_sampling`: the training objective's (`InForwardImportanceSampling.from_config`), None to
+        evaluate."""
         coef, router = router_aux_settings(model_config, args.router_aux_loss_coef)
         entropy = EntropyController(
             args.entropy_coef,
@@ -226,6 +288,7 @@ class PolicyObjective:
             router=router,
             ops=ops,
             router_replay=getattr(args, "router_replay", "off"),
+            importance_sampling=importance_sampling,
         )
 
     @property
@@ -281,6 +344,9 @@ class PolicyObjective:
             if entropies is None:
                 raise ValueError("top_entropy_quantile < 1 needs the entropies (score_tokens(..., entropy=True))")
             emask = high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile, self.ops)  # [B, T]
+        is_weights, is_stats = batch.is_weights, None
+        if self.importance_sampling is not None and is_weights is None and batch.old_logps is None:
+            is_weights, is_stats = self.importance_sampling.weights(scores.logps, batch)
         terms = grpo_loss(
             scores.logps,
             batch.advantages,
@@ -288,7 +354,7 @@ class PolicyObjective:
             settings=self.settings,
             old_per_token_logps=batch.old_logps,
             ref_per_token_logps=batch.ref_logps,
-            importance_weights=batch.is_weights,
+            importance_weights=is_weights,
             rollout_per_token_logps=getattr(batch, "rollout_logps", None),
             token_mask=emask,
             ctx=ctx,
@@ -314,6 +380,7 @@ class PolicyObjective:
             entropy_bonus=self.entropy.enabled,
             entropy_coef=coef_logged,
             aux_loss=scores.aux_loss,
+            importance_stats=is_stats,
         )
 
     def state_dict(self) -> dict:

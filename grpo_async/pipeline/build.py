@@ -197,7 +197,6 @@ def build_pipeline(
     }
     ref_client = reference_client(config)
     ref_logps = reference_scorer(ref_client, ref_model, link, scoring) if config.beta else None
-    old_logps = needs_old_logps(config)
     per_rank = generates_on_every_rank(config, collectives.num_processes, link.rollout_func)
     has_engine = per_rank or collectives.is_main
     alone = not per_rank and collectives.num_processes > 1
@@ -220,6 +219,7 @@ def build_pipeline(
         rollout_func=link.rollout if link.rollout_func is not None else None,
     )
     never_sampled = tuple(vision_placeholder_ids(getattr(link.unwrapped_policy(), "config", None)))
+    old_logps = needs_old_logps(config, never_sampled)
     consumer = RoundConsumer(
         ConsumerSettings.from_config(config, never_sampled),  # a VLM's image placeholders: every backend's bad words
         collectives=collectives,

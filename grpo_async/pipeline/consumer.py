@@ -25,19 +25,20 @@ round that starts at step s, has staleness s − v; rows above `staleness_limit`
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..algo.loss import MICRO_BATCH_NORMALISED_LOSS_TYPES, importance_sampling_outside, importance_sampling_weights
+from ..algo.loss import MICRO_BATCH_NORMALISED_LOSS_TYPES, importance_sampling_stats, importance_sampling_weights
+from ..algo.objective import InForwardImportanceSampling
 from ..algo.prefix_sharing import group_permutation
 from ..algo.sampling_support import TruncationFilter
 from ..algo.throughput import generated_tokens_per_second
 from ..algo.token_budget import budget_slices
 from ..generation.base import derive_seed
+from .metrics import importance_sampling_metrics
 from .rows import process_slice, reuse_order
 from .staleness import too_stale
 from .types import MicroBatch, Round
@@ -83,7 +84,9 @@ class ConsumerSettings:
             old_logps_micro_batch_size=a.old_logps_micro_batch_size,
             ref_logps_micro_batch_size=a.ref_logps_micro_batch_size,
             staleness_limit=a.staleness_limit,
-            importance_sampling_correction=a.importance_sampling_correction,
+            # π_old from the training forward: the objective weighs the rows (`InForwardImportanceSampling`)
+            importance_sampling_correction=a.importance_sampling_correction
+            and InForwardImportanceSampling.from_config(a, never_sampled) is None,
             importance_sampling_mode=a.importance_sampling_mode,
             importance_sampling_clip_min=a.importance_sampling_clip_min,
             importance_sampling_clip_max=a.importance_sampling_clip_max,
@@ -287,43 +290,18 @@ class RoundConsumer:
         return [slice(i, i + size) for i in range(0, L, size)]
 
     def _add_importance_weights(self, local: MicroBatch) -> MicroBatch:
-        """`is_weights` = π_old / π_sampler per token or per completion, and metrics over every process's tokens:
-        TRL's `sampling/importance_sampling_ratio/{min,mean,max}` and `sampling/logp_diff/{mean,max}`, with
-        `sampling/kl` (k3 estimate of KL(sampler ‖ π_old) over the sampled tokens: `exp(d) − 1 − d`, d = log π_old −
-        log π_sampler) and `sampling/masked_fraction` (the tokens, or completions in sequence modes, whose ratio
-        fell outside [clip_min, clip_max]: zeroed by `*_mask` modes, clipped by `*_truncate` ones)."""
+        """`is_weights` = π_old / π_sampler per token or per completion, and their metrics over every process's
+        tokens (`pipeline.metrics.importance_sampling_metrics`)."""
         s = self.s
         mask = local.loss_mask  # [L, T]
         old = local.old_logps if local.old_logps is not None else local.rollout_logps
-        weights, diff = importance_sampling_weights(
-            old,
-            local.rollout_logps,
-            mask,
-            s.importance_sampling_mode,
-            s.importance_sampling_clip_min,
-            s.importance_sampling_clip_max,
-        )
-        outside = importance_sampling_outside(
-            diff, s.importance_sampling_mode, s.importance_sampling_clip_min, s.importance_sampling_clip_max
-        )  # [L, T] or [L, 1]
-        on = mask.bool() if weights.size(1) > 1 else mask.any(1, keepdim=True)  # tokens / completions that count
-        tokens = mask.bool()
-        d, w = diff[tokens].float(), weights[on].float()
-        empty = w.numel() == 0  # every token of this process's rows is masked
-        k3 = torch.expm1(d) - d  # [n] ≥ 0
-        stats = torch.tensor([d.abs().sum(), d.numel(), d.abs().max() if d.numel() else 0.0, k3.sum()])
-        stats = torch.cat([stats, torch.tensor([float(outside[on].sum()), float(on.sum())])])
-        ratios = torch.tensor([math.inf, 0.0, 0.0, -math.inf] if empty else [w.min(), w.sum(), w.numel(), w.max()])
+        clip = (s.importance_sampling_clip_min, s.importance_sampling_clip_max)
+        weights, diff = importance_sampling_weights(old, local.rollout_logps, mask, s.importance_sampling_mode, *clip)
+        stats, ratios = importance_sampling_stats(weights, diff, mask, s.importance_sampling_mode, *clip)
         stats = self.collectives.gather_tensor(stats).view(-1, 6)  # [N, 6]
         ratios = self.collectives.gather_tensor(ratios).view(-1, 4)  # [N, 4]
-        n_tokens = stats[:, 1].sum().clamp(min=1)
-        self.log("sampling/logp_diff/mean", (stats[:, 0].sum() / n_tokens).item())
-        self.log("sampling/logp_diff/max", stats[:, 2].max().item())
-        self.log("sampling/kl", (stats[:, 3].sum() / n_tokens).item())
-        self.log("sampling/masked_fraction", (stats[:, 4].sum() / stats[:, 5].sum().clamp(min=1)).item())
-        self.log("sampling/importance_sampling_ratio/min", ratios[:, 0].min().item())
-        self.log("sampling/importance_sampling_ratio/mean", (ratios[:, 1].sum() / ratios[:, 2].sum()).item())
-        self.log("sampling/importance_sampling_ratio/max", ratios[:, 3].max().item())
+        for name, value in importance_sampling_metrics(stats, ratios).items():
+            self.log(name, value)
         return _replace(local, is_weights=weights)
 
 

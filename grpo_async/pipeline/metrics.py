@@ -51,6 +51,24 @@ def window_summary(window: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def importance_sampling_metrics(stats, ratios) -> dict[str, float]:
+    """TRL's `sampling/importance_sampling_ratio/{min,mean,max}` and `sampling/logp_diff/{mean,max}`, with
+    `sampling/kl` (k3 estimate of KL(sampler ‖ π_old) over the sampled tokens) and `sampling/masked_fraction` (the
+    tokens, or completions in sequence modes, whose ratio fell outside the clip range: zeroed by `*_mask` modes,
+    clipped by `*_truncate` ones), from every process's `algo.loss.importance_sampling_stats`: `stats [N, 6]`,
+    `ratios [N, 4]`."""
+    n_tokens = stats[:, 1].sum().clamp(min=1)
+    return {
+        "sampling/logp_diff/mean": (stats[:, 0].sum() / n_tokens).item(),
+        "sampling/logp_diff/max": stats[:, 2].max().item(),
+        "sampling/kl": (stats[:, 3].sum() / n_tokens).item(),
+        "sampling/masked_fraction": (stats[:, 4].sum() / stats[:, 5].sum().clamp(min=1)).item(),
+        "sampling/importance_sampling_ratio/min": ratios[:, 0].min().item(),
+        "sampling/importance_sampling_ratio/mean": (ratios[:, 1].sum() / ratios[:, 2].sum()).item(),
+        "sampling/importance_sampling_ratio/max": ratios[:, 3].max().item(),
+    }
+
+
 def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
     """What one micro-batch's loss reports over every process, with TRL 1.16's names: `kl`, `entropy` (means over
     trained tokens), `clip_ratio/{low,high,region}_mean`, `clip_ratio/low_min`, `clip_ratio/high_max` (clipped loss
@@ -110,6 +128,9 @@ def loss_metrics(out, batch, version: int, collectives) -> dict[str, float]:
         m["entropy_coef"] = out.entropy_coef
     if out.aux_loss is not None:
         m["aux_loss"] = collectives.gather_tensor(out.aux_loss.detach().reshape(1)).mean().item()
+    if out.importance_stats is not None:  # the objective weighed the micro-batch (`InForwardImportanceSampling`)
+        stats, ratios = (collectives.gather_tensor(t.to(mask.device)).cpu() for t in out.importance_stats)
+        m.update(importance_sampling_metrics(stats.view(-1, 6), ratios.view(-1, 4)))
     stale = collectives.gather_tensor(staleness(version, batch.policy_version.to(mask.device)).float())  # [B·N]
     m["async/staleness"] = stale.mean().item()
     m["async/staleness_max"] = stale.max().item()
