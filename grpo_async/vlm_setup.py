@@ -4,8 +4,7 @@
 | feature | with a VLM |
 |---|---|
 | `generation_backend` | `"hf"`, `"vllm_server"`, `"openai"`; `"vllm"` for a family vLLM loads (not Qwen-VL / Gemma3) |
-| `async_mode="stream"` with `"vllm"` | refused (its engine loop submits token prompts, without images) |
-| `weight_sync_inflight` with `"vllm_server"` | refused (a push resets the image-encoder cache; stream mode holds) |
+| `weight_sync_inflight` with `"vllm"` or `"vllm_server"` | refused (a load resets the image-encoder cache) |
 | `padding_free` | `True` refused (packed bins cannot carry each row's images); `None` (default) → padded |
 | `share_prompt_prefix` | off, one warning (`algo.prefix_sharing.unsupported_reason`) |
 | `ref_server_url` | refused (the reference server scores token ids, it takes no images) |
@@ -34,12 +33,12 @@ def check_vision_model(args, model) -> None:
             "hf backend, the in-process vLLM engine ('vllm'), vLLM servers ('vllm_server') and OpenAI-compatible "
             "chat servers ('openai') generate with here (docs/vlm.md)"
         )
-    if backend == "vllm_server" and args.weight_sync_inflight:
+    if backend in ("vllm", "vllm_server") and args.weight_sync_inflight:
         raise ValueError(
-            f"GRPOConfig.weight_sync_inflight=True: {name} is a vision-language model, whose weights a vLLM server "
-            "loads with no request running (a push resets the server's image-encoder cache, which a request running "
-            "across it would still read); leave weight_sync_inflight=False (stream mode then holds the stream for "
-            "each push: the running groups finish on the old weights first)"
+            f"GRPOConfig.weight_sync_inflight=True: {name} is a vision-language model, whose weights vLLM loads with "
+            "no request running (a load resets the engine's image-encoder cache, which a request running across it "
+            "would still read); leave weight_sync_inflight=False (stream mode then holds the stream for each load: "
+            "the running groups finish on the old weights first)"
         )
     if backend == "vllm":
         from .generation.vllm_images import vllm_vision_support
@@ -49,11 +48,6 @@ def check_vision_model(args, model) -> None:
             raise ValueError(
                 f"GRPOConfig.generation_backend='vllm': {name} is a vision-language model that vLLM cannot load "
                 f"here: {why}. Use generation_backend='hf' (docs/vlm.md)"
-            )
-        if args.async_mode == "stream":
-            raise ValueError(
-                "GRPOConfig.async_mode='stream': the in-process vLLM engine's stream mode submits token prompts "
-                f"only, without {name}'s images; use async_mode='rounds' (the default)"
             )
     if args.ref_server_url is not None:
         raise ValueError(

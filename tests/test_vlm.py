@@ -4,9 +4,9 @@ prompts, the model's processor as `processing_class`, the hf backend generating 
 (`grpo_async/algo/vision.py`). A tiny Qwen2-VL built locally (`grpo_async.testing.vlm`), real PIL image processor.
 
 Idefics3 also through vLLM: the in-process engine, a `grpo-async serve` server and a stock `vllm serve` (vLLM's
-token-in, token-out route; stream mode on the former), and the `openai` backend (chat messages with image parts).
+token-in, token-out route), in rounds and stream mode, and the `openai` backend (chat messages with image parts).
 What is refused (docs/vlm.md): the in-process engine for families whose vLLM module imports torchvision (absent here),
-in-flight pushes on servers, packing (`padding_free=True`), a reference server; prompt sharing is off with one
+in-flight weight loads, packing (`padding_free=True`), a reference server; prompt sharing is off with one
 warning.
 """
 
@@ -469,13 +469,14 @@ def idefics3_path(tmp_path_factory):
     return _build(tmp_path_factory, "idefics3")
 
 
-def test_vllm_refuses_stream_mode_with_images(idefics3_path, tmp_path):
+def test_vllm_refuses_inflight_loads_with_images(idefics3_path, tmp_path):
     from grpo_async.vlm_setup import check_vision_model
 
-    args = tiny_config(tmp_path, generation_backend="vllm", async_mode="stream")
-    with pytest.raises(ValueError, match="async_mode='stream'"):
+    args = tiny_config(tmp_path, generation_backend="vllm", async_mode="stream", weight_sync_inflight=True)
+    with pytest.raises(ValueError, match="weight_sync_inflight=True"):
         check_vision_model(args, _load(idefics3_path))
-    check_vision_model(tiny_config(tmp_path, generation_backend="vllm"), _load(idefics3_path))  # rounds: served
+    for mode in ("rounds", "stream"):  # served, each load holding the engine's requests
+        check_vision_model(tiny_config(tmp_path, generation_backend="vllm", async_mode=mode), _load(idefics3_path))
 
 
 @pytest.fixture(scope="module")
@@ -676,16 +677,21 @@ def test_vllm_generates_with_the_images_and_serves_the_whole_trained_model(backe
 
 
 @pytest.mark.vllm
-def test_stream_mode_on_a_server_samples_each_row_on_the_weights_it_names(idefics3_path, idefics3_server, tmp_path):
-    """Stream mode on a `grpo-async serve` server: a push holds the stream (the running groups finish on the old
-    weights), the server loads the weights and drops its cached image features, the stream goes on. Every trained
-    row's sampler log-probs are those of the weights its version names, with its images (the same 4 images recur in
-    every round), and rows of more than one version were trained."""
-    from vllm_utils import API_KEY
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+def test_stream_mode_samples_each_row_on_the_weights_it_names(backend, idefics3_path, request, tmp_path):
+    """Stream mode on the in-process engine (its engine loop takes each prompt's rendered text and images) and on a
+    `grpo-async serve` server: a load holds the stream (the running groups finish on the old weights), the engine
+    loads the weights and drops its cached image features, the stream goes on. Every trained row's sampler log-probs
+    are those of the weights its version names, with its images (the same 4 images recur in every round), and rows of
+    more than one version were trained."""
+    server = {}
+    if backend == "vllm_server":
+        from vllm_utils import API_KEY
 
-    server = dict(vllm_server_urls=[idefics3_server.url], vllm_api_key=API_KEY, weight_sync_transport="ipc")
+        url = request.getfixturevalue("idefics3_server").url
+        server = dict(vllm_server_urls=[url], vllm_api_key=API_KEY, weight_sync_transport="ipc")
     seen, snapshots = _stream_run(
-        idefics3_path, tmp_path / "out", generation_backend="vllm_server", max_staleness=1, **server
+        idefics3_path, tmp_path / "out", generation_backend=backend, max_staleness=1, **server
     )
     versions = _check_rows_against_versions(seen, snapshots)
     assert 0 in versions and len(versions) >= 2, versions

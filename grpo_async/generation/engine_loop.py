@@ -38,6 +38,10 @@ class LoopRequest:
     prompt_ids: list[int]
     params: object  # vllm.SamplingParams, n = 1, output_kind DELTA
     lora_request: object | None = None
+    #: what the engine takes instead of `prompt_ids` (a vision-language model's prompt with images: its rendered
+    #: text and `multi_modal_data`, `vllm_images.engine_prompts`), and the prompt ids the engine made of it
+    engine_prompt: dict | None = None
+    engine_prompt_ids: list[int] | None = None
     version: int | None = None  # the version the next token is sampled with (set when added, moved by a load)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -118,19 +122,25 @@ class EngineLoop:
         return self._busy + (time.perf_counter() - since if since is not None else 0.0)
 
     # -- any thread ------------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[list[int]], params: list, lora_request=None) -> list[LoopRequest]:
-        """Queue one request per prompt (`params[i]` with n = 1); the loop adds them before its next step."""
+    def submit(
+        self, prompt_ids: list[list[int]], params: list, lora_request=None, engine_prompts: list[dict] | None = None
+    ) -> list[LoopRequest]:
+        """Queue one request per prompt (`params[i]` with n = 1); the loop adds them before its next step.
+        `engine_prompts[i]`: what the engine takes for prompt i instead of its token ids (`LoopRequest.engine_prompt`;
+        a dict holding `prompt_token_ids` is the same as none)."""
         self.check_health()
         if not self.is_running():
             raise GenerationAborted(f"{self.name}: the engine loop is stopped")
         from vllm.sampling_params import RequestOutputKind
 
         requests = []
-        for p, sp in zip(prompt_ids, params, strict=True):
+        given = engine_prompts if engine_prompts is not None else [None] * len(prompt_ids)
+        for p, sp, e in zip(prompt_ids, params, given, strict=True):
             if sp.n != 1:
                 raise ValueError(f"{self.name}: one completion per request (n=1), got n={sp.n}")
             sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens
-            requests.append(LoopRequest(f"stream-{next(self._ids)}", list(p), sp, lora_request))
+            e = None if e is None or "prompt_token_ids" in e else e
+            requests.append(LoopRequest(f"stream-{next(self._ids)}", list(p), sp, lora_request, engine_prompt=e))
         for r in requests:
             self._incoming.put(r)
         self._wake.set()
@@ -176,9 +186,8 @@ class EngineLoop:
             except queue.Empty:
                 return
             r.version = self.version() if self._loaded is None else self._loaded
-            self.engine.add_request(
-                r.request_id, {"prompt_token_ids": r.prompt_ids}, r.params, lora_request=r.lora_request
-            )
+            prompt = r.engine_prompt if r.engine_prompt is not None else {"prompt_token_ids": r.prompt_ids}
+            self.engine.add_request(r.request_id, prompt, r.params, lora_request=r.lora_request)
             self._running[r.request_id] = r
 
     def _apply_aborts(self) -> None:
@@ -218,6 +227,8 @@ class EngineLoop:
                         r = self._running.get(o.request_id)
                         if r is None:  # aborted meanwhile
                             continue
+                        if r.engine_prompt is not None and r.engine_prompt_ids is None:
+                            r.engine_prompt_ids = list(o.prompt_token_ids or [])
                         out = o.outputs[0]
                         new = list(out.token_ids)
                         r.token_ids += new

@@ -191,9 +191,7 @@ class VLLMColocateBackend:
         """`images[k]` (`PromptImages` or None): prompt k's images, for a vision-language model."""
         check_prompts(prompt_ids)
         if self._loop is not None:
-            if images is not None:
-                raise ValueError("stream mode submits token prompts only: a vision-language model's images cannot go")
-            return self._generate_streamed(prompt_ids, sampling)
+            return self._generate_streamed(prompt_ids, sampling, images)
         params = to_vllm_sampling_params(sampling)
         if sampling.seed is not None or sampling.per_prompt is not None:  # one request per prompt, its own seed
             # (its n samples: seed + j, vLLM's rule) and its own extras
@@ -221,19 +219,25 @@ class VLLMColocateBackend:
                 )
         return check_completions(completions, len(prompt_ids), sampling.n, "VLLMColocateBackend")
 
-    def _generate_streamed(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
+    def _generate_streamed(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None
+    ) -> list[Completion]:
         """`generate` through the engine loop: one request per completion (n = 1; seeded: completion j of prompt i
-        samples with `seed + i·n + j`, vLLM's own rule for a request's n samples), waited for here."""
+        samples with `seed + i·n + j`, vLLM's own rule for a request's n samples), waited for here. A prompt with
+        images goes as its rendered text and images, as in `generate` (`vllm_images.engine_prompts`)."""
         if self._aborted.is_set():
             raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
-        n, params, prompts = sampling.n, [], []
+        n, params, prompts, media = sampling.n, [], [], []
+        per_prompt = engine_prompts(prompt_ids, images)
         for i, p in enumerate(prompt_ids):
             own = sampling.for_prompt(i)
             for j in range(n):
                 seed = None if own.seed is None else own.seed + j
                 params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
                 prompts.append(p)
-        requests = self._loop.submit(prompts, params, self.lora_request)
+                media.append(per_prompt[i])
+        params = suppress_words(params, self.placeholder_words)  # a VLM's image placeholders
+        requests = self._loop.submit(prompts, params, self.lora_request, media)
         masks, routing = self.sampling_masks, self.routing
         try:
             self._loop.wait(requests, self._aborted)
@@ -242,6 +246,9 @@ class VLLMColocateBackend:
                 if recorder is not None:
                     recorder.discard([r.request_id for r in requests])
             raise
+        if images is not None:
+            got = [r.engine_prompt_ids if r.engine_prompt is not None else r.prompt_ids for r in requests]
+            check_engine_prompts(got, prompts, [images[i] for i in range(len(prompt_ids)) for _ in range(n)])
         completions = [
             Completion(
                 completion_ids=r.token_ids,
