@@ -105,7 +105,14 @@ def main():
     if backend == "vllm_eval":  # evaluate() before train(), nothing published: no weight sync to build the engines
         extra["weight_sync_transport"] = "none"
     env = {"environment": Echo()} if backend == "hf_env" else {}
-    rewards = [letter_reward, replies_match] if env else letter_reward
+    calls = []  # this rank's reward calls: one per round it scored
+
+    def scored_letter_reward(*args, **kwargs):
+        calls.append(1)
+        return letter_reward(*args, **kwargs)
+
+    scored_letter_reward.__name__ = "letter_reward"
+    rewards = [scored_letter_reward, replies_match] if env else scored_letter_reward
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -146,7 +153,7 @@ def main():
                 "engine_counter": counted,
                 "engine_processes": children,
                 "evaluated": evaluated,
-                "rounds_produced": trainer.producer.rounds_produced,
+                "rounds_scored": len(calls),
                 "engine_version": version,
                 "global_step": trainer.state.global_step,
                 "logp_gap": logp_gap,

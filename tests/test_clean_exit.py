@@ -2,8 +2,9 @@
 
 Each test runs real training (the tiny model, this file as the script: `python test_clean_exit.py MODE SPEC`) in a
 subprocess and asserts the exit code is 0, stderr holds no `Aborted` / `terminate called` / traceback, and the
-pipeline generated exactly the rounds the trainer trained (`RoundProducer.rounds_produced`, and the reward's own
-call count): no round past `max_steps` is generated and thrown away.
+pipeline generated exactly the rounds the trainer trained (the reward's own call count, and the rounds the generator
+started and interrupted, from the line it logs when it stops): no round past `max_steps` is generated and thrown
+away.
 
 The slow part is a reward that runs torch work for `slow_seconds` on the rounds chosen by `slow_from` (1-based
 reward call number): rounds past the last step (the case of the issue: the interpreter exited under a torch thread
@@ -55,7 +56,7 @@ def test_lora_generation_bound_run_exits_0_and_generates_no_round_past_max_steps
     result, _ = _run("train", tiny_model_path, tmp_path / "a", lora=True, max_steps=2, slow_from=3, slow_seconds=20)
     assert result["global_step"] == 2
     assert result["reward_calls"] == 2, result  # one round per optimizer step here: rounds 0 and 1, nothing ahead
-    assert result["rounds_produced"] == 2, result
+    assert result["rounds_started"] == [0, 1], result
     assert result["threads"] == [], result  # no generator thread left behind
     assert time.perf_counter() - start < 200  # never waited out a slow round (generous: the machine is shared)
 
@@ -81,7 +82,7 @@ def test_slow_last_round_exits_0_and_nothing_past_it(tiny_model_path, tmp_path, 
     result, _ = _run("train", tiny_model_path, tmp_path / "b", slow_last=rounds, slow_seconds=3, **kw)
     assert result["global_step"] == kw["max_steps"]
     assert result["reward_calls"] == rounds, result
-    assert result["rounds_produced"] == rounds, result
+    assert result["rounds_started"] == list(range(rounds)), result
 
 
 @pytest.mark.slow
@@ -92,7 +93,7 @@ def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_pat
     kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4)
     result, _ = _run("train", tiny_model_path, tmp_path / "e", gen_kwargs={"min_new_tokens": 160}, **kw)
     assert result["global_step"] == 1
-    assert result["reward_calls"] == 1 and result["rounds_produced"] == 1, result  # round 1 never scored
+    assert result["reward_calls"] == 1, result  # round 1 never scored
     assert result["rounds_started"] == [0, 1], result
     assert result["rounds_interrupted"] == [1], result  # aborted in progress, not finished and thrown away
     assert result["threads"] == [], result
@@ -106,7 +107,7 @@ def test_a_round_in_progress_on_in_process_vllm_is_aborted(tiny_model_path, tmp_
     kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4, backend="vllm")
     result, _ = _run("train", tiny_model_path, tmp_path / "i", gen_kwargs={"min_tokens": 160}, **kw)
     assert result["global_step"] == 1
-    assert result["reward_calls"] == 1 and result["rounds_produced"] == 1, result
+    assert result["reward_calls"] == 1, result
     assert result["rounds_started"] == [0, 1], result
     assert result["rounds_interrupted"] == [1], result
     assert result["threads"] == [], result
@@ -134,7 +135,7 @@ def test_resume_generates_no_round_past_the_new_max_steps(tiny_model_path, tmp_p
     )
     assert result["global_step"] == 4
     assert result["reward_calls"] == 4, result  # 2 in the first run, 2 after resuming
-    assert result["rounds_started"] == [2, 3], result  # this trainer's rounds: nothing past step 4
+    assert result["rounds_started"] == [0, 1, 2, 3], result  # 0, 1 before the resume, 2, 3 after: none past step 4
 
 
 @pytest.mark.slow
@@ -170,7 +171,7 @@ def test_end_with_in_process_vllm_lora_and_a_second_close(tiny_model_path, tmp_p
         "end", tiny_model_path, tmp_path / "c", backend="vllm", lora=True, max_steps=2, slow_from=3, slow_seconds=20
     )
     assert result["global_step"] == 2
-    assert result["rounds_produced"] == 2, result
+    assert result["reward_calls"] == 2 and result["rounds_started"] == [0, 1], result
     assert result["backend_after_end"] is None
 
 
@@ -253,6 +254,30 @@ def _slow_torch_work(seconds: float, until_exit: bool = False) -> None:
         a = torch.tanh(a @ a)
 
 
+class GeneratorStops:
+    """The rounds the generator started and interrupted, from the line the scheduler logs each time it stops it
+    (`generator stopped; rounds started: [...], interrupted: [...]`): what a user reads in the log."""
+
+    def __init__(self):
+        import logging
+
+        self.started: list[int] = []
+        self.interrupted: list[int] = []
+        owner = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if message.startswith("generator stopped; rounds started: "):
+                    started, interrupted = message.split("rounds started: ", 1)[1].split(", interrupted: ")
+                    owner.started += json.loads(started)
+                    owner.interrupted += json.loads(interrupted)
+
+        log = logging.getLogger("grpo_async.pipeline.scheduler")
+        log.setLevel(logging.INFO)
+        log.addHandler(Handler())
+
+
 def main(mode: str, spec: dict) -> None:
     import threading
 
@@ -318,6 +343,7 @@ def main(mode: str, spec: dict) -> None:
             callbacks=[StopAt()],
         )
 
+    stops = GeneratorStops()
     trainer = make_trainer()
     trainer.train()
     if spec.get("resume_max_steps"):
@@ -329,9 +355,8 @@ def main(mode: str, spec: dict) -> None:
         "rank": trainer.accelerator.process_index,
         "global_step": trainer.state.global_step,
         "reward_calls": len(calls),
-        "rounds_produced": getattr(trainer.producer, "rounds_produced", None),
-        "rounds_started": getattr(trainer.rounds, "rounds_started", None),
-        "rounds_interrupted": getattr(trainer.rounds, "rounds_interrupted", None),
+        "rounds_started": stops.started,  # what the generator logged as it stopped (every train() of this process)
+        "rounds_interrupted": stops.interrupted,
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("grpo-async-generator")),
         "reward_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("reward-")),
     }

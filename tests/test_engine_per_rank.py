@@ -31,7 +31,7 @@ def _check(ranks, per_round_count):
     check_disjoint_slices(ranks, mu=1, steps=STEPS, R=R, G=G)  # each row trained once, on its own rank
     for r in ranks:
         # the rank's own engine made exactly its rows of each round (main alone would have made R rows per round)
-        assert r["rounds_produced"] == STEPS, r
+        assert r["rounds_scored"] == STEPS, r
         assert r["engine_counter"] == STEPS * per_round_count, r
         # after publishing, the engine holds this rank's trained model: same logprobs, same version
         assert r["engine_version"] == r["global_step"] == STEPS
@@ -64,7 +64,7 @@ def test_hf_engine_on_every_rank_runs_a_multi_turn_environment(tiny_model_path, 
     ranks = _launch(tiny_model_path, str(tmp_path), "hf_env")
     check_disjoint_slices(ranks, mu=1, steps=STEPS, R=R, G=G)
     for r in ranks:
-        assert r["rounds_produced"] == STEPS, r
+        assert r["rounds_scored"] == STEPS, r
         assert r["engine_counter"] >= STEPS * L  # at least one turn per row, on this rank's engine only
         assert r["engine_version"] == r["global_step"] == STEPS and r["logp_gap"] < 1e-3
         assert r["env_turns"] and all(t > 1 for t in r["env_turns"])  # multi-turn: the environment answered

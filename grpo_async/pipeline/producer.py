@@ -140,7 +140,6 @@ class RoundProducer:
         self.environment = environment
         self.extra_columns = extra_columns or dict
         self.rollout_func = rollout_func
-        self.rounds_produced = 0  # rounds generated and scored (what the backend generated for training)
         self._aborted = threading.Event()
 
     def prompt_of(self, row: dict):
@@ -410,7 +409,6 @@ class RoundProducer:
         }
         if media is not None and self.s.log_multimodal:  # TRL's log_multimodal: each row's images, as PNG bytes
             samples["images"] = [png_images(media[i // G]) for i in range(len(rows))]
-        self.rounds_produced += 1
         return Round(
             request.round_id,
             int(batch.policy_version.min()),

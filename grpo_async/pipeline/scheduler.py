@@ -181,8 +181,6 @@ class RoundScheduler:
         self._waited = 0.0  # seconds spent waiting for the generator since the last `take_wait`
         self._window = StepWindow(lambda: self.generator.busy_seconds() if self.generator is not None else 0.0)
         self.last_samples: dict | None = None  # the newest round's completions (for the completions table)
-        self.rounds_started: list[int] = []  # rounds whose generation started (every thread so far; main process)
-        self.rounds_interrupted: list[int] = []  # rounds aborted in progress by `stop`
         # main process: rounds taken from the job queue before their turn (a checkpoint saves them), or restored from
         # a checkpoint; a round that failed holds its error, raised when the round is fetched
         self._ready: dict[int, Round | BaseException] = {}
@@ -290,9 +288,7 @@ class RoundScheduler:
         busy = False
         if self.generator is not None:
             busy = not self.generator.stop(timeout)
-            self.rounds_started += self.generator.started
-            self.rounds_interrupted += self.generator.interrupted
-            logger.info(
+            logger.info(  # what a run generated and threw away shows here (tests/test_clean_exit.py reads it)
                 "generator stopped; rounds started: %s, interrupted: %s",
                 self.generator.started,
                 self.generator.interrupted,
