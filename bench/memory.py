@@ -7,8 +7,9 @@ CPU tensors (plain malloc) together with everything else.
 
 1. packing (`GRPOConfig.padding_free`): one training micro-batch of `--rows` rows with skewed lengths (one row of
    `--long` tokens, the others `--short`; seed 004's case: a few long completions pad a whole batch to their length).
-   The trainer's own code runs on it: the old-logps pass (`trainer.consumer.old_logps`) then `compute_loss` +
-   backward. The number is the peak *during the step* (`VmHWM` reset just before it through
+   The trainer's own code runs on it: the old-logps pass where the product runs one (`trainer.consumer.old_logps`;
+   none with the defaults here: π_old is the training forward's own, `InForwardImportanceSampling`) then
+   `compute_loss` + backward. The number is the peak *during the step* (`VmHWM` reset just before it through
    `/proc/self/clear_refs`) minus the resident set just before it (model, trainer), i.e. the activations, logits and
    attention temporaries it needs.
 2. token budget (`GRPOConfig.token_budget`): `--tb_rows` rows of long-tailed lengths (Pareto, most rows short, one
@@ -123,7 +124,7 @@ def rows_of_lengths(lengths: list[int], vocab: int):
         completion_ids=torch.randint(7, vocab, (rows, T), generator=g) * completion_mask,  # [B, T]
         completion_mask=completion_mask,
         loss_mask=completion_mask.clone(),
-        rollout_logps=torch.zeros(rows, T),  # unused: importance_sampling_correction=False
+        rollout_logps=torch.zeros(rows, T),  # what the IS weights come to does not change the memory measured
         advantages=torch.randn(rows, generator=g),
         policy_version=torch.zeros(rows, dtype=torch.long),
         round_id=torch.zeros(rows, dtype=torch.long),
@@ -253,9 +254,10 @@ def child(a) -> dict:
     t.model.train()
     before = reset_peak()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        old, _ = t.consumer.old_logps(ids, mask, T, None)  # [B, T] (no kept sets: nothing was cut)
-        rows = dataclasses.replace(rows, old_logps=old)
+    if t.consumer.old_logps is not None:  # else π_old is the training forward's own (InForwardImportanceSampling)
+        with torch.no_grad():
+            old, _ = t.consumer.old_logps(ids, mask, T, None)  # [B, T] (no kept sets: nothing was cut)
+            rows = dataclasses.replace(rows, old_logps=old)
     loss = t.compute_loss(t.model, rows)
     loss.backward()
     seconds = time.perf_counter() - t0
