@@ -10,7 +10,7 @@ import sys
 
 from transformers import Trainer
 
-from .algo.objective import InForwardImportanceSampling, PolicyObjective
+from .algo.objective import PolicyObjective
 from .algo.ref_sync import RefModelSyncCallback
 from .algo.throughput import throughput_meter
 from .interrupt import TrainingInterrupted, debug_enabled, install_exit_hook, interrupted
@@ -20,7 +20,6 @@ from .pipeline.build import AcceleratorCollectives, TrainerLink, build_pipeline
 from .pipeline.metrics import ROUND_TOKENS, MetricWindows
 from .trainer_setup import bound_collectives
 from .trl_attributes import generate_override_rollout, overrides_generate
-from .vision_processor import vision_placeholder_ids
 
 logger = logging.getLogger("grpo_async.trainer")
 
@@ -46,9 +45,6 @@ class TrainerPipeline:
         self.num_generations_eval = a.num_generations_eval or a.num_generations  # TRL's attribute
         unwrapped_config = self.accelerator.unwrap_model(self.model).config  # MoE: the load-balancing loss
         self.collectives = AcceleratorCollectives(self.accelerator)  # the one way across the training processes
-        never_sampled = tuple(vision_placeholder_ids(unwrapped_config))  # a VLM's image placeholders
-        in_forward = InForwardImportanceSampling.from_config(a, never_sampled)  # π_old = the training forward's
-        self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives, in_forward)
         self.throughput = throughput_meter(unwrapped_config, self.accelerator, model=self.model)  # perf/*
         self.metric_windows = MetricWindows()  # what `log` reports; step timings
         self._step = 0  # training_step calls
@@ -71,6 +67,9 @@ class TrainerPipeline:
         self.engine, self.publisher, self.producer = pipeline.engine, pipeline.publisher, pipeline.producer
         self.consumer, self.rounds, self.evaluator = pipeline.consumer, pipeline.scheduler, pipeline.evaluator
         self.ref_client = pipeline.ref_client  # None unless a reference server scores π_ref
+        # importance sampling inside the objective where the pipeline takes π_old from the training forward
+        in_forward = pipeline.importance_sampling
+        self.objective = PolicyObjective.from_config(a, unwrapped_config, self.collectives, in_forward)
 
     def _publish(self) -> None:
         self.rounds.publish(self.accelerator.unwrap_model(self.model), self.state.global_step)

@@ -227,7 +227,7 @@ class VLLMColocateBackend:
         images goes as its rendered text and images, as in `generate` (`vllm_images.engine_prompts`)."""
         if self._aborted.is_set():
             raise GenerationAborted("VLLMColocateBackend: generation aborted (shutting down)")
-        n, params, prompts, media = sampling.n, [], [], []
+        n, params, prompts, rendered = sampling.n, [], [], []
         per_prompt = engine_prompts(prompt_ids, images)
         for i, p in enumerate(prompt_ids):
             own = sampling.for_prompt(i)
@@ -235,9 +235,9 @@ class VLLMColocateBackend:
                 seed = None if own.seed is None else own.seed + j
                 params.append(to_vllm_sampling_params(replace(own, n=1, seed=seed)))
                 prompts.append(p)
-                media.append(per_prompt[i])
+                rendered.append(per_prompt[i])  # a VLM prompt's text + images as the engine takes them
         params = suppress_words(params, self.placeholder_words)  # a VLM's image placeholders
-        requests = self._loop.submit(prompts, params, self.lora_request, media)
+        requests = self._loop.submit(prompts, params, self.lora_request, rendered)
         masks, routing = self.sampling_masks, self.routing
         try:
             self._loop.wait(requests, self._aborted)

@@ -29,6 +29,10 @@ LogpsScorer      pipeline/         beta, ref_server_url,      the reference copy
 Evaluator        pipeline/         per_device_eval_batch_size the producer, collectives,    producer.evaluate,
                  evaluation.py     num_generations_eval       the π_ref scorer, the device  the π_ref scorer
 ```
+Who weighs the rows by π_old / π_sampler (importance sampling) is decided here once: the training objective, with π_old
+from its own forward (`InForwardImportanceSampling`, returned as `Pipeline.importance_sampling` for the trainer's
+`PolicyObjective`), or the consumer after its no-grad π_old pass (`needs_old_logps`).
+
 Everything the components read from the trainer while training runs (the model, wrapped by the Trainer after
 construction; its state; its metrics) goes through one [`TrainerLink`]; everything they exchange across processes
 through one [`AcceleratorCollectives`] (`pipeline/collectives.py`).
@@ -51,6 +55,7 @@ import torch
 from torch import nn
 
 from ..algo.logprobs import LogpsScorer
+from ..algo.objective import InForwardImportanceSampling
 from ..generation.registry import backend_spec
 from ..generation.shared import SharedBackend
 from ..vision_processor import vision_placeholder_ids
@@ -157,6 +162,8 @@ class Pipeline:
     collectives: AcceleratorCollectives
     ref_client: Any = None  # the reference server's client (`ref_server_url`), else None
     per_rank: bool = False  # every rank generates its own rows (`generates_on_every_rank`)
+    #: π_old from the training forward: the training objective weighs the rows, the consumer does not
+    importance_sampling: InForwardImportanceSampling | None = None
 
 
 def build_pipeline(
@@ -219,9 +226,13 @@ def build_pipeline(
         rollout_func=link.rollout if link.rollout_func is not None else None,
     )
     never_sampled = tuple(vision_placeholder_ids(getattr(link.unwrapped_policy(), "config", None)))
-    old_logps = needs_old_logps(config, never_sampled)
+    # who weighs the rows by π_old / π_sampler, decided here only: the training objective (π_old = its own forward's
+    # log-probs) or the consumer, after a no-grad π_old pass over the round
+    in_forward = InForwardImportanceSampling.from_config(config, never_sampled)
+    old_logps = needs_old_logps(config, in_forward is not None)
     consumer = RoundConsumer(
-        ConsumerSettings.from_config(config, never_sampled),  # a VLM's image placeholders: every backend's bad words
+        # a VLM's image placeholders: every backend's bad words
+        ConsumerSettings.from_config(config, never_sampled, in_forward=in_forward is not None),
         collectives=collectives,
         old_logps=LogpsScorer(link.policy, **scoring).scores if old_logps else None,
         ref_logps=ref_logps,
@@ -247,4 +258,6 @@ def build_pipeline(
         assemble=joiner if config.async_mode == "stream" else None,
     )
     evaluator = Evaluator(config, producer, collectives, ref_logps, device, eval_chunk_prompts(config))
-    return Pipeline(engine, publisher, producer, consumer, scheduler, evaluator, collectives, ref_client, per_rank)
+    return Pipeline(
+        engine, publisher, producer, consumer, scheduler, evaluator, collectives, ref_client, per_rank, in_forward
+    )

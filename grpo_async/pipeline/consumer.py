@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from ..algo.loss import MICRO_BATCH_NORMALISED_LOSS_TYPES, importance_sampling_stats, importance_sampling_weights
-from ..algo.objective import InForwardImportanceSampling
 from ..algo.prefix_sharing import group_permutation
 from ..algo.sampling_support import TruncationFilter
 from ..algo.throughput import generated_tokens_per_second
@@ -76,17 +75,17 @@ class ConsumerSettings:
     router_replay: str = "off"
 
     @classmethod
-    def from_config(cls, a, never_sampled: tuple[int, ...] = ()) -> ConsumerSettings:
+    def from_config(cls, a, never_sampled: tuple[int, ...] = (), in_forward: bool = False) -> ConsumerSettings:
         """From a `GRPOConfig`; `never_sampled`: the token ids no backend samples (a vision-language model's image
-        placeholders), cut from π_old's support with the sampler's filter (`TruncationFilter.banned`)."""
+        placeholders), cut from π_old's support with the sampler's filter (`TruncationFilter.banned`); `in_forward`:
+        the training objective weighs the rows itself (`build_pipeline` decides, `InForwardImportanceSampling`)."""
         return cls(
             steps_per_generation=a.steps_per_generation,
             old_logps_micro_batch_size=a.old_logps_micro_batch_size,
             ref_logps_micro_batch_size=a.ref_logps_micro_batch_size,
             staleness_limit=a.staleness_limit,
             # π_old from the training forward: the objective weighs the rows (`InForwardImportanceSampling`)
-            importance_sampling_correction=a.importance_sampling_correction
-            and InForwardImportanceSampling.from_config(a, never_sampled) is None,
+            importance_sampling_correction=a.importance_sampling_correction and not in_forward,
             importance_sampling_mode=a.importance_sampling_mode,
             importance_sampling_clip_min=a.importance_sampling_clip_min,
             importance_sampling_clip_max=a.importance_sampling_clip_max,

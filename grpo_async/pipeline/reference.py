@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from ..algo.logprobs import LogpsScorer
-from ..algo.objective import InForwardImportanceSampling
 
 
 def reference_client(config):
@@ -36,15 +35,12 @@ def reference_scorer(ref_client, ref_model, link, scoring: dict):
     return LogpsScorer(policy, **scoring, context=lambda: unwrapped_policy().disable_adapter())
 
 
-def needs_old_logps(config, never_sampled: tuple[int, ...] = ()) -> bool:
+def needs_old_logps(config, in_forward: bool) -> bool:
     """Whether the consumer scores π_old before training a round: the policy moves before the round's last
     micro-batch is trained (μ > 1, or several optimizer steps per round), or importance sampling needs π_old and
-    cannot take it from the training forward (`algo.objective.InForwardImportanceSampling`)."""
+    cannot take it from the training forward (`in_forward`: `algo.objective.InForwardImportanceSampling`)."""
     return (
         config.num_iterations > 1
         or config.steps_per_generation > config.gradient_accumulation_steps
-        or (
-            config.importance_sampling_correction
-            and InForwardImportanceSampling.from_config(config, never_sampled) is None
-        )
+        or (config.importance_sampling_correction and not in_forward)
     )
