@@ -117,6 +117,7 @@ def main():
         output_dir=out_dir,
         use_cpu=True,
         report_to=[],
+        save_metrics_plot=False,  # the end-of-training plot is not this run's subject (~1.3 CPU-s)
         per_device_train_batch_size=4,
         num_generations=extra.pop("num_generations", 4),
         gradient_accumulation_steps=2,

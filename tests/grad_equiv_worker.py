@@ -80,6 +80,7 @@ def trainer_grad(model_path: str, out_dir: str, rows: MicroBatch, loss_type: str
         output_dir=out_dir,
         use_cpu=True,
         report_to=[],
+        save_metrics_plot=False,  # the end-of-training plot is not this run's subject (~1.3 CPU-s)
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GA,
         num_generations=4,

@@ -132,7 +132,8 @@ TRAIN_SCRIPT = textwrap.dedent(
 
     model, out, urls, key, max_steps = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4], int(sys.argv[5])
     args = GRPOConfig(
-        output_dir=out, use_cpu=True, report_to=[], per_device_train_batch_size=8, num_generations=4,
+        output_dir=out, use_cpu=True, report_to=[], save_metrics_plot=False, per_device_train_batch_size=8,
+        num_generations=4,
         max_completion_length=6, max_steps=max_steps, save_strategy="steps", save_steps=1, save_total_limit=2,
         learning_rate=1e-2, logging_steps=1, disable_tqdm=True, num_batches_ahead=1, seed=0, seeded_generation=True,
         use_vllm=True, vllm_mode="server", vllm_server_urls=urls, vllm_api_key=key, vllm_server_timeout=120,

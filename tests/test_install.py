@@ -125,5 +125,5 @@ def test_the_wheel_holds_no_test_or_bench_tooling(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "grpo_async/trainer.py" in names and "grpo_async/testing/__init__.py" in names
     tooling = [n for n in names if n.startswith(("tests/", "bench/", "support/")) or "warm_launch" in n]
-    tooling += [n for n in names if n.endswith(("cpu_isa.py", "frozen_heap.py"))]
+    tooling += [n for n in names if n.endswith(("eager_compile.py", "frozen_heap.py"))]
     assert tooling == [], tooling

@@ -42,6 +42,7 @@ def _args(out, ahead):
         output_dir=out,
         use_cpu=True,
         report_to=[],
+        save_metrics_plot=False,  # the end-of-training plot is not this run's subject (~1.3 CPU-s)
         per_device_train_batch_size=8,
         num_generations=4,
         gradient_accumulation_steps=2,

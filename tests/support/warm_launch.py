@@ -95,8 +95,13 @@ PRELOAD = [
     "vllm.v1.sample.rejection_sampler",
     # TRL's trainer (~3.4 CPU-s after the above), which the TRL runs of `bench/vs_trl.py`'s smoke import in each rank
     "trl.trainer.grpo_trainer",
-    # inductor's check of the CPU's vector ISAs, which every forked engine core would run again (see the module)
-    "support.cpu_isa",
+    # what a Trainer's construction imports (accelerate asks for DeepSpeed: ~440 modules), the quantization layers an
+    # engine imports as it loads a model, and matplotlib for a run's end-of-training plot
+    "deepspeed",
+    "vllm.model_executor.layers.quantization.online.base",
+    "matplotlib.pyplot",
+    # forks run vLLM's one compiled function on CPU eagerly (see the module)
+    "support.eager_compile",
     # last: the preloaded heap into the collector's permanent generation (see the module)
     "support.frozen_heap",
 ]
@@ -143,7 +148,30 @@ def _context():
         _CTX.set_forkserver_preload(PRELOAD)
         if _IN_WARM_FORK:
             _use_the_parent_fork_server()
+        else:
+            _start_fork_server()
     return _CTX
+
+
+def _start_fork_server() -> None:
+    """Start this process's fork server with `tests/` on its `PYTHONPATH`. Python 3.11's fork server imports its
+    preload with the path of a fresh `python -c` (the working directory and `PYTHONPATH`; the `sys_path` it is handed
+    is ignored there, `multiprocessing.forkserver.main`), and drops every `ImportError` silently: started from the
+    repository's root, `support.*` (the heap freeze, `eager_compile`) were never imported, and nor was what imports
+    after a failed one in the same package. Set only while the server starts: the other processes the tests start see
+    the environment they were given."""
+    from multiprocessing import forkserver
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _use_the_parent_fork_server() -> None:
