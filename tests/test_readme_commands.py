@@ -109,16 +109,16 @@ def test_offline_quick_start_runs_as_written(tmp_path):
 
 @pytest.mark.slow
 def test_train_on_your_own_task_runs_as_written_with_fewer_steps(tmp_path, smollm2_path):
-    """The README's "Train on your own task" section, as written but for its sizes (2 steps of 2 prompts x 4,
-    24-token completions, 8 held-out problems, 64 training problems): it builds SmolLM2 offline, trains, and both
+    """The README's "Train on your own task" section, as written but for its sizes (2 steps of 1 prompt x 4,
+    16-token completions, 4 held-out problems, 64 training problems): it builds SmolLM2 offline, trains, and both
     greedy-accuracy calls print a number."""
     code = readme_python_block("### Train on your own task")
     reductions = (
         ("max_steps=20", "max_steps=2"),
         ("size=1000", "size=64"),
-        ("size=64,", "size=8,"),
-        ("max_completion_length=64", "max_completion_length=24"),
-        ("per_device_train_batch_size=16", "per_device_train_batch_size=8"),
+        ("size=64,", "size=4,"),
+        ("max_completion_length=64", "max_completion_length=16"),
+        ("per_device_train_batch_size=16", "per_device_train_batch_size=4"),
     )
     for full, reduced in reductions:
         assert full in code, full

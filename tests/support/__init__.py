@@ -1,7 +1,8 @@
 """Test and bench tooling (not in the wheel): processes and 2-rank runs forked from a warm interpreter
-(`warm_launch`), the fork server's heap freeze (`frozen_heap`) and `torch.compile` off in its forks
-(`eager_compile`), and `json_records` (the `TAG {...}` records of processes sharing one pipe). Tests import it as
-`support` (pytest puts `tests/` on the path); the benches put `tests/` on their path first (`bench/_runs.py`)."""
+(`warm_launch`), the fork server's heap freeze (`frozen_heap`) and vLLM's compiled token-rank helper run eagerly
+in its forks (`eager_compile`), and `json_records` (the `TAG {...}` records of processes sharing one pipe). Tests
+import it as `support` (pytest puts `tests/` on the path); the benches put `tests/` on their path first
+(`bench/_runs.py`)."""
 
 from __future__ import annotations
 

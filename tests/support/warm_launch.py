@@ -100,7 +100,7 @@ PRELOAD = [
     "deepspeed",
     "vllm.model_executor.layers.quantization.online.base",
     "matplotlib.pyplot",
-    # forks run vLLM's one compiled function on CPU eagerly (see the module)
+    # forks count the sampler's token ranks with the eager original of vLLM's compiled helper (see the module)
     "support.eager_compile",
     # last: the preloaded heap into the collector's permanent generation (see the module)
     "support.frozen_heap",
@@ -157,9 +157,8 @@ def _start_fork_server() -> None:
     """Start this process's fork server with `tests/` on its `PYTHONPATH`. Python 3.11's fork server imports its
     preload with the path of a fresh `python -c` (the working directory and `PYTHONPATH`; the `sys_path` it is handed
     is ignored there, `multiprocessing.forkserver.main`), and drops every `ImportError` silently: started from the
-    repository's root, `support.*` (the heap freeze, `eager_compile`) were never imported, and nor was what imports
-    after a failed one in the same package. Set only while the server starts: the other processes the tests start see
-    the environment they were given."""
+    repository's root, `support.*` (the heap freeze, the CPU-ISA check) were never imported. Set only while the
+    server starts: the other processes the tests start see the environment they were given."""
     from multiprocessing import forkserver
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
