@@ -199,12 +199,7 @@ def test_model_with_custom_code_is_refused_and_its_code_never_runs(tiny_model_pa
     config.update(model_type="evil_llama", auto_map={"AutoConfig": "evil.LlamaConfig"})
     (folder / "config.json").write_text(json.dumps(config))
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        save_metrics_plot=False,
-        per_device_train_batch_size=4,
-        num_generations=4,
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], per_device_train_batch_size=4, num_generations=4
     )
     with pytest.raises(ValueError, match="trust_remote_code"):
         GRPOTrainer(model=str(folder), reward_funcs=letter_reward, args=args, train_dataset=make_dataset(8))
