@@ -90,7 +90,7 @@ def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_pat
     """A callback stops training after step 1 of 4 while round 1 (legitimately ahead) is generating on the hf
     backend (8 calls of 160 forced tokens): `stop` aborts it at its next token (stopping criteria), its rewards are
     never computed, the thread exits within its bound, exit 0."""
-    kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4)
+    kw = dict(max_steps=4, stop_at_step=1, stop_in_round=1, max_completion_length=160, rollout_micro_batch_size=4)
     result, _ = _run("train", tiny_model_path, tmp_path / "e", gen_kwargs={"min_new_tokens": 160}, **kw)
     assert result["global_step"] == 1
     assert result["reward_calls"] == 1, result  # round 1 never scored
@@ -104,7 +104,8 @@ def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_pat
 def test_a_round_in_progress_on_in_process_vllm_is_aborted(tiny_model_path, tmp_path):
     """As above on the in-process vLLM engine (forced 160-token completions, 8 calls a round): `stop` aborts the
     engine's requests between two steps; round 1 is never scored, exit 0."""
-    kw = dict(max_steps=4, stop_at_step=1, max_completion_length=160, rollout_micro_batch_size=4, backend="vllm")
+    kw = dict(max_steps=4, stop_at_step=1, stop_in_round=1, max_completion_length=160, rollout_micro_batch_size=4)
+    kw["backend"] = "vllm"
     result, _ = _run("train", tiny_model_path, tmp_path / "i", gen_kwargs={"min_tokens": 160}, **kw)
     assert result["global_step"] == 1
     assert result["reward_calls"] == 1, result
@@ -331,17 +332,25 @@ def main(mode: str, spec: dict) -> None:
                 deadline = time.monotonic() + 120
                 while len(calls) < spec.get("stop_in_reward_call", 0) and time.monotonic() < deadline:
                     time.sleep(0.01)
+                # `stop_in_round`: stop only once the generator thread has begun that round (the round ahead is
+                # submitted at the end of the first step; the thread picks it up on its own: else a race with the stop)
+                if spec.get("stop_in_round") is not None:
+                    started = self.trainer.rounds.generator.started  # filled by the thread as it begins each round
+                    while spec["stop_in_round"] not in started and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 control.should_training_stop = True
 
     def make_trainer(**overrides):
-        return GRPOTrainer(
+        stop = StopAt()
+        stop.trainer = GRPOTrainer(
             model=spec["model"],
             reward_funcs=reward,
             args=tiny_config(spec["output_dir"], **{**config, **overrides}),
             train_dataset=make_dataset(256),
             peft_config=peft_config,
-            callbacks=[StopAt()],
+            callbacks=[stop],
         )
+        return stop.trainer
 
     stops = GeneratorStops()
     trainer = make_trainer()
