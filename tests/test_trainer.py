@@ -162,7 +162,10 @@ def test_importance_weights_from_the_training_forward_train_as_a_separate_pass(t
     for la, lb in zip(logs_a, logs_b, strict=True):  # extremes equal; means: of micro-batches vs of the round
         for key in [k for k in lb if k.startswith("sampling/") and "support" not in k]:
             extreme = key.endswith(("/max", "/min"))
-            assert la[key] == (pytest.approx(lb[key], abs=1e-4) if extreme else pytest.approx(lb[key], rel=0.05)), key
+            # a mean at float noise (round 0's logp_diff, ~1e-7: π_old and the sampler are the same weights) is
+            # compared absolutely: its relative spread between two forward passes depends on the CPU's kernels
+            close = pytest.approx(lb[key], abs=1e-4) if extreme else pytest.approx(lb[key], rel=0.05, abs=1e-6)
+            assert la[key] == close, key
 
 
 def test_samples_staler_than_max_staleness_are_not_trained(tiny_model_path, tmp_path, caplog):

@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     if not vllm_cpu.default_cpu_kv_cache(args, argv, os.environ):
         vllm_cpu.default_cpu_memory(args, argv)
     vllm_cpu.default_cpu_chunked_prefill(args, argv)
+    vllm_cpu.inspect_models_in_process()
     _default_shutdown_timeout(args, argv)
     if not flag_passed(argv, "--enable-scale-out") and not flag_passed(argv, "--no-enable-scale-out"):
         args.enable_scale_out = True  # vLLM's token-in, token-out route: a vision-language model's prompts with images

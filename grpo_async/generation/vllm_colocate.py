@@ -121,6 +121,7 @@ class VLLMColocateBackend:
             llm_kwargs = {**lora, "max_cpu_loras": 2, **llm_kwargs}
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
         if vllm_cpu.is_cpu():
+            vllm_cpu.inspect_models_in_process()
             # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does not use offset");
             # whole prefills are as fast here
             llm_kwargs.setdefault("enable_chunked_prefill", False)

@@ -77,6 +77,27 @@ def is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _inspect_here(fn):
+    return fn()
+
+
+def inspect_models_in_process() -> bool:
+    """On CPU, have vLLM's model registry inspect a model class in this process; returns whether it does. vLLM inspects
+    an architecture it has not cached yet (`~/.cache/vllm/modelinfos`) in a fresh interpreter
+    (`registry._run_in_subprocess`), so that importing the model does not initialize CUDA in the caller. There is no
+    CUDA on the CPU platform, and that interpreter (importing torch and vLLM again) took 21.6 s for `LlamaForCausalLM`
+    on 2 AVX2 cores: the first engine of each architecture on a machine paid it (a fresh CI machine: every one). The
+    engine imports the same module to load the model anyway; the result is cached as vLLM caches it."""
+    if not is_cpu():
+        return False
+    from vllm.model_executor.models import registry
+
+    if not callable(getattr(registry, "_run_in_subprocess", None)):  # a vLLM that inspects otherwise
+        return False
+    registry._run_in_subprocess = _inspect_here
+    return True
+
+
 def default_cpu_aot_compile(environ) -> bool:
     """On CPU, unless `VLLM_USE_AOT_COMPILE` is set, turn vLLM's AOT compile cache off in `environ` (the processes an
     engine starts inherit it); returns whether it did. vLLM 0.32 saves an AOT artifact of the compiled model at every
