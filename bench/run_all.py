@@ -98,7 +98,30 @@ def machine() -> str:
             return f"{torch.cuda.get_device_name(0)}, {cores} CPU cores"
     except ImportError:  # pragma: no cover
         pass
-    return f"{platform.machine()} CPU, {cores} cores"
+    return f"{platform.machine()} CPU{cpu_kind()}, {cores} cores"
+
+
+#: the widest vector / matrix instructions of an x86 CPU, widest first: bfloat16 runs natively with the first two and
+#: is emulated with the others (on AVX2 a bf16 vLLM engine is slower than a float32 one), so a ratio between modes of
+#: different dtypes holds only for the kind of CPU that measured it
+ISA_FLAGS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """` (<model name>, <widest ISA>)` from `/proc/cpuinfo` (`cpuinfo`: its text), e.g. `" (AMD EPYC, AVX2)"`; `""`
+    where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    name = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    isa = next((label for flag, label in ISA_FLAGS if flag in have), None)
+    parts = [p for p in (name.group(1).strip() if name else None, isa) if p]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def machine_of(data: dict) -> str:

@@ -163,3 +163,14 @@ def test_ingest_needs_the_command(tmp_path, monkeypatch):
     assert ra.main(["--ingest", "byhand.py", "--command", "python bench/byhand.py --repeats 9"]) == 0
     rec = json.loads((here / "results" / "byhand.json").read_text())
     assert rec["command"] == "python bench/byhand.py --repeats 9" and rec["results"] == [["byhand_ratio", 1.5]]
+
+
+def test_a_record_names_the_kind_of_cpu_that_measured_it():
+    """bfloat16 is native on AMX / AVX512-BF16 and emulated on AVX2 (there a bf16 engine is slower than a float32
+    one): the machine column of a CPU record says which (model name, widest of those instructions)."""
+    cpu_kind = run_all().cpu_kind
+    amx = "model name\t: Intel(R) Xeon(R) Platinum 8488C\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n"
+    assert cpu_kind(amx) == " (Intel(R) Xeon(R) Platinum 8488C, AMX-BF16)"
+    assert cpu_kind("model name\t: AMD EPYC\nflags\t\t: fpu fma avx avx2\n") == " (AMD EPYC, AVX2)"
+    assert cpu_kind("flags\t\t: fpu sse2\n") == "" and cpu_kind("") == ""
+    assert run_all().machine().endswith(" cores")
