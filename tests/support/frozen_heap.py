@@ -8,9 +8,20 @@ runs four while an engine starts (`gc.collect()` twice in its model loader, `fre
 in the API server), ~2 of the ~4 CPU-s a forked test server takes to be ready. Frozen, they are skipped; a fork's
 own objects are collected as before (what the preload made is never garbage: modules and what they hold). The walk
 also wrote to each object's header, which made the fork copy those memory pages.
+
+The freeze holds for the server's and its children's lives: vLLM's own `gc.freeze` (an engine's start) and
+`gc.unfreeze` (its shutdown, followed by full collections) do nothing here (as in a test worker: `tests/conftest.py`),
+so an engine's objects stay in the ordinary generations and its shutdown's collections walk only the fork's own.
 """
 
 import gc
 
 gc.collect()
 gc.freeze()
+
+
+def _kept_frozen() -> None:
+    """`gc.freeze` / `gc.unfreeze` in this process and its forks: nothing, the preload stays frozen."""
+
+
+gc.freeze = gc.unfreeze = _kept_frozen
