@@ -19,8 +19,6 @@ its fix:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from recording import recorded_trainer
@@ -297,19 +295,21 @@ def test_colocate_push_reaches_the_experts_of(family, tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_moe_engine_beside_a_dense_one_in_the_same_process(qwen3_moe_path, tiny_model_path):
+def test_a_moe_engine_beside_a_dense_one_in_the_same_process(qwen3_moe_path, tiny_model_path, tmp_path):
     """vLLM makes its parallel groups once per process, with the first engine, and keeps them until that engine shuts
     down; a dense model's engine makes no expert-parallel group, and an in-process MoE engine built while it lives
     used to fail in its model's constructor ("expert parallel group is not initialized"; a CI run met it by test
-    order). A fresh process, so the dense engine really comes first: the MoE engine then generates, and records its
+    order). A process of its own, so the dense engine really comes first: a fork of the warm interpreter
+    (`run_script`: vLLM imported, no engine built, no group made yet). The MoE engine then generates, and records its
     routing."""
-    import subprocess
-    import sys
+    from support.warm_launch import run_script
 
-    script = (
-        "import sys\n"
+    script = tmp_path / "moe_after_dense.py"
+    script.write_text(
+        "import sys, torch\n"
         "from grpo_async.generation.base import SamplingConfig\n"
         "from grpo_async.generation.vllm_colocate import VLLMColocateBackend\n"
+        "assert not torch.distributed.is_initialized()  # the fork starts as a fresh process would\n"
         "dense = VLLMColocateBackend(sys.argv[1], max_model_len=128)\n"
         "moe = VLLMColocateBackend(sys.argv[2], max_model_len=128, record_routing=True)\n"
         "out = moe.generate([[5, 6, 7]], SamplingConfig(n=2, max_tokens=4, seed=0))\n"
@@ -318,15 +318,9 @@ def test_a_moe_engine_beside_a_dense_one_in_the_same_process(qwen3_moe_path, tin
         "dense.close()\n"
         "print('MOE_AFTER_DENSE_OK')\n"
     )
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run(
-        [sys.executable, "-c", script, tiny_model_path, qwen3_moe_path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0 and "MOE_AFTER_DENSE_OK" in run.stdout, run.stderr[-3000:]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = run_script(str(script), [tiny_model_path, qwen3_moe_path], env=env, timeout=240)
+    assert run.returncode == 0 and "MOE_AFTER_DENSE_OK" in run.stdout, run.stdout[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- server
