@@ -61,8 +61,14 @@ torch-cpu:
 	fi
 
 # the tests run on TEST_WORKERS workers (pytest-xdist): a file's tests stay on one worker (its module fixtures are
-# shared), the long tests (chaos, bench smokes, 2-process runs) are units of their own, longest first (tests/suite_plan.py)
-TEST_WORKERS ?= 2
+# shared), the long tests (chaos, bench smokes, 2-process runs) are units of their own, longest first (tests/suite_plan.py).
+# One worker more than the cores: much of a worker's time is spent waiting (a server or an engine process starting, a
+# forked run, a timeout under test), which a third worker fills on 2 cores (the whole suite on a quiet 2-core machine:
+# 2 workers 872 s, 3 workers 659 and 667 s, 4 workers 694 s); at most one per 4 GiB of RAM (a worker with its engines
+# and servers peaks at ~4 GiB).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); m=$$(awk '/MemTotal/ {print int($$2 / 4194304)}' \
+	/proc/meminfo 2>/dev/null); w=$$((n + 1)); [ -n "$$m" ] && [ "$$w" -gt "$$m" ] && w=$$m; [ "$$w" -ge 1 ] || w=1; \
+	echo $$w)
 DIST = --dist loadgroup --no-loadscope-reorder
 test: install
 	$(PY) -m pytest -q tests -m "not gpu" -n $(TEST_WORKERS) $(DIST) --durations=15

@@ -15,10 +15,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # ~/.cache folder every venv shares (each clone recompiles over the others there; a killed build's lock hangs the next)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
-# `make test` runs the suite on 2 workers (pytest-xdist `-n 2 --dist loadgroup`, units planned by tests/suite_plan.py):
-# each worker gets a core of its own.
-# vLLM's CPU engine binds its OpenMP threads to core 0 by default, so both workers' engines (in-process and the servers
-# they start) would share core 0 while core 1 idles; and two workers with torch's default 2 threads each would
+# `make test` runs the suite on one worker more than the cores (pytest-xdist `-n 3 --dist loadgroup` on 2 cores, units
+# planned by tests/suite_plan.py): worker N binds to core N mod the cores, one thread each.
+# vLLM's CPU engine binds its OpenMP threads to core 0 by default, so all workers' engines (in-process and the servers
+# they start) would share core 0 while core 1 idles; and workers with torch's default 2 threads each would
 # oversubscribe 2 cores. Set before torch is imported; an explicit setting in the environment wins.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under `pytest -n N`; unset otherwise
 if _WORKER and (os.cpu_count() or 1) > 1:
@@ -91,7 +91,7 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_xdist_node_collection_finished(node, ids):
     """Under `--dist loadgroup` a worker tells the scheduler each test's `xdist_group` by appending it to the node id
     (`test_x.py::test_a@group`): without it every test is a unit of its own, a file's module fixtures (its servers) are
-    set up on both workers and `tests/suite_plan.py`'s order is ignored; nothing else would say so. It happened with
+    set up on several workers and `tests/suite_plan.py`'s order is ignored; nothing else would say so. It happened with
     pytest 9.2 (structured node ids, which pytest-xdist 3.8 does not know): setup.py pins pytest below it."""
     if node.config.getvalue("dist") != "loadgroup":
         return

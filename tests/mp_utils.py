@@ -12,7 +12,7 @@ from support.warm_launch import run_2cpu
 HERE = os.path.dirname(__file__)
 
 #: `accelerate launch` on 2 CPU processes with the README's flags, on a free rendezvous port (`0`): the suite runs its
-#: files on two workers (`make test`: pytest-xdist), so two launches may overlap and the default port 29500 would clash
+#: files on parallel workers (`make test`: pytest-xdist), so launches may overlap and the default port 29500 clash
 ACCELERATE_2CPU = [
     sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
     "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",

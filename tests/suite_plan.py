@@ -7,13 +7,13 @@ does not list took less, or are new).
 - **`heavy`**: a test listed at ≥ `HEAVY_SECONDS`, or using a module- or class-scoped fixture of its file listed at
   ≥ `HEAVY_SECONDS`, is marked `heavy`; `make test-fast` deselects it with the `slow`, `vllm`, `multiprocess` and
   `gpu` ones, which leaves the unit tests (the inner loop, ~1 s each at most).
-- **Scheduling** (`pytest -n 2 --dist loadgroup --no-loadscope-reorder`): a file's tests run on one worker (they
-  share module fixtures: engines, servers, models), except that every test listed at ≥ `SPLIT_SECONDS` (a chaos run,
-  a bench smoke, a 2-process run) is a unit of its own that either worker may take, unless it uses a module- or
+- **Scheduling** (`pytest -n 3 --dist loadgroup --no-loadscope-reorder` on 2 cores): a file's tests run on one worker
+  (they share module fixtures: engines, servers, models), except that every test listed at ≥ `SPLIT_SECONDS` (a chaos
+  run, a bench smoke, a 2-process run) is a unit of its own that any worker may take, unless it uses a module- or
   class-scoped fixture of its file listed at ≥ `HEAVY_SECONDS` (a server): a unit of its own would set that fixture
-  up a second time (on the other worker, or again on the same one once the file's unit starts: 40-80 s per server
+  up a second time (on another worker, or again on the same one once the file's unit starts: 40-80 s per server
   fixture in the run of 03:05, where 15 tests that only paid their file's server start were split off). The units
-  run longest first, so the last minutes do not find one worker idle while the other runs a long file. A test not
+  run longest first, so the last minutes do not find a worker idle while another runs a long file. A test not
   listed is weighed by its marks (`UNLISTED_SECONDS`).
 """
 

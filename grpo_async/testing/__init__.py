@@ -228,7 +228,7 @@ def build_smollm2(path: str | os.PathLike | None = None) -> str:
     import fcntl
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".lock", "w") as lock:  # two test workers (pytest -n 2) convert once, not over each other
+    with open(path + ".lock", "w") as lock:  # parallel test workers (pytest -n 3) convert once, not over each other
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(marker):
             with open(marker) as f:
