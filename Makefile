@@ -63,9 +63,9 @@ torch-cpu:
 # the tests run on TEST_WORKERS workers (pytest-xdist): a file's tests stay on one worker (its module fixtures are
 # shared), the long tests (chaos, bench smokes, 2-process runs) are units of their own, longest first (tests/suite_plan.py).
 # One worker more than the cores: much of a worker's time is spent waiting (a server or an engine process starting, a
-# forked run, a timeout under test), which a third worker fills on 2 cores (the whole suite on a quiet 2-core machine:
-# 2 workers 872 s, 3 workers 659 and 667 s, 4 workers 694 s); at most one per 4 GiB of RAM (a worker with its engines
-# and servers peaks at ~4 GiB).
+# forked run, a timeout under test), which a third worker fills on 2 cores (the whole suite on a 2-core machine, 2 then
+# 3 workers one after the other: 880 and 784 s; 3 and 4 workers earlier that day: 659-667 and 694 s); at most one per
+# 4 GiB of RAM (a worker with its engines and servers peaks at ~4 GiB).
 CORES := $(shell nproc 2>/dev/null || echo 2)
 TEST_WORKERS ?= $(shell m=$$(awk '/MemTotal/ {print int($$2 / 4194304)}' /proc/meminfo 2>/dev/null); w=$$(($(CORES) + 1)); \
 	[ -n "$$m" ] && [ "$$w" -gt "$$m" ] && w=$$m; [ "$$w" -ge 1 ] || w=1; echo $$w)
