@@ -48,6 +48,12 @@ def pytest_unconfigure(config):
 _gc_freeze = gc.freeze
 
 
+def _collect_and_freeze() -> None:
+    """One full collection, then what survives into the collector's permanent generation (the real `gc.freeze`)."""
+    gc.collect()
+    _gc_freeze()
+
+
 def _kept_frozen() -> None:
     """`gc.freeze` / `gc.unfreeze` of everyone but this file, in a test worker: nothing (see `_freeze_heap`)."""
 
@@ -64,8 +70,7 @@ def _freeze_heap() -> None:
     engine's objects stay in the ordinary generations (vLLM's own full collections at shutdown still free them, now
     walking only the tests' objects), and the collection's heap stays frozen. What that heap holds is modules and
     what they reference, never garbage. `support.frozen_heap` does the same in the fork server's children."""
-    gc.collect()
-    _gc_freeze()
+    _collect_and_freeze()
     gc.freeze = gc.unfreeze = _kept_frozen
 
 
@@ -84,8 +89,7 @@ def pytest_runtest_teardown(item, nextitem):
     not collected; refcounting still frees the rest)."""
     yield
     if nextitem is None or nextitem.path != item.path:
-        gc.collect()
-        _gc_freeze()
+        _collect_and_freeze()
 
 
 def pytest_xdist_node_collection_finished(node, ids):
