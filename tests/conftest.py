@@ -38,6 +38,12 @@ if "VLLM_RPC_BASE_PATH" not in os.environ:
 
 def pytest_configure(config):
     suite_plan.register_recorder(config)
+    if not _WORKER and getattr(config.option, "numprocesses", None):
+        # pytest-xdist's controller, before it starts the workers: one fork server for all of them
+        # (`support.warm_launch.start_shared_fork_server`), not one per worker
+        from support.warm_launch import start_shared_fork_server
+
+        start_shared_fork_server()
 
 
 def pytest_unconfigure(config):

@@ -256,3 +256,18 @@ def test_an_exit_status_polled_from_several_threads_at_once_is_the_real_one(tmp_
         for t in threads:
             t.join(60)
         assert seen == [7] * 9, (run, seen)
+
+
+def test_forks_come_from_the_xdist_controllers_fork_server_or_from_this_processs(tmp_path):
+    """Under pytest-xdist every worker forks from the one fork server the controller started before the workers (one
+    preload for the suite: `warm_launch.start_shared_fork_server`); a pytest run without workers starts its own."""
+    script = tmp_path / "parent.py"
+    script.write_text("import os\nprint(os.getppid(), flush=True)\n")
+    proc = run_script(str(script), [], timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    server = int(proc.stdout.split()[0])
+    with open(f"/proc/{server}/stat") as f:
+        stat = f.read()
+    server_parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # fields after the name: state, ppid, ...
+    under_xdist = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # a worker is a child of the controller
+    assert server_parent == (os.getppid() if under_xdist else os.getpid()), (server, server_parent, under_xdist)

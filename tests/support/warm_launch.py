@@ -141,6 +141,10 @@ class _ForkServerContext(multiprocessing.context.ForkServerContext):
     Process = _ForkServerProcess
 
 
+#: set by `start_shared_fork_server` (pytest-xdist's controller) to its fork server's address, for the workers
+SHARED_FORK_SERVER = "GRPO_TEST_FORK_SERVER"
+
+
 def _context():
     global _CTX
     if _CTX is None:
@@ -148,9 +152,44 @@ def _context():
         _CTX.set_forkserver_preload(PRELOAD)
         if _IN_WARM_FORK:
             _use_the_parent_fork_server()
+        elif os.environ.get(SHARED_FORK_SERVER):
+            _use_the_shared_fork_server(os.environ[SHARED_FORK_SERVER])
         else:
             _start_fork_server()
     return _CTX
+
+
+def start_shared_fork_server() -> None:
+    """In pytest-xdist's controller (`tests/conftest.py`), before it starts the workers: start the fork server all of
+    them use (`SHARED_FORK_SERVER` in their environment), one preload (~20 CPU-s on 2 slow cores) instead of one per
+    worker. It starts in the background: a worker's first fork waits for the preload to end. Its environment is the
+    one `tests/conftest.py` gives a worker where it matters at import (OpenMP reads `OMP_NUM_THREADS` as torch loads
+    it: 1); every fork then takes its caller's whole environment (`_rank_main`). It ends with the controller (the
+    server exits when its "alive" pipe, which only the controller holds, closes)."""
+    from multiprocessing import forkserver
+
+    worker_env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    added = [k for k in worker_env if k not in os.environ]
+    os.environ.update({k: worker_env[k] for k in added})
+    try:
+        _context()
+    finally:
+        for k in added:
+            del os.environ[k]
+    os.environ[SHARED_FORK_SERVER] = forkserver._forkserver._forkserver_address
+
+
+def _use_the_shared_fork_server(address: str) -> None:
+    """In a pytest-xdist worker: ask the controller's fork server (`start_shared_fork_server`) at `address`. A client
+    hands the server an "alive" file descriptor with each request, which the fork keeps as its own for forks of its
+    own (`_use_the_parent_fork_server`); the worker holds no end of the server's pipe, so it hands `/dev/null`: the
+    server's life is the controller's."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    server.ensure_running = resource_tracker.ensure_running
 
 
 def _start_fork_server() -> None:
