@@ -4,11 +4,12 @@ the tests whose subject is what the ranks train, not the launcher (and the runs 
 
 `accelerate launch` on 2 CPU processes costs ~13 CPU-seconds before a rank runs a line of its script (the launcher
 imports accelerate and torch, then each rank imports torch, transformers and the trainer: ~9 s on 2 quiet cores). The
-suite launched ~20 such runs. Here each pytest worker starts one `multiprocessing` fork server that imports that
-stack once (`PRELOAD`); every rank is a fresh `fork()` of it — its own process, its own address space, gloo between
-them as under `accelerate launch` — that gets the environment `accelerate launch` would give it (the `ACCELERATE_*`
-variables from accelerate's own `prepare_multi_gpu_env`, torchelastic's `RANK` / `WORLD_SIZE` / `MASTER_*`) and runs
-the script as `__main__` with `sys.argv` set.
+suite launched ~20 such runs. Here one `multiprocessing` fork server imports that stack once (`PRELOAD`): under
+pytest-xdist the controller starts it before the workers and every worker asks it (`start_shared_fork_server`); a run
+without workers starts its own on first use. Every rank is a fresh `fork()` of it — its own process, its own address
+space, gloo between them as under `accelerate launch` — that gets the environment `accelerate launch` would give it
+(the `ACCELERATE_*` variables from accelerate's own `prepare_multi_gpu_env`, torchelastic's `RANK` / `WORLD_SIZE` /
+`MASTER_*`) and runs the script as `__main__` with `sys.argv` set.
 
 The test servers of `vllm_utils.running_servers` start the same way (`start_server`): `grpo-async serve`'s API process
 is a fork of the same warm interpreter, in a session of its own as `launch_server` makes it; ~7 of the ~17 s a server
@@ -23,7 +24,7 @@ OpenMP thread. The worker, which holds the model and joins vLLM's own process gr
 core; it is a fork of the fork server instead (`_WorkerContext`: no thread, no OpenMP region run there), with the
 environment and output a spawned one would inherit (~12 CPU-s less per worker: `bench/lora_sync.py --smoke` 47 → 26
 CPU-s). A forked script that forks in turn (a bench's `--smoke` run under `tests/test_benches.py` starts its runs and
-servers here too) asks the same fork server, not a second one of its own: one preload per pytest worker, not one per
+servers here too) asks the same fork server, not a second one of its own: one preload per pytest run, not one per
 bench (`_use_the_parent_fork_server`). `run_script`'s scripts keep `spawn`: they may have run OpenMP regions on several
 threads first, after which a forked child's OpenMP can hang (unless the caller knows they run one thread:
 `fork_engine`, as the bench smokes do). `start_server_command` forks a server from a test's own command line and
