@@ -21,10 +21,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 # they start) would share core 0 while core 1 idles; and workers with torch's default 2 threads each would
 # oversubscribe 2 cores. Set before torch is imported; an explicit setting in the environment wins.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under `pytest -n N`; unset otherwise
+#: a worker's environment but its core (also the shared fork server's: `pytest_configure`)
+_WORKER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
 if _WORKER and (os.cpu_count() or 1) > 1:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_WORKER[2:]) % os.cpu_count()))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for _key, _value in _WORKER_ENV.items():
+        os.environ.setdefault(_key, _value)
 
 
 # vLLM names its engines' ZeroMQ sockets `$VLLM_RPC_BASE_PATH/<uuid>` (default: the temporary folder), and a process
@@ -43,7 +45,7 @@ def pytest_configure(config):
         # (`support.warm_launch.start_shared_fork_server`), not one per worker
         from support.warm_launch import start_shared_fork_server
 
-        start_shared_fork_server()
+        start_shared_fork_server(_WORKER_ENV)
 
 
 def pytest_unconfigure(config):

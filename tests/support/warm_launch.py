@@ -160,16 +160,15 @@ def _context():
     return _CTX
 
 
-def start_shared_fork_server() -> None:
+def start_shared_fork_server(worker_env: dict[str, str]) -> None:
     """In pytest-xdist's controller (`tests/conftest.py`), before it starts the workers: start the fork server all of
     them use (`SHARED_FORK_SERVER` in their environment), one preload (~20 CPU-s on 2 slow cores) instead of one per
-    worker. It starts in the background: a worker's first fork waits for the preload to end. Its environment is the
-    one `tests/conftest.py` gives a worker where it matters at import (OpenMP reads `OMP_NUM_THREADS` as torch loads
-    it: 1); every fork then takes its caller's whole environment (`_rank_main`). It ends with the controller (the
-    server exits when its "alive" pipe, which only the controller holds, closes)."""
+    worker. It starts in the background: a worker's first fork waits for the preload to end. It starts with
+    `worker_env`, what `tests/conftest.py` gives a worker (OpenMP reads `OMP_NUM_THREADS` as torch loads it: 1), where
+    not already set; every fork then takes its caller's whole environment (`_rank_main`). It ends with the controller
+    (the server exits when its "alive" pipe, which only the controller holds, closes)."""
     from multiprocessing import forkserver
 
-    worker_env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     added = [k for k in worker_env if k not in os.environ]
     os.environ.update({k: worker_env[k] for k in added})
     try:
