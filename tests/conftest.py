@@ -157,3 +157,18 @@ def smollm2_path():
     from grpo_async.testing import build_smollm2
 
     return build_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_2_layers(smollm2_path, tmp_path_factory):
+    """SmolLM2 cut to its first 2 of 30 layers (its tokenizer, chat template, embeddings and those layers' weights):
+    3-4x less compute on the short rows of the tests. For runs whose subject is the template's turns, the tool loop
+    or what the rows share, not 30 layers' numerics (`test_prefix_sharing.py::test_smollm2_equals_unshared` and
+    `test_real_model.py`'s log-prob checks hold those)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("smollm2_2_layers")
+    AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, num_hidden_layers=2).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(path)
+    return str(path)

@@ -471,19 +471,6 @@ def test_multi_turn_runs_with_and_without_sharing_log_the_same_loss(tiny_model_p
         assert abs(a - b) <= 1e-5, (shared, unshared)
 
 
-@pytest.fixture(scope="module")
-def smollm2_2_layers(smollm2_path, tmp_path_factory):
-    """SmolLM2 cut to its first 2 of 30 layers (its tokenizer, chat template, embeddings and those layers' weights):
-    ~4x less compute a token. For runs whose subject is what the rows share (the template's turns), not 30 layers'
-    numerics (`test_smollm2_equals_unshared` holds those)."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("smollm2_2_layers")
-    AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, num_hidden_layers=2).save_pretrained(path)
-    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.slow  # SmolLM2 (2 layers): a scripted tool call, the tool's turn, a sampled answer; two runs of 2 steps
 def test_tool_call_rounds_with_and_without_sharing_log_the_same_loss(smollm2_2_layers, tmp_path, monkeypatch):
     """A multi-turn tool case on SmolLM2's chat template (its first 2 layers): the tools' system prompt and question

@@ -156,7 +156,9 @@ class ScriptedToolCaller:
         self.hf.close()
 
 
-def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_path):
+def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_2_layers, tmp_path):
+    """SmolLM2's tokenizer and chat template (its first 2 layers: what is checked is the tool loop's turns and masks,
+    not the model's reply after the tool's answer)."""
     calls, seen_completions = [], []
 
     def calculator(expression: str) -> str:
@@ -193,7 +195,7 @@ def test_tool_call_runs_the_tool_and_its_tokens_are_masked(smollm2_path, tmp_pat
             max_steps=1,
             learning_rate=1e-6,
         )
-        t, trained = recorded(smollm2_path, saw_the_tool, args=args, train_dataset=ds, environment=env)
+        t, trained = recorded(smollm2_2_layers, saw_the_tool, args=args, train_dataset=ds, environment=env)
         t.train()
         t.close()
     finally:
