@@ -315,7 +315,9 @@ class ScriptedCaller:
 
 
 @pytest.mark.slow
-def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_path):
+def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_2_layers, tmp_path):
+    """SmolLM2's tokenizer and chat template (its first 2 layers: the subject is the environment's tools, turns,
+    masks and reward, not the model's numerics)."""
     samplers = []
 
     def factory(args, model, tokenizer, model_path):
@@ -338,7 +340,7 @@ def test_environment_factory_runs_a_real_tool_call_on_smollm2(smollm2_path, tmp_
             temperature=1.0,
         )
         t, trained = recorded(
-            smollm2_path, None, args, train_dataset=ds, environment_factory=Counter
+            smollm2_2_layers, None, args, train_dataset=ds, environment_factory=Counter
         )  # reward_funcs=None
         assert t.reward_func_names == ["Counter"] and not t.environment.template_tools  # SmolLM2 ignores tools=
         t.train()
