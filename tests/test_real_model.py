@@ -64,11 +64,13 @@ def test_hf_backend_stops_at_im_end(model, tok):
 
 @pytest.mark.vllm
 def test_vllm_in_process_stops_at_im_end_and_matches_the_trainer(smollm2_path, model, tok):
-    """vLLM's sampled-token log-probs against the trainer's `completion_logps` on the same tokens (float32, T=0.7):
-    measured here mean 7e-6 to 9e-6, max 7.0e-5 over the 296 token comparisons before the push (8 completions of up
-    to 24 tokens, both padding paths) and the 174 after (HF's own generate: mean 1.8e-5, max 4.4e-5). The bound, 1e-3
-    per token, is ~14x the largest difference seen: float32 accumulation-order noise over 30 layers; a real bug (wrong
-    position ids, temperature not applied, logits one position off) moves tokens by 0.1 or more."""
+    """vLLM's sampled-token log-probs against the trainer's `completion_logps` on the same tokens (float32, T=0.7), the
+    8 completions scored in one padded batch as the trainer scores a round: measured mean 7.3e-6, max 7.0e-5 over the
+    296 token comparisons before the push (8 completions of up to 24 tokens, both padding paths) and mean 8.4e-6, max
+    5.9e-5 over the 174 after (one row at a time they read the same: mean 7e-6 to 9e-6, max 7.0e-5; HF's own generate:
+    mean 1.8e-5, max 4.4e-5). The bound, 1e-3 per token, is ~14x the largest difference seen: float32
+    accumulation-order noise over 30 layers; a real bug (wrong position ids, temperature not applied, logits one
+    position off) moves tokens by 0.1 or more."""
     from grpo_async.generation.vllm_colocate import VLLMColocateBackend
 
     backend = VLLMColocateBackend(smollm2_path, max_model_len=512, kv_cache_seqs=8)  # 8 requests at most: 207 MiB
@@ -102,16 +104,21 @@ def test_vllm_in_process_stops_at_im_end_and_matches_the_trainer(smollm2_path, m
 
 
 def _check_logps(model, prompts, out, temperature, paths=(False, True)):
-    """Each completion's sampler log-probs against `completion_logps` with `padding_free` off and on (`paths`)."""
+    """The sampler's log-probs of every completion against `completion_logps` on all of them in one batch, as the
+    trainer scores a round (prompts left-padded, completions right-padded to the longest), with `padding_free` off and
+    on (`paths`)."""
+    n = len(out) // len(prompts)  # completions per prompt
+    rows = [(prompts[i // n], c.completion_ids) for i, c in enumerate(out)]
+    P, T = max(len(p) for p, _ in rows), max(len(ids) for _, ids in rows)
+    full = torch.zeros(len(rows), P + T, dtype=torch.long)
+    mask = torch.zeros_like(full)
+    for r, (p, ids) in enumerate(rows):
+        full[r, P - len(p) : P + len(ids)] = torch.tensor(p + ids)
+        mask[r, P - len(p) : P + len(ids)] = 1
     diffs = []
     for padding_free in paths:
-        for i, c in enumerate(out):
-            p, ids = prompts[i // 4], c.completion_ids
-            full = torch.tensor([p + ids])
-            logps = completion_logps(
-                model, full, torch.ones_like(full), len(ids), temperature, padding_free=padding_free
-            )
-            diffs.append((logps[0] - torch.tensor(c.logprobs)).abs())
+        logps = completion_logps(model, full, mask, T, temperature, padding_free=padding_free)
+        diffs += [(logps[r, : len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for r, c in enumerate(out)]
     d = torch.cat(diffs)
     assert d.numel() > 100
     assert d.max().item() < 1e-3, f"max {d.max().item():.2e}"
