@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _runs import launch_bench_server  # noqa: E402
+from _runs import launch_bench_server, run_python  # noqa: E402
 
 from grpo_async.generation.server_process import TWO_PROCESS_ENV  # noqa: E402
 from grpo_async.net import ServerClient
@@ -355,8 +355,6 @@ def staging_ratio(path: str, url: str, model_bytes: int, *, warm: bool = False) 
     preloaded heap's free space absorbs some of the small blocks: on the smoke's 1.8 MB model the second publish read
     the same there as in a fresh child (0.21 MB), the first 6.3 MB against 13.3 (no first-use imports left to do) and
     the staged copy 1.0 MB against 1.7: the smoke checks that the measurement runs, the full run measures."""
-    from _runs import run_python
-
     args = ["--staging-child", path, url, str(model_bytes)]
     proc = run_python(os.path.abspath(__file__), args, timeout=600, warm=warm)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("STAGING ")]
