@@ -4,8 +4,14 @@ import shutil
 import sys
 import tempfile
 
-import pytest
-import suite_plan
+# The collection's imports (torch, transformers, vLLM, trl, the test modules: ~700k objects, all long-lived) run with
+# the garbage collector off: its automatic collections walked that growing heap over and over (`pytest --collect-only
+# -q tests`: 26.6-27.9 busy CPU-s with them, 23.5-24.5 without, 2026-11-30; see `grpo_async.gc_tuning`). A worker
+# turns it back on when the collection is over (`_freeze_heap`), the controller once it started the fork server.
+gc.disable()
+
+import pytest  # noqa: E402
+import suite_plan  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,6 +52,7 @@ def pytest_configure(config):
         from support.warm_launch import start_shared_fork_server
 
         start_shared_fork_server(_WORKER_ENV)
+        gc.enable()  # the controller collects nothing (its workers do)
 
 
 def pytest_unconfigure(config):
@@ -77,7 +84,9 @@ def _freeze_heap() -> None:
     (py-spy, 2026-11-30), plus ~40 for refreezing after each test. Here their freeze and unfreeze do nothing: an
     engine's objects stay in the ordinary generations (vLLM's own full collections at shutdown still free them, now
     walking only the tests' objects), and the collection's heap stays frozen. What that heap holds is modules and
-    what they reference, never garbage. `support.frozen_heap` does the same in the fork server's children."""
+    what they reference, never garbage. `support.frozen_heap` does the same in the fork server's children. The
+    collector, off while the collection imported (see the top of this file), is on again from here."""
+    gc.enable()
     _collect_and_freeze()
     gc.freeze = gc.unfreeze = _kept_frozen
 

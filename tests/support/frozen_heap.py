@@ -12,12 +12,15 @@ also wrote to each object's header, which made the fork copy those memory pages.
 The freeze holds for the server's and its children's lives: vLLM's own `gc.freeze` (an engine's start) and
 `gc.unfreeze` (its shutdown, followed by full collections) do nothing here (as in a test worker: `tests/conftest.py`),
 so an engine's objects stay in the ordinary generations and its shutdown's collections walk only the fork's own.
+
+The collector was off while the preload imported (`support.collector_off`, imported first): on again from here.
 """
 
 import gc
 
 gc.collect()
 gc.freeze()
+gc.enable()
 
 
 def _kept_frozen() -> None:

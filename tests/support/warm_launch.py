@@ -78,6 +78,7 @@ from grpo_async.net import free_port
 
 #: imported once by the fork server, before any rank forks: the stack every training script imports
 PRELOAD = [
+    "support.collector_off",  # the imports below without the garbage collector's walks (see the module)
     "torch",
     "transformers",
     "accelerate",
@@ -101,6 +102,15 @@ PRELOAD = [
     "deepspeed",
     "vllm.model_executor.layers.quantization.online.base",
     "matplotlib.pyplot",
+    # what forks imported each on their own (py-spy over a suite run, 2026-11-30): the tiny test model's
+    # architecture, the weight-transfer plugin every engine loads, the backends, the demo task, and pytest (the test
+    # files that run as scripts: `test_clean_exit.py train ...`)
+    "transformers.models.llama.modeling_llama",
+    "grpo_async.weight_sync.vllm_engine",
+    "grpo_async.generation.vllm_colocate",
+    "grpo_async.generation.stock_server",
+    "grpo_async.demo_task",
+    "pytest",
     # forks count the sampler's token ranks with the eager original of vLLM's compiled helper (see the module)
     "support.eager_compile",
     # last: the preloaded heap into the collector's permanent generation (see the module)
