@@ -52,6 +52,7 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from grpo_async.gc_tuning import collector_paused
 from grpo_async.generation import vllm_cpu
 from grpo_async.generation.server_process import flag_passed
 from grpo_async.generation.vllm_cpu import (
@@ -497,10 +498,11 @@ async def _serve(args, api_key: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `grpo-async serve`; `argv` excludes the program name (defaults to `sys.argv[1:]`)."""
     os.environ["VLLM_SERVER_DEV_MODE"] = "0"  # never expose vLLM's generic dev routes
-    import uvloop
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
+    with collector_paused():  # torch and vLLM (~10 CPU-s): see `grpo_async.gc_tuning`
+        import uvloop
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        from vllm.logger import configure_logging_from_args
 
     cli_env_setup()
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from grpo_async.gc_tuning import freeze_for_engine
 from grpo_async.generation import vllm_cpu
 from grpo_async.generation.base import Completion, GenerationAborted, SamplingConfig, check_completions
 from grpo_async.generation.engine_loop import EngineLoop, adopt_torch_threads
@@ -136,6 +137,7 @@ class VLLMColocateBackend:
         if not separate_process:
             forget_stale_groups()
             ensure_expert_group(model_path)
+            freeze_for_engine()  # vLLM's three full collections while it loads then walk only what it makes
         self.llm = LLM(
             model=model_path,
             dtype=dtype,

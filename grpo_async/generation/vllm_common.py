@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo_async.gc_tuning import collector_paused
 from grpo_async.generation.base import Completion, SamplingConfig
 from grpo_async.net import ServerError
 from grpo_async.weight_sync.buckets import NamedTensors
@@ -60,7 +61,8 @@ def check_vllm_can_serve(config, where: str = "VLLMColocateBackend") -> None:
     if torch.cuda.is_available():
         return
     d = model_head_dim(config)
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    with collector_paused():  # the trainer's first import of vLLM (~6 CPU-s): see `gc_tuning`
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if d is not None and d not in sizes:
