@@ -32,7 +32,7 @@ from grpo_async.demo_task import LETTERS, letter_reward, make_dataset, make_ends
 from grpo_async.loading import load_tokenizer
 from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
-from grpo_async.plotting import METRICS_FILE, plot_metrics, read_metrics
+from grpo_async.plotting import METRICS_FILE, copy_or_plot, read_metrics
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.testing import TinyModelSpec, build_tiny_model
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
         return trainer
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
     png = os.path.join(args.output_dir, "reward_curve.png")
-    png = plot_metrics(metrics, png, title="grpo_async demo: letter task")
+    png = copy_or_plot(metrics, png, title="grpo_async demo: letter task")
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
     acc = trainer.accelerator
     print(

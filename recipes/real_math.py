@@ -45,7 +45,7 @@ from grpo_async.envs import template_ids
 from grpo_async.generation.base import SamplingConfig
 from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig, get_peft_config
-from grpo_async.plotting import METRICS_FILE, plot_metrics
+from grpo_async.plotting import METRICS_FILE, copy_or_plot
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.rewards.builtin import completion_text
 from grpo_async.testing import build_smollm2
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
         print(f"  {x} + {y} = {x + y}: {text!r}")
     metrics = os.path.join(args.output_dir, METRICS_FILE)
     png = os.path.join(args.output_dir, "reward_curve.png")
-    png = plot_metrics(metrics, png, title="SmolLM2-135M: 2-digit addition")
+    png = copy_or_plot(metrics, png, title="SmolLM2-135M: 2-digit addition")
     print(f"trained {args.max_steps} steps in {seconds:.0f} s (evaluations included); plot: {os.path.abspath(png)}")
     print(f"RESULT real_acc_before={before:.4f} real_acc_after={after:.4f}")
     trainer.close()

@@ -31,7 +31,7 @@ from grpo_async.generation.base import SamplingConfig
 from grpo_async.logging_utils import use_concise_console
 from grpo_async.model_config import ModelConfig
 from grpo_async.pipeline.vision_prompts import tokenize_with_images
-from grpo_async.plotting import METRICS_FILE, plot_metrics, read_metrics
+from grpo_async.plotting import METRICS_FILE, copy_or_plot, read_metrics
 from grpo_async.recipe_parser import parse_recipe_args
 from grpo_async.testing.vlm import (
     COLOURS,
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
     for name, texts in answers.items():
         print(f"  {name:>6}: " + "  ".join(repr(t) for t in texts[:4]))
     rewards = [r["reward"] for r in read_metrics(metrics) if "reward" in r]
-    png = plot_metrics(metrics, os.path.join(args.output_dir, "reward_curve.png"), title="VLM: colour of the square")
+    png = copy_or_plot(metrics, os.path.join(args.output_dir, "reward_curve.png"), title="VLM: colour of the square")
     first, last = sum(rewards[:10]) / len(rewards[:10]), sum(rewards[-10:]) / len(rewards[-10:])
     print(f"trained {len(rewards)} steps in {seconds:.0f}s on backend={args.generation_backend} ({script.family})")
     print(f"metrics: {os.path.abspath(metrics)}")

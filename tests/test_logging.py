@@ -7,13 +7,14 @@ import glob
 import io
 import json
 import os
+import shutil
 
 import pytest
 
 from grpo_async import GRPOConfig, GRPOTrainer
 from grpo_async.demo_task import ends_cleanly, letter_reward, make_dataset
 from grpo_async.logging_utils import COMPLETIONS_DIR, completion_columns, read_completions
-from grpo_async.plotting import METRICS_FILE, PLOT_FILE, metric_panels, plot_metrics, read_metrics
+from grpo_async.plotting import METRICS_FILE, PLOT_FILE, copy_or_plot, metric_panels, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -168,6 +169,22 @@ def test_plot_written_at_the_end_of_training(run):
     assert panels["sampler vs trainer (mismatch)"] == ["sampling/kl", "sampling/logp_diff/max"]  # nats
     assert panels["importance-sampling: outside the clip range"] == ["sampling/masked_fraction"]  # percent
     assert not [t for t in panels if "stream" in t]  # a rounds-mode run logs no stream-mode metric
+
+
+def test_a_recipes_plot_is_the_runs_own_until_a_row_is_logged_after_it(run, tmp_path):
+    """`copy_or_plot` (the recipes' `reward_curve.png`): the end-of-training plot copied, not drawn again; drawn anew
+    from the rows once one was logged after that plot."""
+    _, out, _ = run
+    drawn = open(os.path.join(out, PLOT_FILE), "rb").read()
+    copy = copy_or_plot(os.path.join(out, METRICS_FILE), str(tmp_path / "copy" / "reward_curve.png"), title="t")
+    assert open(copy, "rb").read() == drawn
+    later = tmp_path / "later"
+    later.mkdir()
+    shutil.copy2(os.path.join(out, PLOT_FILE), later / PLOT_FILE)
+    rows = open(os.path.join(out, METRICS_FILE)).read() + json.dumps({"step": 4, "reward": 0.5}) + "\n"
+    (later / METRICS_FILE).write_text(rows)  # written after the plot it sits beside
+    redrawn = copy_or_plot(str(later / METRICS_FILE), str(later / "reward_curve.png"), title="t")
+    assert _png(redrawn) and open(redrawn, "rb").read() != drawn
 
 
 def _png_size(path):
