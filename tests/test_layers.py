@@ -10,7 +10,7 @@ above. A new module must be given a floor here, so the test also fails on a modu
 3  generation                 (backends, servers' client side, the registry)
 2  weight_sync                (collect, buckets, transports, the worker extension)
 1  algo                       (pure math)
-0  net, parent_watch, loading, logging_utils, plotting, interrupt, vision_processor   (ground floor)
+0  net, parent_watch, gc_tuning, loading, logging_utils, plotting, interrupt, vision_processor   (ground floor)
 ```
 """
 
@@ -24,6 +24,7 @@ ROOT = os.path.dirname(grpo_async.__file__)
 FLOORS = {
     "net": 0,
     "parent_watch": 0,
+    "gc_tuning": 0,
     "loading": 0,
     "logging_utils": 0,
     "plotting": 0,
