@@ -286,12 +286,12 @@ def plot_metrics(metrics_path: str, out_png: str, title: str = "grpo_async") -> 
 
 def copy_or_plot(metrics_path: str, out_png: str, title: str = "grpo_async") -> str:
     """`out_png` under a recipe's own name: a copy of the run's end-of-training plot (`PLOT_FILE` beside
-    `metrics_path`, which `MetricsJsonlCallback` draws after the run's last log row) when there is one at least as
-    new as `metrics_path`, instead of drawing the same figure again (~2 CPU-s); otherwise `plot_metrics(metrics_path,
-    out_png, title)` (no plot at the end of training: `save_metrics_plot=False`, or rows logged after it). Returns
-    `out_png`."""
+    `metrics_path`, which `MetricsJsonlCallback` draws after the run's last log row) when there is one newer than
+    `metrics_path`, instead of drawing the same figure again (~2 CPU-s); otherwise `plot_metrics(metrics_path,
+    out_png, title)` (no plot at the end of training: `save_metrics_plot=False`, rows logged after it, or a file
+    system whose times cannot tell them apart). Returns `out_png`."""
     drawn = os.path.join(os.path.dirname(metrics_path), PLOT_FILE)
-    if os.path.exists(drawn) and os.path.getmtime(drawn) >= os.path.getmtime(metrics_path):
+    if os.path.exists(drawn) and os.path.getmtime(drawn) > os.path.getmtime(metrics_path):
         os.makedirs(os.path.dirname(out_png) or ".", exist_ok=True)
         shutil.copyfile(drawn, out_png)
         return out_png
