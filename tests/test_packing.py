@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_async.algo.logprobs import completion_logps
+from grpo_async.algo.logprobs import completion_logps, score_tokens
 from grpo_async.algo.packing import (
     check_isolation,
     first_fit_decreasing,
@@ -173,6 +173,40 @@ def test_packed_gradients_equal_padded(tiny_model_path):
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert (grads[0] - grads[1]).abs().max().item() <= 1e-10
     assert (grads[0] - grads[2]).abs().max().item() <= 1e-10
+
+
+def _graph_ops(tensor) -> set[str]:
+    """The names of the autograd nodes `tensor` was computed through."""
+    seen, todo, names = set(), [tensor.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [next_fn for next_fn, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_temperature_one_scores_the_logits_as_they_are(tiny_model_path, padding_free):
+    """At temperature 1 (TRL's default) the trainer's log-probs and entropies come from the model's logits as they
+    are: no division (a logits-sized copy, a pass forward and one backward; dividing by 1 is exact, so the values
+    are those of dividing by 1); at any other temperature the logits are divided."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids, mask = _rows(seed=2)
+    T = 9
+    kw = dict(entropy=True, padding_free=padding_free)
+    one = score_tokens(model, ids, mask, T, temperature=1.0, entropy_grad=True, **kw)
+    assert "DivBackward0" not in _graph_ops(one.logps) | _graph_ops(one.entropies)
+    hot = score_tokens(model, ids, mask, T, temperature=0.7, **kw)
+    assert "DivBackward0" in _graph_ops(hot.logps)
+    with torch.no_grad():  # the same numbers as dividing by 1
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        logits = out.logits[:, -T - 1 : -1] / 1.0  # [B, T, V]
+        truth = torch.log_softmax(logits, -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    cm = mask[:, -T:].bool()
+    assert (one.logps[cm] - truth[cm]).abs().max().item() <= 1e-5
 
 
 class _DropsPositions(torch.nn.Module):

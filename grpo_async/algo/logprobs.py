@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logits import entropy_from_logits, selective_log_softmax
+from .logits import entropy_from_logits, scaled, selective_log_softmax
 from .packing import pack_rows, packed_token_scores, unpack_completion
 from .prefix_sharing import SharingCost, pack_shared, sharing_cost, sharing_supported
 from .router_replay import RoutingStats, replay_routing, routing_for_packed, routing_for_rows
@@ -131,13 +131,13 @@ def score_tokens(
         with _routed(model, experts, replay, stats, attention_mask=am):
             out = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, **extra)
         raw = out.logits[:, :-1, :]  # [b, T, V]
-        logps.append(selective_log_softmax(raw / temperature, ids[:, -logits_to_keep:]))  # [b, T]
+        logps.append(selective_log_softmax(scaled(raw, temperature), ids[:, -logits_to_keep:]))  # [b, T]
         if entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy_from_logits(raw, temperature)  # [b, T]
             entropies.append(ent.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))
         if support is not None:
-            flat = (raw / temperature).detach().reshape(-1, raw.size(-1))  # [b·T, V]
+            flat = scaled(raw, temperature).detach().reshape(-1, raw.size(-1))  # [b·T, V]
             per_pos = sets.reshape(-1, sets.size(-1)) if isinstance(sets, torch.Tensor) else sets  # [b·T, K]
             mass = log_kept_mass(flat, per_pos).view(raw.shape[:2])  # [b, T]
             kept.append(mass.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logits import entropy_from_logits, selective_log_softmax
+from .logits import entropy_from_logits, scaled, selective_log_softmax
 
 
 @dataclass
@@ -246,7 +246,7 @@ def packed_token_scores(
     )
     raw = gather_logits(out.logits, packed.logits_bin.to(device), packed.logits_pos.to(device))  # [N, V]
     target = packed.target_ids.to(device).unsqueeze(0)  # [1, N]
-    logps = selective_log_softmax((raw / temperature).unsqueeze(0), target).squeeze(0)  # [N]
+    logps = selective_log_softmax(scaled(raw, temperature).unsqueeze(0), target).squeeze(0)  # [N]
     entropies = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -262,7 +262,7 @@ def packed_token_scores(
         from .sampling_support import log_kept_mass
 
         sets = support if not isinstance(support, torch.Tensor) else support[packed.rows, packed.cols]  # [N, K]
-        kept = log_kept_mass((raw / temperature).detach(), sets)  # [N]
+        kept = log_kept_mass(scaled(raw, temperature).detach(), sets)  # [N]
     return logps, entropies, aux_loss, kept
 
 
