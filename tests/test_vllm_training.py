@@ -122,19 +122,33 @@ def test_an_engine_after_its_process_group_was_destroyed_makes_vllms_groups_agai
     start-up ("Invalid process group specified" / "... not initialized in the world group map": a CI run lost five
     tests of one worker to it). `forget_stale_groups` drops the dead groups. A process of its own, so the state is
     real: a fork of the warm interpreter (`run_script`: vLLM imported, no engine built, no group made yet), ~20 CPU-s
-    of imports less than a fresh `python -c`."""
+    of imports less than a fresh `python -c`.
+
+    The second engine also leaves vLLM's CPU kernel overrides as the first registered them
+    (`vllm_cpu.register_kernel_overrides_once`): vLLM's worker start registers them again at every engine, scanning
+    every loaded module (0.44 CPU-s a later engine of the tiny model, ~30 % of its start), and its kernels are the
+    overrides (greedy answers as the first engine's)."""
     from support.warm_launch import run_script
 
     script = tmp_path / "second_engine.py"
     script.write_text(
         "import sys, torch\n"
+        "from vllm.triton_utils import dispatcher\n"
+        "from vllm.v1.worker.block_table import ComputeSlotMappingKernel\n"
         "from grpo_async.generation.base import SamplingConfig\n"
         "from grpo_async.generation.vllm_colocate import VLLMColocateBackend\n"
         "assert not torch.distributed.is_initialized()  # the fork starts as a fresh process would\n"
+        "greedy = SamplingConfig(max_tokens=6, top_k=1)\n"
         "a = VLLMColocateBackend(sys.argv[1], max_model_len=128)\n"
+        "first = [c.completion_ids for c in a.generate([[5, 6, 7], [9, 10]], greedy)]\n"
         "torch.distributed.destroy_process_group()\n"
+        "scans, rebind = [], dispatcher._rebind_kernels\n"
+        "dispatcher._rebind_kernels = lambda overrides: (scans.append(overrides), rebind(overrides))\n"
         "b = VLLMColocateBackend(sys.argv[1], max_model_len=128)\n"
         "assert len(b.generate([[5, 6, 7]], SamplingConfig(n=2, max_tokens=3, seed=0))) == 2\n"
+        "assert scans == [], f'the second engine registered the kernel overrides again: {len(scans)} scans'\n"
+        "assert isinstance(ComputeSlotMappingKernel.kernel, dispatcher.KernelOverride)\n"
+        "assert [c.completion_ids for c in b.generate([[5, 6, 7], [9, 10]], greedy)] == first\n"
         "print('SECOND_ENGINE_OK')\n"
     )
     run = run_script(str(script), [tiny_model_path], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=240)

@@ -123,6 +123,7 @@ class VLLMColocateBackend:
         self.lora_request = None  # the policy adapter every generate uses (adapter sync), None: the base weights
         if vllm_cpu.is_cpu():
             vllm_cpu.inspect_models_in_process()
+            vllm_cpu.register_kernel_overrides_once()
             # seeded requests whose prefill is cut into chunks crash vLLM CPU ("CPU Generator does not use offset");
             # whole prefills are as fast here
             llm_kwargs.setdefault("enable_chunked_prefill", False)

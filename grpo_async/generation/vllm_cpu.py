@@ -98,6 +98,35 @@ def inspect_models_in_process() -> bool:
     return True
 
 
+def register_kernel_overrides_once() -> bool:
+    """On CPU, have vLLM register its CPU kernel overrides once per process; returns whether it will. vLLM's worker
+    start (`WorkerWrapperBase.__init__`) calls its CPU platform's `register_triton_kernel_overrides` at every engine
+    start; after the first, each call wraps the wrappers again ("Kernel ... is already registered. Overwriting.") and
+    scans every attribute of every module the process has loaded for references to rebind: 0.44 CPU-s of the ~1.4 a
+    later colocated engine of the tiny model took to start in a trainer's process (2 AVX2 cores). The first call
+    registers as before (a failed one is tried again at the next start); the later ones, and those of a process forked
+    after it, find the overrides in place and return. Safe: an override calls its implementation, never the kernel it
+    replaced, and the modules keep pointing at the first wrappers."""
+    if not is_cpu():
+        return False
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    register = platform.register_triton_kernel_overrides  # a classmethod, bound to the class
+    if getattr(register, "registers_once", False):
+        return True
+    registered = []
+
+    def once(cls) -> None:
+        if not registered:
+            register()
+            registered.append(True)
+
+    once.registers_once = True
+    platform.register_triton_kernel_overrides = classmethod(once)
+    return True
+
+
 def default_cpu_aot_compile(environ) -> bool:
     """On CPU, unless `VLLM_USE_AOT_COMPILE` is set, turn vLLM's AOT compile cache off in `environ` (the processes an
     engine starts inherit it); returns whether it did. vLLM 0.32 saves an AOT artifact of the compiled model at every
