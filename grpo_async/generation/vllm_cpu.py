@@ -10,6 +10,8 @@
   request's generator after a partial prefill).
 - **AOT compile cache.** vLLM 0.32 saves an AOT artifact of a compiled model at every start on CPU that the next start
   cannot load (`default_cpu_aot_compile`).
+- **Kernel overrides.** vLLM registers its CPU kernel overrides again at every engine start, scanning every loaded
+  module; the colocated engine has it register them once per process (`register_kernel_overrides_once`).
 """
 
 from __future__ import annotations
