@@ -273,9 +273,9 @@ def gather_logits(logits: torch.Tensor, bins: torch.Tensor, pos: torch.Tensor) -
     gradients with atomic adds from every intra-op thread once `N × V` reaches torch's grain size (32768), so their
     order, hence the float sum, followed the thread timing: loaded runs with 2 threads diverged (issue 41). On CPU the
     rows are taken with `index_select`, whose backward (`index_add_`) adds them in index order; on CUDA advanced
-    indexing's backward already sorts the indices, where `index_add_` would use atomics. When the picks are every
-    row once in order (one bin: each column a token's), the logits are returned as a `[N, V]` view instead: no copy,
-    and no zero-filled `[N, V]` gradient to add into.
+    indexing's backward already sorts the indices, where `index_add_` would use atomics. On CPU, when the picks are
+    every row once in order (one bin: each column a token's), the logits are returned as a `[N, V]` view instead: no
+    copy, and no zero-filled `[N, V]` gradient to add into.
 
     >>> logits = torch.arange(12.0).view(2, 3, 2).requires_grad_()
     >>> rows = gather_logits(logits, torch.tensor([0, 0, 1]), torch.tensor([2, 2, 0]))
@@ -287,12 +287,12 @@ def gather_logits(logits: torch.Tensor, bins: torch.Tensor, pos: torch.Tensor) -
     >>> every.data_ptr() == logits.data_ptr(), every.tolist() == logits.reshape(6, 2).tolist()  # a view of all rows
     (True, True)
     """
+    if logits.device.type != "cpu":
+        return logits[bins, pos]  # [N, V] (no identity check here: comparing device indices would wait for the GPU)
     K, M, V = logits.shape
     rows = bins * M + pos  # [N] row of the flattened [K·M, V]
-    if rows.numel() == K * M and torch.equal(rows, torch.arange(K * M, device=rows.device)):
+    if rows.numel() == K * M and torch.equal(rows, torch.arange(K * M)):
         return logits.reshape(K * M, V)  # every row once, in order (one bin): a view, no copy, no gradient scatter
-    if logits.device.type != "cpu":
-        return logits[bins, pos]  # [N, V]
     return logits.reshape(K * M, V).index_select(0, rows)  # [N, V]
 
 
