@@ -114,7 +114,9 @@ def register_kernel_overrides_once() -> bool:
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
-    register = platform.register_triton_kernel_overrides  # a classmethod, bound to the class
+    register = getattr(platform, "register_triton_kernel_overrides", None)  # a classmethod, bound to the class
+    if register is None:  # a vLLM that registers them otherwise
+        return False
     if getattr(register, "registers_once", False):
         return True
     registered = []
