@@ -131,13 +131,14 @@ def score_tokens(
         with _routed(model, experts, replay, stats, attention_mask=am):
             out = model(input_ids=ids, attention_mask=am, logits_to_keep=logits_to_keep + 1, **extra)
         raw = out.logits[:, :-1, :]  # [b, T, V]
-        logps.append(selective_log_softmax(scaled(raw, temperature), ids[:, -logits_to_keep:]))  # [b, T]
+        z = scaled(raw, temperature)  # [b, T, V] what the sampler's distribution is the softmax of
+        logps.append(selective_log_softmax(z, ids[:, -logits_to_keep:]))  # [b, T]
         if entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy_from_logits(raw, temperature)  # [b, T]
             entropies.append(ent.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))
         if support is not None:
-            flat = scaled(raw, temperature).detach().reshape(-1, raw.size(-1))  # [b·T, V]
+            flat = z.detach().reshape(-1, raw.size(-1))  # [b·T, V]
             per_pos = sets.reshape(-1, sets.size(-1)) if isinstance(sets, torch.Tensor) else sets  # [b·T, K]
             mass = log_kept_mass(flat, per_pos).view(raw.shape[:2])  # [b, T]
             kept.append(mass.masked_fill(am[:, -logits_to_keep:] == 0, 0.0))

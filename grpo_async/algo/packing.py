@@ -246,7 +246,8 @@ def packed_token_scores(
     )
     raw = gather_logits(out.logits, packed.logits_bin.to(device), packed.logits_pos.to(device))  # [N, V]
     target = packed.target_ids.to(device).unsqueeze(0)  # [1, N]
-    logps = selective_log_softmax(scaled(raw, temperature).unsqueeze(0), target).squeeze(0)  # [N]
+    z = scaled(raw, temperature)  # [N, V] what the sampler's distribution is the softmax of
+    logps = selective_log_softmax(z.unsqueeze(0), target).squeeze(0)  # [N]
     entropies = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -262,7 +263,7 @@ def packed_token_scores(
         from .sampling_support import log_kept_mass
 
         sets = support if not isinstance(support, torch.Tensor) else support[packed.rows, packed.cols]  # [N, K]
-        kept = log_kept_mass(scaled(raw, temperature).detach(), sets)  # [N]
+        kept = log_kept_mass(z.detach(), sets)  # [N]
     return logps, entropies, aux_loss, kept
 
 
