@@ -303,14 +303,18 @@ def test_vllm_engine_records_routing_and_replay_trains_in_stream_mode(qwen3_moe_
     )
     try:
         assert _training_forward_agreement(watch).all()
-        model = _load(qwen3_moe_path)  # the weights that sampled round 0 (pushed as version 0)
+        model = _load(qwen3_moe_path)  # the weights pushed as version 0, before the first optimizer step
         checked = 0
         for mb, _ in watch.seen:
-            if int(mb["round_id"][0]) != 0:
-                continue
             for b in range(len(mb["advantages"])):
+                # a row every token of which version 0 sampled (a stream round joins the groups that finish first:
+                # the first step can train rows requested for the second round, and a later one rows of the first)
+                c_mask = mb["completion_mask"][b].bool()
+                versions = mb["token_version"][b][c_mask] if "token_version" in mb else mb["policy_version"][b]
+                if int(versions.max()) != 0:
+                    continue
                 p = mb["prompt_ids"][b][mb["prompt_mask"][b].bool()].tolist()
-                c = mb["completion_ids"][b][mb["completion_mask"][b].bool()].tolist()
+                c = mb["completion_ids"][b][c_mask].tolist()
                 r = mb["routed_experts"][b, : len(c)]
                 assert routed(r).tolist() == [True] * (len(c) - 1) + [False]
                 assert _same_sets(_own_routing(model, p, c)[:-1], r[:-1]).all()
