@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 from transformers import PreTrainedModel, Trainer
@@ -28,7 +27,6 @@ from .algo.loss import LossContext
 from .algo.token_budget import budgeted_loss
 from .callbacks import notify_micro_batch
 from .config import GRPOConfig
-from .cpu_malloc import keep_freed_memory
 from .data.async_loader import AsyncDataLoaderWrapper, wrapper_skips_batches
 from .data.sampler import RepeatSampler
 from .interrupt import debug_enabled
@@ -141,8 +139,6 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
             optimizers=optimizers,
         )
         self.add_callback(MetricsJsonlCallback(plot=self.args.save_metrics_plot))
-        if self.args.device.type == "cpu":  # each step's large buffers reuse freed memory: see `cpu_malloc`
-            keep_freed_memory(os.environ)
         self._build_pipeline(ref_model, processing_class, rewards, weights, rollout_func)  # trainer_pipeline.py
 
     # ---- data ----------------------------------------------------------------------------------------------------

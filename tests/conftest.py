@@ -13,15 +13,6 @@ gc.disable()
 import pytest  # noqa: E402
 import suite_plan  # noqa: E402
 
-# glibc's malloc keeps freed memory for the next allocation in every process of the suite (the workers, the fork
-# server and its children, the interpreters tests start), as the trainer and `grpo-async serve` do for themselves on
-# CPU (`grpo_async.cpu_malloc`): the tests' own models, batches and engines too. With glibc's defaults each reuse of
-# a large buffer faulted in zeroed pages again: sys time ~20 % of the suite's CPU, 43 % of the Qwen3 tool tests'.
-from grpo_async import cpu_malloc  # noqa: E402
-
-if not cpu_malloc.user_chose(os.environ):
-    os.environ.update(cpu_malloc.ENV)
-
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

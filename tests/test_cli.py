@@ -132,32 +132,19 @@ def _live_group_members(pgid: int) -> list[str]:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["process", "group"])
-def test_serve_stops_cleanly_on_sigterm(tiny_model_path, tmp_path, target, monkeypatch):
+def test_serve_stops_cleanly_on_sigterm(tiny_model_path, tmp_path, target):
     """SIGTERM to the server process (`kill PID`, systemd) or to its whole process group (a job scheduler, Ctrl-C's
-    SIGINT alike): exit 0, engine processes gone, no nanobind leak lists or leaked semaphores on its stderr. Started
-    from an environment without glibc malloc settings, the server sets them for itself and its engine's processes
-    (`grpo_async.cpu_malloc`)."""
+    SIGINT alike): exit 0, engine processes gone, no nanobind leak lists or leaked semaphores on its stderr."""
     import signal
     import time
 
     from vllm_utils import SERVER_ARGS
 
-    from grpo_async import cpu_malloc
     from grpo_async.generation.server_process import launch_server
 
-    for key in cpu_malloc.ENV:  # the suite's conftest sets them
-        monkeypatch.delenv(key, raising=False)
     log = tmp_path / "serve.log"
     server = launch_server(tiny_model_path, extra_args=SERVER_ARGS, log_path=str(log), ready_timeout=300)
     try:
-        engines = [int(member.split()[0]) for member in _live_group_members(server.proc.pid)]
-        engines = [pid for pid in engines if pid != server.proc.pid]
-        assert engines, _live_group_members(server.proc.pid)
-        for pid in engines:  # what each engine process's glibc read at its start
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-            got = {key: environ.get(key.encode(), b"").decode() for key in cpu_malloc.ENV}
-            assert got == cpu_malloc.ENV, (pid, got)
         if target == "process":
             os.kill(server.proc.pid, signal.SIGTERM)
         else:
@@ -173,7 +160,6 @@ def test_serve_stops_cleanly_on_sigterm(tiny_model_path, tmp_path, target, monke
     text = log.read_text(errors="replace")
     shutdown = text[text.find("shutdown triggered") :]
     assert rc == 0, shutdown[-3000:]
-    assert "grpo-async serve: glibc malloc keeps freed memory for reuse" in text, text[:3000]
     # Open (issue 21 item 8): vLLM's AsyncLLM output handler can still log a traceback when its engine core stops
     # first, and a SIGTERM to the whole group can leave one worker shared-memory segment to the resource tracker
     # (seen in 1 of 2 runs each); those are not asserted until they are fixed.

@@ -10,7 +10,7 @@ above. A new module must be given a floor here, so the test also fails on a modu
 3  generation                 (backends, servers' client side, the registry)
 2  weight_sync                (collect, buckets, transports, the worker extension)
 1  algo                       (pure math)
-0  net, parent_watch, gc_tuning, cpu_malloc, loading, logging_utils, plotting, interrupt, vision_processor (ground)
+0  net, parent_watch, gc_tuning, loading, logging_utils, plotting, interrupt, vision_processor   (ground floor)
 ```
 """
 
@@ -25,7 +25,6 @@ FLOORS = {
     "net": 0,
     "parent_watch": 0,
     "gc_tuning": 0,
-    "cpu_malloc": 0,
     "loading": 0,
     "logging_utils": 0,
     "plotting": 0,

@@ -52,9 +52,6 @@ import sys
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from grpo_async.cpu_malloc import ENV as MALLOC_ENV
-from grpo_async.cpu_malloc import SWITCH as MALLOC_SWITCH
-from grpo_async.cpu_malloc import keep_freed_memory
 from grpo_async.gc_tuning import collector_paused
 from grpo_async.generation import vllm_cpu
 from grpo_async.generation.server_process import flag_passed
@@ -507,13 +504,6 @@ def main(argv: list[str] | None = None) -> None:
         from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
         from vllm.logger import configure_logging_from_args
 
-    if vllm_cpu.is_cpu() and keep_freed_memory(os.environ):  # the engine's processes inherit it
-        malloc_env = " ".join(f"{key}={value}" for key, value in MALLOC_ENV.items())
-        print(
-            f"grpo-async serve: glibc malloc keeps freed memory for reuse ({malloc_env}; grpo_async.cpu_malloc); "
-            f"set {MALLOC_SWITCH}=0 or a MALLOC_* variable to choose",
-            flush=True,
-        )
     cli_env_setup()
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
