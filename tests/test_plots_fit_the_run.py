@@ -39,6 +39,8 @@ def _train(model, out, **overrides):
 
 def _check_readable(fig) -> list[str]:
     """Every panel has a title, both axis labels, and a legend when it draws several series; returns the titles."""
+    from matplotlib.text import Text
+
     assert fig.axes, "no panel"
     titles = []
     for ax in fig.axes:
@@ -59,9 +61,10 @@ def _check_readable(fig) -> list[str]:
     renderer = fig.canvas.get_renderer()
     boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
     whole = fig.bbox
+    (suptitle,) = [t for t in fig.findobj(Text) if t.figure is fig and t.get_text() == fig.get_suptitle()]
     for i, (ax, box) in enumerate(zip(fig.axes, boxes, strict=True)):
         assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, ax.get_title()
-        assert not box.overlaps(fig._suptitle.get_window_extent(renderer)), ax.get_title()
+        assert not box.overlaps(suptitle.get_window_extent(renderer)), ax.get_title()
         for other, other_box in zip(fig.axes[i + 1 :], boxes[i + 1 :], strict=True):
             assert not box.overlaps(other_box), (ax.get_title(), other.get_title())
     return titles
