@@ -19,6 +19,11 @@ count; writes `bench/out/first_step.json` (every run, its step times and the loa
 
 Run: `python bench/first_step.py` (~8 min on 2 cores); `--smoke`: the tiny random model, 1 and 2 processes, 2 steps,
 1 repeat, forks of a warm interpreter (run by tests/test_benches.py); `--processes 1`, `--repeats 3`.
+
+`--fp32`: both scripts also get `--bf16 False`. TRL's `GRPOConfig` defaults to `bf16=True` (autocast to bfloat16) and
+ours to float32; on a CPU without bfloat16 instructions (no AMX or AVX512-BF16 in `/proc/cpuinfo`) bfloat16 is emulated
+and TRL's steps take several times longer, which measures the emulation, not the trainers. With `--fp32` both train in
+float32 and the rows say so.
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ def run_once(which: str, scripts: dict, model: str, work: str, a, processes: int
     flags += ["--max_steps", str(a.steps), "--per_device_train_batch_size", "8", "--num_generations", "8"]
     flags += ["--max_completion_length", str(a.T), "--generation_kwargs", json.dumps({"min_new_tokens": a.T})]
     flags += ["--use_cpu", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--seed", "0"]
+    if a.fp32:
+        flags += ["--bf16", "False"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     before, started = load_average(), time.time()
     proc = run_python(
@@ -169,6 +176,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--T", type=int, default=32, help="completion tokens (forced)")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--fp32", action="store_true", help="both scripts with --bf16 False (see the docstring)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.processes, a.repeats, a.steps, a.T, a.timeout = [1, 2], 1, 2, 8, 300.0
@@ -207,7 +215,8 @@ def main(argv=None) -> dict:
         for label, key, ratio in (("first step", "first_step_s", first), ("train_runtime", "train_runtime", runtime)):
             rows.append(
                 {
-                    "metric": f"TRL's grpo.py, {n} process(es), {a.steps} steps: {label} (s)",
+                    "metric": f"TRL's grpo.py{', --bf16 False' if a.fp32 else ''}, {n} process(es), {a.steps} steps: "
+                    f"{label} (s)",
                     "ours": best["ours"][key],
                     "peer": best["trl"][key],
                     "peer_name": "TRL 1.16, same script",
