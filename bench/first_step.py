@@ -23,7 +23,7 @@ Run: `python bench/first_step.py` (~8 min on 2 cores); `--smoke`: the tiny rando
 `--fp32`: both scripts also get `--bf16 False`. TRL's `GRPOConfig` defaults to `bf16=True` (autocast to bfloat16) and
 ours to float32; on a CPU without bfloat16 instructions (no AMX or AVX512-BF16 in `/proc/cpuinfo`) bfloat16 is emulated
 and TRL's steps take several times longer, which measures the emulation, not the trainers. With `--fp32` both train in
-float32 and the rows say so.
+float32 and the rows say so. `--smoke` passes them too (the flags of the published record).
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--fp32", action="store_true", help="both scripts with --bf16 False (see the docstring)")
     a = ap.parse_args(argv)
-    if a.smoke:
-        a.processes, a.repeats, a.steps, a.T, a.timeout = [1, 2], 1, 2, 8, 300.0
+    if a.smoke:  # with --fp32's flags: the published record's (bench/results/first_step.json)
+        a.processes, a.repeats, a.steps, a.T, a.timeout, a.fp32 = [1, 2], 1, 2, 8, 300.0, True
     out_dir = os.path.join(HERE, "out", "smoke") if a.smoke else os.path.join(HERE, "out")
     os.makedirs(out_dir, exist_ok=True)
     runs, result = [], {}
