@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,14 +138,20 @@ def run_once(which: str, scripts: dict, model: str, work: str, a, processes: int
         flags += ["--bf16", "False"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     before, started = load_average(), time.time()
-    proc = run_python(
-        os.path.abspath(__file__),
-        ["--child", scripts[which], *flags],
-        timeout=a.timeout,
-        env=env,
-        processes=processes,
-        warm=a.smoke,
-    )
+    try:
+        proc = run_python(
+            os.path.abspath(__file__),
+            ["--child", scripts[which], *flags],
+            timeout=a.timeout,
+            env=env,
+            processes=processes,
+            warm=a.smoke,
+        )
+    except subprocess.TimeoutExpired as e:  # killed: say which run and where its output stopped
+        out = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
+        raise RuntimeError(
+            f"{which} on {processes} process(es) ran past {a.timeout:.0f} s and was killed; its output:\n{out[-4000:]}"
+        ) from e
     out = proc.stdout
     if proc.returncode != 0:
         raise RuntimeError(f"{which} on {processes} process(es) failed (exit {proc.returncode}):\n{out[-4000:]}")
@@ -179,7 +186,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fp32", action="store_true", help="both scripts with --bf16 False (see the docstring)")
     a = ap.parse_args(argv)
     if a.smoke:  # with --fp32's flags: the published record's (bench/results/first_step.json)
-        a.processes, a.repeats, a.steps, a.T, a.timeout, a.fp32 = [1, 2], 1, 2, 8, 300.0, True
+        # a run takes seconds; 120 s each keeps a stuck one within the suite's 300 s per test, reported by name
+        a.processes, a.repeats, a.steps, a.T, a.timeout, a.fp32 = [1, 2], 1, 2, 8, 120.0, True
     out_dir = os.path.join(HERE, "out", "smoke") if a.smoke else os.path.join(HERE, "out")
     os.makedirs(out_dir, exist_ok=True)
     runs, result = [], {}
