@@ -376,6 +376,11 @@ def run_trl(spec: dict) -> dict:
     return {"step_times": clock.step_times(), "phases": ph.steps, "mean_length": median(lengths)}
 
 
+class RunTimedOut(RuntimeError):
+    """A run of `run_python` that ran past its timeout: it was killed (its ranks and children too); the message names
+    the run and ends with its output (in a warm fork: every thread's Python stack where it was stuck)."""
+
+
 def run_python(
     script: str, args: list[str], *, timeout: float, env: dict | None = None, processes: int = 1, warm: bool = False
 ):
@@ -384,22 +389,42 @@ def run_python(
     a `subprocess.CompletedProcess` with stdout and stderr together in `stdout`. `env`: the run's whole environment
     (None: this process's). `warm` (the smoke runs, on CPU): the process or ranks are forks of a warm interpreter
     instead (`support.warm_launch`: torch, transformers, the trainers and vLLM imported once per bench
-    instead of once per run; a rank gets the variables `accelerate launch` would give it)."""
+    instead of once per run; a rank gets the variables `accelerate launch` would give it). Past `timeout` seconds
+    the run is killed, its whole process group (a fresh run starts in a session of its own: the launcher's ranks
+    die with it), and `RunTimedOut` raised naming it, with its output."""
+    import signal
     import subprocess
 
+    run = " ".join([os.path.basename(script), *args])[:300]
+    killed = f"`{run}` on {processes} process(es) ran past {timeout:.0f} s and was killed; its output:\n"
     if warm:
         from support.warm_launch import run_2cpu, run_script
 
         changed = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}  # merged onto this environment
-        if processes > 1:
-            return run_2cpu(script, args, env=changed, timeout=timeout, nprocs=processes)
-        return run_script(script, args, env=changed, timeout=timeout)
+        try:
+            if processes > 1:
+                return run_2cpu(script, args, env=changed, timeout=timeout, nprocs=processes)
+            return run_script(script, args, env=changed, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RunTimedOut(killed + e.output[-6000:]) from e
     cmd = [sys.executable, script, *args]
     if processes > 1:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1"]
         cmd += ["--num_processes", str(processes), "--mixed_precision", "no", "--dynamo_backend", "no"]
         cmd += ["--main_process_port", "0", script, *args]
-    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = popen.communicate()
+        raise RunTimedOut(killed + out[-6000:]) from None
+    return subprocess.CompletedProcess(cmd, popen.returncode, stdout=out)
 
 
 def run_records(text: str) -> list[dict]:

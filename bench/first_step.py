@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -138,20 +137,14 @@ def run_once(which: str, scripts: dict, model: str, work: str, a, processes: int
         flags += ["--bf16", "False"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     before, started = load_average(), time.time()
-    try:
-        proc = run_python(
-            os.path.abspath(__file__),
-            ["--child", scripts[which], *flags],
-            timeout=a.timeout,
-            env=env,
-            processes=processes,
-            warm=a.smoke,
-        )
-    except subprocess.TimeoutExpired as e:  # killed: say which run and where its output stopped
-        out = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
-        raise RuntimeError(
-            f"{which} on {processes} process(es) ran past {a.timeout:.0f} s and was killed; its output:\n{out[-4000:]}"
-        ) from e
+    proc = run_python(  # past the timeout: `RunTimedOut`, naming the run, with its output
+        os.path.abspath(__file__),
+        ["--child", scripts[which], *flags],
+        timeout=a.timeout,
+        env=env,
+        processes=processes,
+        warm=a.smoke,
+    )
     out = proc.stdout
     if proc.returncode != 0:
         raise RuntimeError(f"{which} on {processes} process(es) failed (exit {proc.returncode}):\n{out[-4000:]}")

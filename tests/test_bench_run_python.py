@@ -86,3 +86,31 @@ def test_a_record_another_process_wrote_into_is_still_read():
     assert _runs.run_records(out) == [{"RANK": "0", "argv": ['{"s": 1}']}, {"RANK": "1"}]
     # both records on one line, the newlines after them (seen with test_clean_exit's RESULT records)
     assert _runs.run_records('RUN {"RANK": "1"}RUN {"RANK": "0"}\n\n') == [{"RANK": "1"}, {"RANK": "0"}]
+
+
+STUCK = """
+import sys, time
+print("before the wait", flush=True)
+def waits_for_ever():
+    time.sleep(600)
+waits_for_ever()
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_a_run_past_its_timeout_is_killed_and_named_with_its_output(tmp_path, warm):
+    """A stuck run raises `RunTimedOut` naming it (script, arguments, process count) with its output; a warm fork's
+    output ends with every thread's Python stack, so the report shows where it was stuck (`waits_for_ever`)."""
+    import time
+
+    path = tmp_path / "stuck.py"
+    path.write_text(STUCK)
+    t0 = time.monotonic()
+    with pytest.raises(_runs.RunTimedOut) as e:
+        _runs.run_python(str(path), ["--flag"], timeout=4, warm=warm)
+    message = str(e.value)
+    assert message.startswith("`stuck.py --flag` on 1 process(es) ran past 4 s and was killed"), message
+    assert "before the wait" in message, message
+    if warm:
+        assert "in waits_for_ever" in message and 'File "' in message, message
+    assert time.monotonic() - t0 < 60

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
@@ -318,6 +319,9 @@ def _rank_main(
         for target in targets:
             os.dup2(fd, target)
         os.close(fd)
+    # `SIGUSR1` writes every thread's Python stack to standard error (its log): `_run_forked` sends it to a process
+    # that ran past its timeout before killing it, so the report shows where it was stuck
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # as in a fresh interpreter: the first temporary file reads TMPDIR of this environment
@@ -361,6 +365,23 @@ def _rank_main(
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
+
+
+#: the signal on which a fork writes its threads' Python stacks to its log (`faulthandler.register` in `_rank_main`)
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks(pids: list[int], wait: float = 2.0) -> None:
+    """Ask each fork of `pids` (still running) to write every thread's Python stack to its log (`STACK_DUMP_SIGNAL`),
+    and give them `wait` seconds to: what a process stuck past its timeout was doing, in the output its caller
+    reports (a stuck bench smoke once left nothing but the worker's own stack to read)."""
+    for pid in pids:
+        try:
+            os.kill(pid, STACK_DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    if pids:
+        time.sleep(wait)
 
 
 def _fork_engine_core() -> None:
@@ -459,7 +480,8 @@ def run_2cpu(
     would (as `accelerate launch --config_file ...` would with `launch_env=config_file_env(...)`); a
     `subprocess.CompletedProcess` whose `stdout` holds every rank's output (rank 0 first) and whose `returncode` is the
     first non-zero rank status (0 when all ended well). A rank that fails ends the others (as torchelastic's agent
-    does); past `timeout` seconds every rank is killed and `subprocess.TimeoutExpired` raised."""
+    does); past `timeout` seconds every rank writes its threads' stacks to its output (`dump_stacks`), is killed, and
+    `subprocess.TimeoutExpired` is raised with that output."""
     base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1")}
     if launch_env is None:
         base.setdefault("ACCELERATE_USE_CPU", "true")
@@ -527,6 +549,8 @@ def _run_forked(
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
     finally:
         killed = [p.is_alive() for p in procs]
+        if timed_out:
+            dump_stacks([p.pid for p, alive in zip(procs, killed) if alive])
         for p in procs:
             if p.is_alive():
                 p.kill()
