@@ -157,3 +157,56 @@ def test_dead_thread_is_reported_not_waited_on():
     assert time.monotonic() - start < 60  # far below the 300 s a blind wait would take
     gen.stop(timeout=5)  # the dying thread may still be unwinding when its death is reported
     assert not gen.is_running()
+
+
+def test_an_inline_request_runs_on_the_fetching_thread():
+    """`submit_batch(..., inline=True)`: the request is pending but not the thread's; `get_batch` runs `generate_fn`
+    on the caller's thread (the trainer would only wait: a CPU runs torch faster there), and it counts as generated
+    work (pending, started, average generation time, busy seconds) as a thread-run request does; the next request,
+    not inline, runs on the generator thread."""
+    threads = {}
+
+    def work(request):
+        threads[request.round_id] = threading.current_thread().name
+        time.sleep(HOLD)
+        return doubled(request)
+
+    gen = AsyncBatchGenerator(work, generation_timeout=30, name="gen-thread").start()
+    try:
+        gen.submit_batch(batch(0, [1]), inline=True)
+        time.sleep(3 * HOLD)  # the thread would have taken it by now
+        assert threads == {} and gen.get_pending_count() == 1 and gen.started == []
+        result = gen.get_batch(0)
+        assert result.round.rows == [2] and threads == {0: threading.current_thread().name}
+        assert result.generation_time >= HOLD and gen.get_average_generation_time() >= HOLD
+        assert gen.busy_seconds() >= HOLD and gen.get_pending_count() == 0 and gen.started == [0]
+        gen.submit_batch(batch(1, [2]))
+        assert gen.get_batch(1).round.rows == [4] and threads[1] == "gen-thread"
+    finally:
+        gen.stop()
+
+
+def test_an_inline_request_fails_waits_and_stops_as_a_queued_one():
+    """Its error reaches `get_batch` as "Async generation failed" chained from the cause; `wait_until_idle` runs a
+    pending inline request (it would otherwise wait for it for ever); `stop` drops one never fetched."""
+    ran = []
+
+    def work(request):
+        ran.append(request.round_id)
+        if request.round_id == 0:
+            raise ValueError("bad round")
+        return doubled(request)
+
+    gen = AsyncBatchGenerator(work, generation_timeout=5).start()
+    try:
+        gen.submit_batch(batch(0, [1]), inline=True)
+        with pytest.raises(RuntimeError, match=r"Async generation failed: round 0: ValueError: bad round") as e:
+            gen.get_batch(0)
+        assert isinstance(e.value.__cause__, ValueError)
+        gen.submit_batch(batch(1, [3]), inline=True)
+        gen.wait_until_idle()
+        assert ran == [0, 1] and gen.get_completed_count() == 1 and gen.get_batch(1).round.rows == [6]
+        gen.submit_batch(batch(2, [5]), inline=True)
+    finally:
+        gen.stop()
+    assert ran == [0, 1] and gen.get_pending_count() == 0

@@ -89,8 +89,11 @@ def test_slow_last_round_exits_0_and_nothing_past_it(tiny_model_path, tmp_path, 
 def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_path, tmp_path):
     """A callback stops training after step 1 of 4 while round 1 (legitimately ahead) is generating on the hf
     backend (8 calls of 160 forced tokens): `stop` aborts it at its next token (stopping criteria), its rewards are
-    never computed, the thread exits within its bound, exit 0."""
+    never computed, the thread exits within its bound, exit 0. A round trains 2 steps (`steps_per_generation=4`,
+    GA 2): round 1, submitted when step 1 ends, is generated on the generator thread beside step 2 (a round fetched
+    at the very next micro-step would be generated on the trainer's thread when fetched: `inline_waited_round`)."""
     kw = dict(max_steps=4, stop_at_step=1, stop_in_round=1, max_completion_length=160, rollout_micro_batch_size=4)
+    kw["steps_per_generation"] = 4
     result, _ = _run("train", tiny_model_path, tmp_path / "e", gen_kwargs={"min_new_tokens": 160}, **kw)
     assert result["global_step"] == 1
     assert result["reward_calls"] == 1, result  # round 1 never scored
@@ -119,8 +122,11 @@ def test_a_thread_stuck_in_a_reward_past_the_stop_timeout_is_joined_before_exit(
     """A callback stops training after step 1 while round 1 (legitimately ahead) is in its reward: torch work no
     backend can abort, which goes on until the interpreter begins to exit and 3 s past that. The generator abandons
     the call at once (its shutdown does not wait out a reward), and the reward's thread is joined at interpreter exit
-    instead of being left running under it (before: `terminate called without an active exception`, exit 134)."""
+    instead of being left running under it (before: `terminate called without an active exception`, exit 134). A
+    round trains 2 steps (`steps_per_generation=4`, GA 2), so round 1 is generated on the generator thread beside
+    step 2 (a round fetched at the very next micro-step would run on the trainer's thread: `inline_waited_round`)."""
     kw = dict(max_steps=4, stop_at_step=1, stop_in_reward_call=2, slow_from=2, slow_seconds=3, slow_until_exit=True)
+    kw["steps_per_generation"] = 4
     result, stderr = _run("train", tiny_model_path, tmp_path / "h", **kw)
     assert result["global_step"] == 1
     assert result["threads"] == [], result  # the generator did not wait for the reward

@@ -74,7 +74,9 @@ def test_a_hung_reward_fails_within_reward_timeout(tiny_model_path, tmp_path, hu
 def test_stopping_while_a_reward_hangs_does_not_wait_it_out(tiny_model_path, tmp_path):
     """The end of training (or Ctrl-C, or an error elsewhere) stops the generator thread while round 1's reward hangs
     in it (generated ahead, `num_batches_ahead=1`): the shutdown abandons the reward's thread within a second instead
-    of waiting for the function (it used to wait 10 s, the stop's join bound, or `reward_timeout` when shorter)."""
+    of waiting for the function (it used to wait 10 s, the stop's join bound, or `reward_timeout` when shorter). A
+    round trains 2 steps (`steps_per_generation=2`): round 1, submitted when step 1 ends, is generated on the generator
+    thread beside step 2 (a round fetched at the very next micro-step would run on the trainer's thread)."""
     hung, never, calls = threading.Event(), threading.Event(), []
 
     def hangs_from_round_1(prompts, completions, **kw):
@@ -93,6 +95,7 @@ def test_stopping_while_a_reward_hangs_does_not_wait_it_out(tiny_model_path, tmp
             control.should_training_stop = True
 
     args = _args(str(tmp_path), generation_backend="hf", num_batches_ahead=1, reward_timeout=60.0)
+    args.steps_per_generation = 2
     trainer = GRPOTrainer(
         model=tiny_model_path,
         reward_funcs=hangs_from_round_1,

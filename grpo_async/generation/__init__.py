@@ -145,6 +145,7 @@ for _spec in (
         why="the sampler lives in this process and is updated in place",
         in_process=True,
         records_routing=True,
+        runs_on_caller=True,  # `model.generate` on the calling thread
     ),
     BackendSpec(
         "vllm",

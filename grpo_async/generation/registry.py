@@ -28,6 +28,9 @@ class BackendSpec:
       backend with a `start_streaming()` method has it called once before the first group).
     - `delta`: it takes delta pushes (`GRPOConfig.weight_sync_delta`, `weight_sync.delta`): its factory passes
       `args.weight_sync_delta` on and honours it.
+    - `runs_on_caller`: its `generate` computes on the calling thread (no engine thread or process of its own), so
+      a round the trainer waits for right away is generated on the trainer's thread (rounds mode:
+      `AsyncBatchGenerator.submit_batch(inline=True)`), where torch's OpenMP regions run faster on a CPU.
     - `records_routing`: with `GRPOConfig.router_replay` on, its completions carry the experts its sampler routed
       each token to (`Completion.routed_experts`): its factory reads `args.router_replay` and records them.
     """
@@ -40,6 +43,7 @@ class BackendSpec:
     streams: bool = False
     delta: bool = False
     records_routing: bool = False
+    runs_on_caller: bool = False
 
     def __post_init__(self):
         unknown = [t for t in self.weight_sync if t not in SYNC_SETTINGS]

@@ -14,6 +14,13 @@ an exception in `generate_fn` reaches the caller of `get_batch` as `RuntimeError
 chained from the original; a dead thread is reported, not waited on. `get_average_generation_time()` is the mean
 seconds per batch so far (the scheduler logs it as `async/average_generation_time`).
 
+A request submitted `inline` is not the thread's: the caller fetches it next and would only wait for it, so
+`get_batch` (or `wait_until_idle`) runs `generate_fn` on the caller's thread instead. On a CPU, torch's OpenMP regions
+run ~1.5× slower on a background thread than on the main one (2 OpenMP threads, SmolLM2's decode step: 8 × 576 ×
+1536 matmuls at 0.40 vs 0.25 ms; equal with one OpenMP thread), so a round nothing runs beside (the first of a
+`train()`, every round of sync mode) is generated faster there (`RoundScheduler` asks for it with backends whose
+`generate` computes on the calling thread, `BackendSpec.runs_on_caller`).
+
 Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
 within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
 exit (`atexit`), so the process never exits under a running torch thread (which aborts it: `terminate called
@@ -138,6 +145,7 @@ class AsyncBatchGenerator:
         self.started: list[int] = []  # round ids whose generation started, in order (what the backend generated)
         self.interrupted: list[int] = []  # round ids that ended with an error after `stop` (aborted at shutdown)
         self._requests: queue.Queue[RoundRequest] = queue.Queue()
+        self._inline: dict[int, RoundRequest] = {}  # submitted `inline`: run by the thread that fetches them
         self._cond = threading.Condition()
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # queued or running
@@ -145,7 +153,8 @@ class AsyncBatchGenerator:
         self._busy = 0.0  # seconds spent in `generate_fn` by requests that finished
         self._generated = 0  # requests that finished successfully (get_average_generation_time)
         self._generation_seconds = 0.0  # their seconds in `generate_fn`
-        self._busy_since: float | None = None  # perf_counter() at which the running request started
+        #: round id → perf_counter() at which it started, for the requests running now (the thread's; an inline one)
+        self._running: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
@@ -165,8 +174,10 @@ class AsyncBatchGenerator:
         most `timeout` seconds. Returns whether the thread has exited (if not, it is joined again at exit)."""
         self._stop.set()
         with self._cond:
+            self._pending.difference_update(self._inline)  # never started: dropped as the queued ones
+            self._inline.clear()
             self._cond.notify_all()
-            busy = self._busy_since is not None
+            busy = bool(self._running)
         if busy and self.interrupt is not None:
             try:
                 self.interrupt()
@@ -197,8 +208,10 @@ class AsyncBatchGenerator:
             raise RuntimeError(f"Async generation failed: thread {self.name} exited unexpectedly")
 
     # -- producer side ---------------------------------------------------------------------------------------
-    def submit_batch(self, request: BatchRequest, timeout: float | None = None) -> None:
-        """Queue `request`. Waits for room (at most `timeout`, default `generation_timeout`), then raises."""
+    def submit_batch(self, request: BatchRequest, timeout: float | None = None, inline: bool = False) -> None:
+        """Queue `request`. Waits for room (at most `timeout`, default `generation_timeout`), then raises.
+        `inline`: the caller fetches it next (nothing to do meanwhile): `get_batch` runs it on the caller's thread
+        instead of the generator thread (see the module docstring)."""
         if not isinstance(request, BatchRequest):
             raise TypeError(f"AsyncBatchGenerator.submit_batch expects a BatchRequest, got {type(request).__name__}")
         if self._thread is None:
@@ -220,6 +233,9 @@ class AsyncBatchGenerator:
             )
             self._submitted.add(batch_id)
             self._pending.add(batch_id)
+            if inline:
+                self._inline[batch_id] = request.round
+                return
         self._requests.put(request.round)
 
     # -- consumer side ---------------------------------------------------------------------------------------
@@ -232,6 +248,7 @@ class AsyncBatchGenerator:
             `KeyError`: when `batch_id` was never submitted.
         """
         timeout = self.generation_timeout if timeout is None else timeout
+        self._run_inline(batch_id)
         deadline = time.monotonic() + timeout
         with self._cond:
             if batch_id not in self._submitted:
@@ -257,6 +274,8 @@ class AsyncBatchGenerator:
         """Wait until no request is queued or running (at most `timeout`, default `generation_timeout`); completed
         rounds stay until fetched. Raises `TimeoutError`, or the thread's death as in `get`."""
         timeout = self.generation_timeout if timeout is None else timeout
+        for batch_id in sorted(self._inline):
+            self._run_inline(batch_id)
         deadline = time.monotonic() + timeout
         with self._cond:
             self._wait(
@@ -288,7 +307,8 @@ class AsyncBatchGenerator:
         """Seconds the thread has spent in `generate_fn` since this generator was made, the request running now
         counted up to now (failed requests too): the rest of the time it sat idle, waiting for a request."""
         with self._cond:
-            running = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
+            now = time.perf_counter()
+            running = sum(now - start for start in self._running.values())
             return self._busy + running
 
     # -- the thread ------------------------------------------------------------------------------------------
@@ -299,32 +319,53 @@ class AsyncBatchGenerator:
                     request = self._requests.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                with self._cond:
-                    if self._stop.is_set():  # stopped while it was queued: never started
-                        break
-                    start = self._busy_since = time.perf_counter()
-                    self.started.append(request.round_id)
-                try:
-                    result = self.generate_fn(request)
-                    result.generation_time = time.perf_counter() - start
-                except Exception as e:  # raised to the trainer by get
-                    if self._stop.is_set():
-                        logger.info("[%s] round %d interrupted at shutdown: %r", self.name, request.round_id, e)
-                        self.interrupted.append(request.round_id)
-                    else:
-                        logger.error("[%s] round %d failed: %r", self.name, request.round_id, e)
-                    result = e
-                with self._cond:
-                    self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
-                    self._busy_since = None
-                    if not isinstance(result, BaseException):  # get_average_generation_time: successes only
-                        self._generated += 1
-                        self._generation_seconds += result.generation_time
-                    self._pending.discard(request.round_id)
-                    self._completed[request.round_id] = result
-                    self._cond.notify_all()
+                if not self._produce(request):  # stopped while it was queued: never started
+                    break
         except BaseException as e:  # pragma: no cover - e.g. KeyboardInterrupt delivered to this thread
             self._fatal = e
             with self._cond:
                 self._cond.notify_all()
             raise
+
+    def _run_inline(self, batch_id: int) -> None:
+        """Run request `batch_id` on this (the caller's) thread if it was submitted `inline` and has not run."""
+        with self._cond:
+            request = self._inline.pop(batch_id, None)
+        if request is not None:
+            self._produce(request)
+
+    def _produce(self, request: RoundRequest) -> bool:
+        """Run `generate_fn(request)` on this thread and complete its batch (the result, or the exception it
+        raised); False, running nothing, once stopped."""
+        with self._cond:
+            if self._stop.is_set():
+                return False
+            start = self._running[request.round_id] = time.perf_counter()
+            self.started.append(request.round_id)
+        try:
+            result = self.generate_fn(request)
+            result.generation_time = time.perf_counter() - start
+        except Exception as e:  # raised to the trainer by get
+            if self._stop.is_set():
+                logger.info("[%s] round %d interrupted at shutdown: %r", self.name, request.round_id, e)
+                self.interrupted.append(request.round_id)
+            else:
+                logger.error("[%s] round %d failed: %r", self.name, request.round_id, e)
+            result = e
+        except BaseException:  # e.g. KeyboardInterrupt on the trainer's thread (inline): the batch never completes
+            with self._cond:
+                self._busy += time.perf_counter() - start
+                self._running.pop(request.round_id, None)
+                self._pending.discard(request.round_id)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
+            self._running.pop(request.round_id, None)
+            if not isinstance(result, BaseException):  # get_average_generation_time: successes only
+                self._generated += 1
+                self._generation_seconds += result.generation_time
+            self._pending.discard(request.round_id)
+            self._completed[request.round_id] = result
+            self._cond.notify_all()
+        return True

@@ -218,11 +218,14 @@ class GroupStream:
             raise RuntimeError(f"Async generation failed: a {self.name} thread exited unexpectedly")
 
     # -- trainer side ----------------------------------------------------------------------------------------
-    def submit_batch(self, batch: BatchRequest, timeout: float | None = None) -> None:
+    def submit_batch(self, batch: BatchRequest, timeout: float | None = None, inline: bool = False) -> None:
         """Queue the prompt groups of `batch.round` (`R / G` groups of G consecutive rows). Waits for room (at most
-        `timeout`, default `generation_timeout`), then raises `TimeoutError`."""
+        `timeout`, default `generation_timeout`), then raises `TimeoutError`. `inline` (`AsyncBatchGenerator`'s: run
+        on the fetching thread) is refused: a stream's groups run on its workers."""
         if not isinstance(batch, BatchRequest):
             raise TypeError(f"GroupStream.submit_batch expects a BatchRequest, got {type(batch).__name__}")
+        if inline:
+            raise ValueError("GroupStream.submit_batch: inline=True is for rounds mode (groups run on workers)")
         if not self._threads:
             raise RuntimeError("GroupStream.submit_batch called before start()")
         request = batch.round

@@ -103,6 +103,9 @@ class SchedulerSettings:
     #: an engine in the training process: the rounds ahead of a `train()`'s first round are submitted at the end of
     #: its first step (`end_step`), not beside it, still on v0 (docs/async_pipeline.md, "The first step")
     first_round_alone: bool = False
+    #: `BackendSpec.runs_on_caller`, rounds: a round fetched right after its submission (a `train()`'s first, sync
+    #: mode's, the one `first_round_alone` defers) is generated on the trainer's thread (`submit_batch(inline=True)`)
+    inline_waited_round: bool = False
 
     @classmethod
     def from_config(cls, a) -> SchedulerSettings:
@@ -121,6 +124,7 @@ class SchedulerSettings:
             staleness_limit=a.staleness_limit,  # pacing: starts whose rows would exceed it wait (staleness_policy)
             staleness_policy=a.staleness_policy,
             first_round_alone=a.async_mode == "rounds" and backend_spec(a.generation_backend).in_process,
+            inline_waited_round=a.async_mode == "rounds" and backend_spec(a.generation_backend).runs_on_caller,
         )
 
 
@@ -223,8 +227,7 @@ class RoundScheduler:
         return batch
 
     def take_wait(self) -> float:
-        """Seconds spent waiting for the generator (for a round, for it to go idle, for room in its queue) since the
-        last call."""
+        """Seconds spent waiting for the generator (a round, its going idle, room in its queue) since the last call."""
         waited, self._waited = self._waited, 0.0
         return waited
 
@@ -233,8 +236,11 @@ class RoundScheduler:
         `async/trainer_wait`, `async/generator_idle` and `async/bottleneck` of the window since the previous call
         (`pipeline/overlap.py: overlap_metrics` defines them); `None` before the first micro-step."""
         if self._deferred is not None:  # `first_round_alone`: the first step's rounds ahead, now
-            deferred, self._deferred = self._deferred, None
-            self._send(self._rounds_ahead(*deferred))
+            (base, first, horizon), self._deferred = self._deferred, None
+            todo = self._rounds_ahead(base, first, horizon)  # the first inline if the next micro-step fetches it
+            nxt = first + self.generate_every == self._epoch_call and todo and todo[0][0] == base + 1  # fetched next
+            self._send(todo[:1] if nxt else [], inline=self.s.inline_waited_round)
+            self._send(todo[1:] if nxt else todo)
         metrics = self._window.close()
         for k, v in (metrics or {}).items():
             self.log(k, v)
@@ -461,7 +467,8 @@ class RoundScheduler:
         todo = [] if self.round in self.submitted else [(self.round, generation_batch)]
         first = self._epoch_call - self._epoch_call % self.generate_every  # this round's first epoch micro-step
         ahead_args = (self.round, first, self.horizon())
-        self._send(todo + self._rounds_ahead(*ahead_args) if ahead else todo)
+        self._send(todo, inline=self.s.inline_waited_round)  # fetched next: nothing for the trainer to do meanwhile
+        self._send(self._rounds_ahead(*ahead_args) if ahead else [])
         self._deferred = None if ahead else ahead_args
 
     def _rounds_ahead(self, base: int, first: int, horizon: float) -> list[tuple[int, list[dict]]]:
@@ -485,8 +492,8 @@ class RoundScheduler:
             self._hold_round(held)
         return todo
 
-    def _send(self, todo: list[tuple[int, list[dict]]]) -> None:
-        """Submit each `(round id, this rank's rows)` (every rank: gathered to the main process, or its own engine)."""
+    def _send(self, todo: list[tuple[int, list[dict]]], inline: bool = False) -> None:
+        """Submit each `(round id, this rank's rows)` (every rank: gathered to main, or its own engine), `inline`."""
         for round_id, rows in todo:
             if self.join is not None:  # this rank's rows, on its own engine: rows [i·L, (i+1)·L) of the round
                 request = RoundRequest(round_id, list(rows), first_row=self.dist.process_index * len(rows))
@@ -497,7 +504,7 @@ class RoundScheduler:
             if request is not None:
                 start = time.perf_counter()  # waits when the queue is full
                 try:
-                    self.generator.submit_batch(BatchRequest(round_id, request))
+                    self.generator.submit_batch(BatchRequest(round_id, request), inline=inline)
                 finally:
                     self._add_wait(time.perf_counter() - start)
 
@@ -572,8 +579,7 @@ class RoundScheduler:
         return self._received(rnd, wait, counted=True)
 
     def _received(self, rnd: Round, wait: float, counted: bool = False) -> Round:
-        """Log the fetched round's metrics and timings; `wait`: seconds waited for it (added to the step's waits
-        unless already `counted`)."""
+        """Log the fetched round's metrics and timings; `wait`: seconds waited for it (added unless `counted`)."""
         if not counted:
             self._add_wait(wait)
         for k, v in rnd.metrics.items():

@@ -1,0 +1,63 @@
+"""Which thread generates a round (`SchedulerSettings.inline_waited_round`, `AsyncBatchGenerator.submit_batch(inline=
+True)`): with the hf backend, whose `generate` computes on the calling thread, a round the trainer fetches right after
+its submission — a `train()`'s first, the round the first step defers to its end, every round of sync mode — is
+generated on the trainer's own thread; a round generated ahead, beside a training step, on the generator thread.
+Real trainer runs on the tiny model; the backend's `generate` is wrapped only to record the thread it ran on."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from grpo_async import GRPOTrainer
+from grpo_async.demo_task import letter_reward, make_dataset
+from grpo_async.generation.hf import HFBackend
+from grpo_async.testing import tiny_config
+
+
+@pytest.fixture()
+def generating_threads(monkeypatch):
+    """The name of the thread each `HFBackend.generate` call ran on, in call order."""
+    names: list[str] = []
+    generate = HFBackend.generate
+
+    def recorded(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFBackend, "generate", recorded)
+    return names
+
+
+def _train(tiny_model_path, tmp_path, **overrides) -> GRPOTrainer:
+    # one generate call per round of one optimizer step: 4 prompts × G = 4 rows
+    args = tiny_config(tmp_path, **{"max_steps": 4, "rollout_micro_batch_size": 16, **overrides})
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    trainer.train()
+    assert trainer.state.global_step == 4
+    return trainer
+
+
+def test_async_rounds_the_trainer_waits_for_run_on_its_thread(tiny_model_path, tmp_path, generating_threads):
+    """num_batches_ahead=1: round 0 (fetched at once) and round 1 (deferred to the first step's end, fetched at the
+    next micro-step) on the main thread; rounds 2 and 3, each submitted ahead beside a step, on the generator
+    thread."""
+    trainer = _train(tiny_model_path, tmp_path)
+    main = threading.main_thread().name
+    assert generating_threads == [main, main, "grpo-async-generator", "grpo-async-generator"], generating_threads
+    assert trainer.rounds.generator is None or not trainer.rounds.generator.is_running()
+
+
+def test_sync_mode_generates_every_round_on_the_trainers_thread(tiny_model_path, tmp_path, generating_threads):
+    _train(tiny_model_path, tmp_path, num_batches_ahead=0)
+    assert generating_threads == [threading.main_thread().name] * 4, generating_threads
+
+
+def test_a_round_generated_ahead_of_a_later_boundary_stays_on_the_generator_thread(
+    tiny_model_path, tmp_path, generating_threads
+):
+    """steps_per_generation=2 (a round trains 2 optimizer steps): the round the first step defers is fetched two steps
+    later, not at the next micro-step, so it is generated on the generator thread beside step 2."""
+    _train(tiny_model_path, tmp_path, steps_per_generation=4, rollout_micro_batch_size=32)  # a call per round
+    assert generating_threads == [threading.main_thread().name, "grpo-async-generator"], generating_threads
