@@ -174,3 +174,14 @@ def test_a_record_names_the_kind_of_cpu_that_measured_it():
     assert cpu_kind("model name\t: AMD EPYC\nflags\t\t: fpu fma avx avx2\n") == " (AMD EPYC, AVX2)"
     assert cpu_kind("flags\t\t: fpu sse2\n") == "" and cpu_kind("") == ""
     assert run_all().machine().endswith(" cores")
+
+
+def test_first_step_compares_in_float32_where_bfloat16_is_emulated():
+    """`bench/first_step.py` without `--fp32` / `--no-fp32` gives both scripts `--bf16 False` on a CPU without
+    bfloat16 instructions (TRL's default bf16 autocast is emulated there), so `make bench` compares the trainers."""
+    spec = importlib.util.spec_from_file_location("bench_first_step", BENCH / "first_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.cpu_has_bf16("model name\t: Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert not module.cpu_has_bf16("model name\t: AMD EPYC\nflags\t\t: fpu fma avx avx2\n")
+    assert not module.cpu_has_bf16("")
