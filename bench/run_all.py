@@ -63,6 +63,8 @@ BENCHES = [
     "learning.py",  # 12 SmolLM2 runs: ~50-60 min
     "router_replay.py",  # the tiny MoE, 5 training runs (3 engine starts): ~4 min
 ]
+#: the benches that draw their own plot into `bench/plots/` (the others get `plot_rows`'s generic chart)
+DRAWS_ITS_PLOT = ("overlap.py", "streaming.py", "stream_real.py", "vs_trl.py", "learning.py")
 RESULT = re.compile(r"^RESULT (\w+)=([-+0-9.eE]+|nan|inf)\s*$")
 
 
@@ -492,8 +494,9 @@ def run_one(name: str) -> dict:
 
 
 def ingest(name: str, command: str) -> dict:
-    """The record of a run done by hand, from what it left in `bench/out/` (and `bench/plots/`); `command`: the
-    command line that made it (the commit is this checkout's)."""
+    """The record of a run done by hand, from what it left in `bench/out/` (and `bench/plots/`: a bench that draws
+    no plot of its own gets the generic chart of this run's rows); `command`: the command line that made it (the
+    commit is this checkout's)."""
     if not command or f"bench/{name}" not in command:
         raise SystemExit(f'--ingest {name}: give the command that ran it, e.g. --command "python bench/{name} ..."')
     log_path = os.path.join(OUT, name.replace(".py", ".log"))
@@ -506,6 +509,9 @@ def ingest(name: str, command: str) -> dict:
     if not os.path.exists(raw_path(name)):
         print(f"   (no {os.path.relpath(raw_path(name))}: rows from the RESULT lines)")
     date = datetime.datetime.fromtimestamp(os.path.getmtime(log_path), datetime.timezone.utc).date().isoformat()
+    png = os.path.join(PLOTS, name.replace(".py", ".png"))
+    if name not in DRAWS_ITS_PLOT:  # the generic chart, drawn from this run's rows (as after `make bench`'s run)
+        plot_rows(name, rows_of(name, results)[0], png)
     return make_record(name, date, results, {"commit": git_commit(), "command": command})
 
 

@@ -185,3 +185,11 @@ def test_first_step_compares_in_float32_where_bfloat16_is_emulated():
     assert module.cpu_has_bf16("model name\t: Xeon\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
     assert not module.cpu_has_bf16("model name\t: AMD EPYC\nflags\t\t: fpu fma avx avx2\n")
     assert not module.cpu_has_bf16("")
+
+
+def test_the_benches_that_draw_their_own_plot_are_named():
+    """`run_all.ingest` draws the generic chart for a bench run by hand unless the bench draws its own plot into
+    `bench/plots/`: `DRAWS_ITS_PLOT` must name exactly those (else an ingest keeps an earlier run's chart, or replaces
+    a bench's own plot with the generic one)."""
+    own = sorted(name for name in bench_scripts() if "plots" in (BENCH / name).read_text())
+    assert sorted(run_all().DRAWS_ITS_PLOT) == own
