@@ -271,8 +271,11 @@ class HFBackend:
                 f"generation_kwargs num_beams={kwargs['num_beams']} runs beams that are reordered and dropped; "
                 "set router_replay='off' or drop num_beams"
             )
+        cache = None
         if self._shares_prompt_prefill(s.n, P, images, kwargs):
-            kwargs["past_key_values"] = self._prompt_cache(input_ids[:: s.n], attention_mask[:: s.n], s.n, device)
+            cache = self._prompt_cache(input_ids[:: s.n], attention_mask[:: s.n], s.n, device)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         recording = capture_routing(self.model) if self.moe is not None else contextlib.nullcontext()
         with recording as calls:
             gen = self.model.generate(
@@ -328,6 +331,7 @@ class HFBackend:
             n > 1
             and P > 1
             and own_generate
+            and not self.model.config.is_encoder_decoder
             and kwargs.get("use_cache", self.model.generation_config.use_cache) is not False
             and self.moe is None
             and (images is None or all(m is None for m in images))
@@ -341,13 +345,19 @@ class HFBackend:
         prompt and repeated for its `n` rows (`[b*n, P-1]` of keys and values per layer): `generate` then runs only
         each row's last prompt token and its completion. The prefill costs as many rows as prompts instead of
         `b*n` (on a CPU, a round of 8 samples of one 45-token prompt spent ~1 s of its ~5 s there; decoding 8 rows
-        costs about what 1 row does: the weights' memory traffic, not the rows, sets its time)."""
+        costs about what 1 row does: the weights' memory traffic, not the rows, sets its time). None for a model
+        whose cache holds other than key/value layers (linear attention, ...): `generate` prefills every row then."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+        cache = DynamicCache(config=self.model.config)
+        if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+            return None
         ids, mask = prompt_ids[:, :-1].to(device), mask[:, :-1].to(device)  # [b, P-1]
         position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)  # [b, P-1] as `generate` numbers a left-padded prompt
-        cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache)
+        # only the last position's logits (they are not used; the LM head over every position would cost the most)
+        last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, **last)
         cache.batch_repeat_interleave(n)  # [b*n, heads, P-1, head_dim] per layer, prompt-major as the rows
         return cache
 
