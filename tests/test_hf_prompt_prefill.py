@@ -84,3 +84,22 @@ def test_every_row_prefills_where_the_prefill_cannot_be_shared(tiny):
     calls.clear()
     backend.generate([prompts[0][:1]], SamplingConfig(n=3, max_tokens=3, seed=0))
     assert calls[0] == (3, 1)
+
+
+@torch.no_grad()
+def test_a_cache_of_other_than_key_value_layers_is_not_shared(tiny):
+    """A model whose `DynamicCache(config)` holds linear-attention (recurrent state) layers cannot have its prompt's
+    cache repeated row by row: `_prompt_cache` gives None (`generate` prefills every row), and a key/value cache
+    otherwise. The tiny Llama's config is given `layer_types` for the first call only."""
+    model, tok = tiny
+    backend = HFBackend(model, tok)
+    ids, mask = torch.tensor([_prompts(tok)[0]]), torch.ones(1, len(_prompts(tok)[0]), dtype=torch.long)
+    config = backend.model.config  # the backend's private copy's
+    before = getattr(config, "layer_types", None)
+    config.layer_types = ["linear_attention"] * config.num_hidden_layers
+    try:
+        assert backend._prompt_cache(ids, mask, 3, "cpu") is None
+    finally:
+        config.layer_types = before
+    cache = backend._prompt_cache(ids, mask, 3, "cpu")
+    assert cache.get_seq_length() == ids.shape[1] - 1 and cache.layers[0].keys.shape[0] == 3
