@@ -304,8 +304,8 @@ class AsyncBatchGenerator:
             return self._generation_seconds / self._generated if self._generated else 0.0
 
     def busy_seconds(self) -> float:
-        """Seconds the thread has spent in `generate_fn` since this generator was made, the request running now
-        counted up to now (failed requests too): the rest of the time it sat idle, waiting for a request."""
+        """Seconds spent in `generate_fn` since this generator was made, by the thread or inline on a caller's (the
+        requests running now counted up to now, failed ones too): the rest of the time no request ran."""
         with self._cond:
             now = time.perf_counter()
             running = sum(now - start for start in self._running.values())
