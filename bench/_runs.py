@@ -415,15 +415,23 @@ def run_python(
     popen = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
-    try:
-        out, _ = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+
+    def kill_group() -> None:
         try:
             os.killpg(popen.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    try:
+        out, _ = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group()
         out, _ = popen.communicate()
         raise RunTimedOut(killed + out[-6000:]) from None
+    except BaseException:  # Ctrl-C: its own session gets no SIGINT from the terminal, so it is ended here
+        kill_group()
+        popen.wait()
+        raise
     return subprocess.CompletedProcess(cmd, popen.returncode, stdout=out)
 
 

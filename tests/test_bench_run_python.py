@@ -114,3 +114,32 @@ def test_a_run_past_its_timeout_is_killed_and_named_with_its_output(tmp_path, wa
     if warm:
         assert "in waits_for_ever" in message and 'File "' in message, message
     assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_during_a_fresh_run_ends_it(tmp_path):
+    """A fresh run is in a session of its own (so its group can be killed at the timeout): the terminal's Ctrl-C does
+    not reach it, so a `KeyboardInterrupt` in the bench kills its group before propagating; no run is left behind. A
+    bench process (its own interpreter) starts a run that sleeps, then gets SIGINT as from the terminal."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "pid"
+    sleeper = tmp_path / "sleeps.py"
+    sleeper.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    bench = tmp_path / "bench.py"
+    bench.write_text(
+        f"import sys\nsys.path.insert(0, {BENCH!r})\nimport _runs\n"
+        f"try:\n    _runs.run_python({str(sleeper)!r}, [], timeout=300)\nexcept KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n    raise SystemExit(3)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(bench)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the pid is written before the sleep starts
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "interrupted" in out, (proc.returncode, out)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # ended and reaped (`run_python` waited for it)
