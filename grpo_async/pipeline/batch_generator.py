@@ -342,6 +342,7 @@ class AsyncBatchGenerator:
                 return False
             start = self._running[request.round_id] = time.perf_counter()
             self.started.append(request.round_id)
+        result: Round | BaseException | None = None  # None: ended by a BaseException (e.g. Ctrl-C inline): no batch
         try:
             result = self.generate_fn(request)
             result.generation_time = time.perf_counter() - start
@@ -352,20 +353,15 @@ class AsyncBatchGenerator:
             else:
                 logger.error("[%s] round %d failed: %r", self.name, request.round_id, e)
             result = e
-        except BaseException:  # e.g. KeyboardInterrupt on the trainer's thread (inline): the batch never completes
+        finally:
             with self._cond:
-                self._busy += time.perf_counter() - start
+                self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
                 self._running.pop(request.round_id, None)
+                if result is not None and not isinstance(result, BaseException):  # average time: successes only
+                    self._generated += 1
+                    self._generation_seconds += result.generation_time
                 self._pending.discard(request.round_id)
+                if result is not None:
+                    self._completed[request.round_id] = result
                 self._cond.notify_all()
-            raise
-        with self._cond:
-            self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
-            self._running.pop(request.round_id, None)
-            if not isinstance(result, BaseException):  # get_average_generation_time: successes only
-                self._generated += 1
-                self._generation_seconds += result.generation_time
-            self._pending.discard(request.round_id)
-            self._completed[request.round_id] = result
-            self._cond.notify_all()
         return True
