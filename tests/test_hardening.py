@@ -1,8 +1,9 @@
 """Hardening (issue 22): the server refuses what would hurt it, and a killed or starved run fails clearly.
 
-One real `grpo-async serve` (tiny model, engine in its own process) is shared by the server tests of this module; it
-takes its key from `--api-key-file`. Its last test kills the API process with SIGKILL, so it stays last. The other
-tests train the tiny model for a step or two with HF generation (no server).
+One real `grpo-async serve` (tiny model, engine in its own process; its API process forked from the warm interpreter)
+is shared by the server tests of this module; it takes its key from `--api-key-file`. Its last test kills the API
+process with SIGKILL, so it stays last. The other tests train the tiny model for a step or two with HF generation (no
+server).
 """
 
 import json
@@ -11,18 +12,16 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 
 import psutil
 import pytest
 import requests
 import torch
-from support.warm_launch import run_script
+from support.warm_launch import run_script, start_server_command
 
-from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, ServerProcess, _shm_names, wait_ready
+from grpo_async.generation.server_process import CPU_ENV, TWO_PROCESS_ENV, wait_ready
 from grpo_async.net import free_port
 from grpo_async.testing import push_state_dict
 
@@ -34,6 +33,9 @@ OK = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
+    """`python -m grpo_async.generation.serve` with `--api-key-file` (its API process forked from the warm interpreter:
+    `warm_launch.start_server_command`, the command line, environment and session as here; what the server answers
+    and how its engine process outlives it or not are the subjects, not how an interpreter starts)."""
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY + "\n")
     port = free_port()
@@ -42,18 +44,12 @@ def server(tiny_model_path, tmp_path_factory):
     env = {**CPU_ENV, **os.environ, **TWO_PROCESS_ENV}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     env.pop("VLLM_API_KEY", None)
-    fd, log_path = tempfile.mkstemp(prefix="grpo_hardening_", suffix=".log")
-    before = frozenset(_shm_names())
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    s = ServerProcess(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, api_key=KEY, args=args)
-    s.shm_before = before
+    s = start_server_command(args, env, port=port, api_key=KEY)
     try:
         wait_ready(s, timeout=300)
         yield s
     finally:
         s.stop()
-        os.unlink(log_path)
 
 
 def _complete(server, timeout: float = 60.0) -> requests.Response:
