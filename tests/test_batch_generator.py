@@ -210,3 +210,62 @@ def test_an_inline_request_fails_waits_and_stops_as_a_queued_one():
     finally:
         gen.stop()
     assert ran == [0, 1] and gen.get_pending_count() == 0
+
+
+def _one_at_a_time(threads: dict, order: list, hold: float = HOLD):
+    """A producer that records where and in what order each request ran, and fails the test if two run at once (an
+    in-process engine stepped from two threads at once breaks)."""
+    running = threading.Semaphore(1)
+
+    def work(request):
+        assert running.acquire(blocking=False), f"round {request.round_id} started while another ran"
+        try:
+            threads[request.round_id] = threading.current_thread().name
+            order.append(request.round_id)
+            time.sleep(hold)
+            return doubled(request)
+        finally:
+            running.release()
+
+    return work
+
+
+def test_the_thread_waits_for_an_inline_request_fetched_before_its_own():
+    """`end_step` submits the round fetched next inline and the rounds after it to the thread at once: the thread
+    must not start round 1 while the inline round 0 waits for its caller (it would then wait a whole round more, or
+    step the engine beside it); `get_batch(1)` runs the inline round 0 first."""
+    threads, order = {}, []
+    gen = AsyncBatchGenerator(_one_at_a_time(threads, order), generation_timeout=30, name="gen-thread").start()
+    try:
+        gen.submit_batch(batch(0, [1]), inline=True)
+        gen.submit_batch(batch(1, [2]))
+        time.sleep(3 * HOLD)  # the thread would have started round 1 by now
+        assert order == [] and gen.started == []
+        assert gen.get_batch(0).round.rows == [2] and threads[0] == threading.current_thread().name
+        assert gen.get_batch(1).round.rows == [4] and threads[1] == "gen-thread" and order == [0, 1]
+        gen.submit_batch(batch(2, [3]), inline=True)  # fetched out of turn: `get_batch(3)` runs 2 first
+        gen.submit_batch(batch(3, [4]))
+        assert gen.get_batch(3).round.rows == [8] and order == [0, 1, 2, 3]
+        assert gen.get_batch(2).round.rows == [6] and threads[2] == threading.current_thread().name
+    finally:
+        gen.stop()
+
+
+def test_an_inline_request_waits_for_the_threads_request_in_progress():
+    """A round on the thread already running when an inline one is fetched: the inline one starts after it ends,
+    never beside it; if it does not end within the fetch's timeout, `TimeoutError` names both and the inline round
+    stays to be run by a later fetch."""
+    threads, order = {}, []
+    gen = AsyncBatchGenerator(_one_at_a_time(threads, order, hold=4 * HOLD), generation_timeout=30).start()
+    try:
+        gen.submit_batch(batch(0, [1]))
+        deadline = time.monotonic() + 10
+        while not gen.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gen.submit_batch(batch(1, [2]), inline=True)
+        with pytest.raises(TimeoutError, match=r"round 1 \(inline\) waited for round\(s\) \[0\] in progress"):
+            gen.get_batch(1, timeout=HOLD)
+        assert gen.get_batch(1).round.rows == [4] and order == [0, 1]
+        assert threads[1] == threading.current_thread().name and gen.get_batch(0).round.rows == [2]
+    finally:
+        gen.stop()

@@ -106,9 +106,10 @@ def test_a_round_in_progress_at_shutdown_is_aborted_not_abandoned(tiny_model_pat
 @pytest.mark.vllm
 def test_a_round_in_progress_on_in_process_vllm_is_aborted(tiny_model_path, tmp_path):
     """As above on the in-process vLLM engine (forced 160-token completions, 8 calls a round): `stop` aborts the
-    engine's requests between two steps; round 1 is never scored, exit 0."""
+    engine's requests between two steps; round 1 is never scored, exit 0. As above, a round trains 2 steps, so
+    round 1 runs on the generator thread beside step 2 (rounds mode steps this engine on the calling thread too)."""
     kw = dict(max_steps=4, stop_at_step=1, stop_in_round=1, max_completion_length=160, rollout_micro_batch_size=4)
-    kw["backend"] = "vllm"
+    kw.update(backend="vllm", steps_per_generation=4)
     result, _ = _run("train", tiny_model_path, tmp_path / "i", gen_kwargs={"min_tokens": 160}, **kw)
     assert result["global_step"] == 1
     assert result["reward_calls"] == 1, result

@@ -61,3 +61,34 @@ def test_a_round_generated_ahead_of_a_later_boundary_stays_on_the_generator_thre
     later, not at the next micro-step, so it is generated on the generator thread beside step 2."""
     _train(tiny_model_path, tmp_path, steps_per_generation=4, rollout_micro_batch_size=32)  # a call per round
     assert generating_threads == [threading.main_thread().name, "grpo-async-generator"], generating_threads
+
+
+@pytest.mark.vllm
+def test_in_process_vllm_steps_a_waited_round_on_the_trainers_thread_and_one_round_at_a_time(
+    tiny_model_path, tmp_path, monkeypatch
+):
+    """The in-process vLLM engine (rounds mode steps it on the calling thread) with num_batches_ahead=2: round 0 and
+    round 1 (the first step's deferred round, fetched at the next micro-step) on the trainer's thread, rounds 2 and 3
+    on the generator thread, never two at once: at the first step's end round 2 goes to the thread together with the
+    inline round 1, and the thread waits for it (an engine stepped from two threads at once breaks)."""
+    from grpo_async.generation.vllm_colocate import VLLMColocateBackend
+
+    calls: list[tuple[str, int]] = []  # (thread, rounds running when it started)
+    running = [0]
+    generate = VLLMColocateBackend.generate
+
+    def recorded(self, *args, **kwargs):
+        running[0] += 1
+        calls.append((threading.current_thread().name, running[0]))
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(VLLMColocateBackend, "generate", recorded)
+    trainer = _train(
+        tiny_model_path, tmp_path, generation_backend="vllm", num_batches_ahead=2, vllm_max_model_length=128
+    )
+    main, gen = threading.main_thread().name, "grpo-async-generator"
+    assert calls == [(main, 1), (main, 1), (gen, 1), (gen, 1)], calls
+    assert all(r["reward"] == r["reward"] for r in trainer.state.log_history if "reward" in r)

@@ -155,6 +155,9 @@ for _spec in (
         in_process=True,
         streams=True,
         records_routing=True,
+        # rounds mode steps the engine on the calling thread (`VLLMColocateBackend._run`; with its engine core in a
+        # child process, the main process generating for several, that thread only waits there)
+        runs_on_caller=True,
     ),
     BackendSpec(
         "vllm_server",

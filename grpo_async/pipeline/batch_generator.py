@@ -19,7 +19,10 @@ A request submitted `inline` is not the thread's: the caller fetches it next and
 run ~1.5× slower on a background thread than on the main one (2 OpenMP threads, SmolLM2's decode step: 8 × 576 ×
 1536 matmuls at 0.40 vs 0.25 ms; equal with one OpenMP thread), so a round nothing runs beside (the first of a
 `train()`, every round of sync mode) is generated faster there (`RoundScheduler` asks for it with backends whose
-`generate` computes on the calling thread, `BackendSpec.runs_on_caller`).
+`generate` computes on the calling thread, `BackendSpec.runs_on_caller`). One request runs at a time, the thread's or
+an inline one (an engine stepped from two threads at once would break): the thread does not start a request while an
+inline one of a lower batch id waits for its caller (fetched first), an inline request waits for the thread's request
+in progress, and `get_batch(i)` runs the inline requests up to `i` in order.
 
 Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
 within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
@@ -248,8 +251,9 @@ class AsyncBatchGenerator:
             `KeyError`: when `batch_id` was never submitted.
         """
         timeout = self.generation_timeout if timeout is None else timeout
-        self._run_inline(batch_id)
         deadline = time.monotonic() + timeout
+        for earlier in sorted(i for i in list(self._inline) if i <= batch_id):  # the thread may wait for them
+            self._run_inline(earlier, deadline)
         with self._cond:
             if batch_id not in self._submitted:
                 raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
@@ -274,9 +278,9 @@ class AsyncBatchGenerator:
         """Wait until no request is queued or running (at most `timeout`, default `generation_timeout`); completed
         rounds stay until fetched. Raises `TimeoutError`, or the thread's death as in `get`."""
         timeout = self.generation_timeout if timeout is None else timeout
-        for batch_id in sorted(self._inline):
-            self._run_inline(batch_id)
         deadline = time.monotonic() + timeout
+        for batch_id in sorted(list(self._inline)):
+            self._run_inline(batch_id, deadline)
         with self._cond:
             self._wait(
                 lambda: not self._pending,
@@ -319,7 +323,7 @@ class AsyncBatchGenerator:
                     request = self._requests.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if not self._produce(request):  # stopped while it was queued: never started
+                if not self._produce(self._thread_turn(request)):  # stopped while it was queued: never started
                     break
         except BaseException as e:  # pragma: no cover - e.g. KeyboardInterrupt delivered to this thread
             self._fatal = e
@@ -327,18 +331,42 @@ class AsyncBatchGenerator:
                 self._cond.notify_all()
             raise
 
-    def _run_inline(self, batch_id: int) -> None:
-        """Run request `batch_id` on this (the caller's) thread if it was submitted `inline` and has not run."""
-        with self._cond:
-            request = self._inline.pop(batch_id, None)
-        if request is not None:
-            self._produce(request)
+    def _thread_turn(self, request: RoundRequest) -> Callable[[], RoundRequest]:
+        """The thread's `take` of `request`: waits while an inline request runs or one fetched before it waits."""
 
-    def _produce(self, request: RoundRequest) -> bool:
-        """Run `generate_fn(request)` on this thread and complete its batch (the result, or the exception it
-        raised); False, running nothing, once stopped."""
+        def take() -> RoundRequest:
+            while not self._stop.is_set() and (self._running or any(i < request.round_id for i in self._inline)):
+                self._cond.wait(0.5)
+            return request
+
+        return take
+
+    def _run_inline(self, batch_id: int, deadline: float) -> None:
+        """Run request `batch_id` on this (the caller's) thread if it was submitted `inline` and has not run, once the
+        thread's request in progress (if any) ended; `TimeoutError` at `deadline`, the request left inline."""
+
+        def take() -> RoundRequest | None:
+            if batch_id not in self._inline:  # already run, or dropped by `stop`
+                return None
+            self._wait(
+                lambda: not self._running or self._stop.is_set(),
+                deadline,
+                lambda: (
+                    f"Async generation timed out: round {batch_id} (inline) waited for round(s) "
+                    f"{sorted(self._running)} in progress; raise `async_generation_timeout` if rounds are slow"
+                ),
+            )
+            return self._inline.pop(batch_id, None)
+
+        self._produce(take)
+
+    def _produce(self, take: Callable[[], RoundRequest | None]) -> bool:
+        """Run `generate_fn` on this thread on the request `take()` gives (called with the lock held, it waits for
+        its turn) and complete its batch (the result, or the exception it raised); False, running nothing, when
+        `take` gives none or once stopped."""
         with self._cond:
-            if self._stop.is_set():
+            request = take()
+            if request is None or self._stop.is_set():
                 return False
             start = self._running[request.round_id] = time.perf_counter()
             self.started.append(request.round_id)
