@@ -252,8 +252,10 @@ class AsyncBatchGenerator:
         """
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        for earlier in sorted(i for i in list(self._inline) if i <= batch_id):  # the thread may wait for them
-            self._run_inline(earlier, deadline)
+        with self._cond:
+            earlier = sorted(i for i in self._inline if i <= batch_id)  # the thread may wait for them
+        for inline_id in earlier:
+            self._run_inline(inline_id, deadline)
         with self._cond:
             if batch_id not in self._submitted:
                 raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
@@ -279,7 +281,9 @@ class AsyncBatchGenerator:
         rounds stay until fetched. Raises `TimeoutError`, or the thread's death as in `get`."""
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        for batch_id in sorted(list(self._inline)):
+        with self._cond:
+            inline = sorted(self._inline)
+        for batch_id in inline:
             self._run_inline(batch_id, deadline)
         with self._cond:
             self._wait(
