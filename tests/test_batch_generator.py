@@ -269,3 +269,44 @@ def test_an_inline_request_waits_for_the_threads_request_in_progress():
         assert threads[1] == threading.current_thread().name and gen.get_batch(0).round.rows == [2]
     finally:
         gen.stop()
+
+
+def test_an_inline_request_past_its_timeout_is_interrupted_and_raises():
+    """An inline round runs on the caller's thread, so no wait bounds it: a watchdog interrupts it (`interrupt`, the
+    backend's abort) at the fetch's deadline and `get_batch` raises `InlineTimeout` (a `TimeoutError`), also when the
+    round ends without heeding the interrupt (the backend stays aborted: the round cannot count). A round inside its
+    timeout is not interrupted."""
+    from grpo_async.pipeline.batch_generator import InlineTimeout
+
+    aborted = threading.Event()
+    interrupts = []
+
+    def interrupt():
+        interrupts.append(threading.current_thread().name)
+        aborted.set()
+
+    def work(request):
+        if request.round_id == 0:  # heeds the abort, as a backend does between engine steps
+            if not aborted.wait(30):
+                raise AssertionError("never interrupted")
+            raise RuntimeError("generation aborted")
+        if request.round_id == 1:  # does not: finishes after the deadline
+            time.sleep(4 * HOLD)
+        return doubled(request)
+
+    gen = AsyncBatchGenerator(work, generation_timeout=30, interrupt=interrupt).start()
+    try:
+        gen.submit_batch(batch(0, [1]), inline=True)
+        overran = r"round 0, generated on the caller's thread \(inline\), ran past its timeout"
+        with pytest.raises(InlineTimeout, match=overran) as e:
+            gen.get_batch(0, timeout=HOLD)
+        assert isinstance(e.value, TimeoutError) and "generation aborted" in str(e.value.__cause__)
+        assert len(interrupts) == 1 and interrupts[0] != threading.current_thread().name  # the watchdog's thread
+        gen.submit_batch(batch(1, [2]), inline=True)
+        with pytest.raises(InlineTimeout):
+            gen.get_batch(1, timeout=HOLD)
+        assert len(interrupts) == 2 and gen.get_pending_count() == 0
+        gen.submit_batch(batch(2, [3]), inline=True)
+        assert gen.get_batch(2).round.rows == [6] and len(interrupts) == 2
+    finally:
+        gen.stop()

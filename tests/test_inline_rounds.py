@@ -92,3 +92,22 @@ def test_in_process_vllm_steps_a_waited_round_on_the_trainers_thread_and_one_rou
     main, gen = threading.main_thread().name, "grpo-async-generator"
     assert calls == [(main, 1), (main, 1), (gen, 1), (gen, 1)], calls
     assert all(r["reward"] == r["reward"] for r in trainer.state.log_history if "reward" in r)
+
+
+def test_a_waited_round_past_async_generation_timeout_is_interrupted(tiny_model_path, tmp_path):
+    """A round generated on the trainer's thread is not bounded by a wait (the trainer itself is generating): a
+    watchdog aborts it at `async_generation_timeout` (the hf backend stops at its next token) and `train()` raises
+    `TimeoutError` naming the inline round, instead of generating for as long as the round takes."""
+    args = tiny_config(
+        tmp_path,
+        max_steps=2,
+        num_batches_ahead=0,
+        rollout_micro_batch_size=16,
+        max_completion_length=200,
+        generation_kwargs={"min_new_tokens": 200},  # 200 decode steps of 16 rows: far past the timeout below
+        async_generation_timeout=0.2,
+    )
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=letter_reward, args=args, train_dataset=make_dataset(64))
+    with pytest.raises(TimeoutError, match=r"round 0, generated on the caller's thread \(inline\), ran past"):
+        trainer.train()
+    assert trainer.state.global_step == 0

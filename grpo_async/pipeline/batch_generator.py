@@ -82,6 +82,10 @@ def wait_for(cond: threading.Condition, done, deadline: float, timeout_message, 
         cond.wait(min(left, 0.5))
 
 
+class InlineTimeout(TimeoutError):
+    """A round generated on the caller's thread (inline) ran past its fetch's timeout and was interrupted."""
+
+
 @dataclass
 class BatchRequest:
     """What the trainer asks the generator for (seed 003's `BatchRequest`, typed): batch `batch_id` (a round: the
@@ -158,6 +162,7 @@ class AsyncBatchGenerator:
         self._generation_seconds = 0.0  # their seconds in `generate_fn`
         #: round id → perf_counter() at which it started, for the requests running now (the thread's; an inline one)
         self._running: dict[int, float] = {}
+        self._overrun: set[int] = set()  # inline requests interrupted past their deadline (`_overran`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
@@ -249,6 +254,8 @@ class AsyncBatchGenerator:
             `RuntimeError`: "Async generation failed: ..." when `generate_fn` raised (chained) or the thread died.
             `TimeoutError`: when the batch is not ready in time.
             `KeyError`: when `batch_id` was never submitted.
+            `InlineTimeout` (a `TimeoutError`): when the batch, generated on this thread (`inline`), ran past the
+            timeout; it was interrupted (`interrupt`).
         """
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -270,6 +277,8 @@ class AsyncBatchGenerator:
             result = self._completed.pop(batch_id)
             self._submitted.discard(batch_id)
             self._cond.notify_all()
+        if isinstance(result, InlineTimeout):  # an inline round past its timeout (`_produce`)
+            raise result
         if isinstance(result, BaseException):
             raise RuntimeError(
                 f"Async generation failed: round {batch_id}: {type(result).__name__}: {result}"
@@ -362,18 +371,36 @@ class AsyncBatchGenerator:
             )
             return self._inline.pop(batch_id, None)
 
-        self._produce(take)
+        self._produce(take, deadline)
 
-    def _produce(self, take: Callable[[], RoundRequest | None]) -> bool:
+    def _overran(self, round_id: int) -> None:
+        """The watchdog of an inline request past its fetch's deadline: interrupt it (`interrupt`, the backend's
+        abort), if it still runs; its batch becomes a `TimeoutError` (`_produce`)."""
+        with self._cond:
+            if round_id not in self._running:
+                return
+            self._overrun.add(round_id)
+        logger.error("[%s] round %d (inline) ran past its timeout: interrupting it", self.name, round_id)
+        if self.interrupt is not None:
+            self.interrupt()
+
+    def _produce(self, take: Callable[[], RoundRequest | None], deadline: float | None = None) -> bool:
         """Run `generate_fn` on this thread on the request `take()` gives (called with the lock held, it waits for
         its turn) and complete its batch (the result, or the exception it raised); False, running nothing, when
-        `take` gives none or once stopped."""
+        `take` gives none or once stopped. With `deadline` (an inline request: its caller waits on nothing else) a
+        watchdog interrupts it at that `time.monotonic()`, and its batch is then an `InlineTimeout` whatever
+        it returned (the backend stays aborted until the scheduler's `stop` resumes it)."""
         with self._cond:
             request = take()
             if request is None or self._stop.is_set():
                 return False
             start = self._running[request.round_id] = time.perf_counter()
             self.started.append(request.round_id)
+        watchdog = None
+        if deadline is not None:
+            watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), self._overran, (request.round_id,))
+            watchdog.daemon = True
+            watchdog.start()
         result: Round | BaseException | None = None  # None: ended by a BaseException (e.g. Ctrl-C inline): no batch
         try:
             result = self.generate_fn(request)
@@ -386,9 +413,20 @@ class AsyncBatchGenerator:
                 logger.error("[%s] round %d failed: %r", self.name, request.round_id, e)
             result = e
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             with self._cond:
                 self._busy += time.perf_counter() - start  # monotonic with busy_seconds() read meanwhile
                 self._running.pop(request.round_id, None)
+                if request.round_id in self._overrun:
+                    self._overrun.discard(request.round_id)
+                    timeout = InlineTimeout(
+                        f"Async generation timed out: round {request.round_id}, generated on the caller's thread "
+                        f"(inline), ran past its timeout and was interrupted; raise `async_generation_timeout` if "
+                        "rounds are slow"
+                    )
+                    timeout.__cause__ = result if isinstance(result, BaseException) else None
+                    result = timeout
                 if result is not None and not isinstance(result, BaseException):  # average time: successes only
                     self._generated += 1
                     self._generation_seconds += result.generation_time
