@@ -76,7 +76,10 @@ class PipelineFields:
     async_generation_timeout: float = checked_field(
         Number(gt=0, what="> 0 seconds"),
         default=600.0,
-        metadata={"help": "Seconds any wait on the generator may last before raising."},
+        metadata={
+            "help": "Seconds any wait on the generator may last before raising; a round generated on the trainer's "
+            "own thread (a waited round with `hf` or the in-process vLLM engine) is aborted at it."
+        },
     )
     max_staleness: int | None = checked_field(
         Number(ge=0, integer=True, optional=True, what="an int >= 0 (policy versions, i.e. optimizer steps) or None"),
