@@ -1,7 +1,8 @@
 """Which thread generates a round (`SchedulerSettings.inline_waited_round`, `AsyncBatchGenerator.submit_batch(inline=
-True)`): with the hf backend, whose `generate` computes on the calling thread, a round the trainer fetches right after
-its submission — a `train()`'s first, the round the first step defers to its end, every round of sync mode — is
-generated on the trainer's own thread; a round generated ahead, beside a training step, on the generator thread.
+True)`): with the hf backend and the in-process vLLM engine, whose `generate` computes on the calling thread, a round
+the trainer fetches right after its submission — a `train()`'s first, the round the first step defers to its end,
+every round of sync mode — is generated on the trainer's own thread; a round generated ahead, beside a training step,
+on the generator thread.
 Real trainer runs on the tiny model; the backend's `generate` is wrapped only to record the thread it ran on."""
 
 from __future__ import annotations
