@@ -259,10 +259,7 @@ class AsyncBatchGenerator:
         """
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with self._cond:
-            earlier = sorted(i for i in self._inline if i <= batch_id)  # the thread may wait for them
-        for inline_id in earlier:
-            self._run_inline(inline_id, deadline)
+        self._run_inlines(deadline, up_to=batch_id)  # the thread may wait for those fetched before it
         with self._cond:
             if batch_id not in self._submitted:
                 raise KeyError(f"get_batch({batch_id}): that batch was never submitted")
@@ -290,10 +287,7 @@ class AsyncBatchGenerator:
         rounds stay until fetched. Raises `TimeoutError`, or the thread's death as in `get`."""
         timeout = self.generation_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with self._cond:
-            inline = sorted(self._inline)
-        for batch_id in inline:
-            self._run_inline(batch_id, deadline)
+        self._run_inlines(deadline)
         with self._cond:
             self._wait(
                 lambda: not self._pending,
@@ -353,6 +347,13 @@ class AsyncBatchGenerator:
             return request
 
         return take
+
+    def _run_inlines(self, deadline: float, up_to: float = float("inf")) -> None:
+        """Run on this (the caller's) thread, in order, the inline requests not run yet whose id is at most `up_to`."""
+        with self._cond:
+            ids = sorted(i for i in self._inline if i <= up_to)
+        for batch_id in ids:
+            self._run_inline(batch_id, deadline)
 
     def _run_inline(self, batch_id: int, deadline: float) -> None:
         """Run request `batch_id` on this (the caller's) thread if it was submitted `inline` and has not run, once the
