@@ -104,7 +104,7 @@ def interleaved_trainer(warmup: int, block: int):
             class Producer:  # the scheduler calls it (generator thread) and aborts it at shutdown
                 abort, resume, build_engine = produce.abort, produce.resume, produce.build_engine
 
-                def __call__(self, request):
+                def __call__(self, request, on_sampled=None):
                     if mode_of(request.round_id - 1, warmup, block) == "train_alone" and last:
                         rnd, v = last[0], trainer.state.global_step  # the last round again, at once
                         batch = dataclasses.replace(
@@ -113,7 +113,7 @@ def interleaved_trainer(warmup: int, block: int):
                             round_id=torch.full_like(rnd.batch.round_id, request.round_id),
                         )
                         return dataclasses.replace(rnd, round_id=request.round_id, policy_version=v, batch=batch)
-                    last[:] = [produce(request)]
+                    last[:] = [produce(request, on_sampled=on_sampled)]
                     return last[0]
 
             producer = Producer()

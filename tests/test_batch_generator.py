@@ -310,3 +310,59 @@ def test_an_inline_request_past_its_timeout_is_interrupted_and_raises():
         assert gen.get_batch(2).round.rows == [6] and len(interrupts) == 2
     finally:
         gen.stop()
+
+
+def test_wait_until_sampled_returns_while_a_sampled_round_is_scored():
+    """With `signals_sampled`, `wait_until_sampled` (what a weight load waits for) returns once every request queued
+    or running has called `on_sampled`, while the last one is still scored; a request queued behind it, or one
+    sampling, holds it; a request that fails before sampling releases it. Without `signals_sampled` it waits for the
+    whole request (`wait_until_idle`)."""
+    sampling, scoring = {0: threading.Event(), 1: threading.Event()}, {0: threading.Event(), 1: threading.Event()}
+    sampled_at = {}
+
+    def work(request, on_sampled):
+        i = request.round_id
+        if i == 2:
+            raise ValueError("fails before sampling")
+        assert sampling[i].wait(30), "never released"
+        sampled_at[i] = time.monotonic()
+        on_sampled()
+        assert scoring[i].wait(30), "never released"  # its rewards: the load need not wait for them
+        return doubled(request)
+
+    gen = AsyncBatchGenerator(work, generation_timeout=30, signals_sampled=True).start()
+    try:
+        gen.submit_batch(batch(0, [1]))
+        gen.submit_batch(batch(1, [2]))  # queued behind round 0 (one request at a time)
+        with pytest.raises(TimeoutError, match=r"rounds \[0, 1\] still sampling after"):
+            gen.wait_until_sampled(timeout=HOLD)
+        sampling[0].set()
+        with pytest.raises(TimeoutError, match=r"rounds \[1\] still sampling"):  # round 0 scored, round 1 queued
+            gen.wait_until_sampled(timeout=HOLD)
+        scoring[0].set()
+        sampling[1].set()
+        gen.wait_until_sampled()  # round 1 sampled, not scored
+        assert gen.get_pending_count() == 1 and 1 in sampled_at
+        scoring[1].set()
+        assert gen.get_batch(0).round.rows == [2] and gen.get_batch(1).round.rows == [4]
+        gen.submit_batch(batch(2, [3]))
+        gen.wait_until_sampled()  # failed before sampling: nothing left to wait for
+        with pytest.raises(RuntimeError, match="fails before sampling"):
+            gen.get_batch(2)
+    finally:
+        for e in (*sampling.values(), *scoring.values()):
+            e.set()
+        gen.stop()
+
+    release = threading.Event()
+    plain = AsyncBatchGenerator(lambda r: release.wait(30) and doubled(r), generation_timeout=30).start()
+    try:
+        plain.submit_batch(batch(0, [1]))
+        with pytest.raises(TimeoutError, match=r"rounds \[0\] still sampling"):  # no signal: the whole request
+            plain.wait_until_sampled(timeout=HOLD)
+        release.set()
+        plain.wait_until_sampled()
+        assert plain.get_pending_count() == 0
+    finally:
+        release.set()
+        plain.stop()

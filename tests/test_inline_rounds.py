@@ -112,3 +112,33 @@ def test_a_waited_round_past_async_generation_timeout_is_interrupted(tiny_model_
     with pytest.raises(TimeoutError, match=r"round 0, generated on the caller's thread \(inline\), ran past"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_a_publish_waits_for_the_sampling_of_the_rounds_in_flight_not_their_rewards(tiny_model_path, tmp_path):
+    """A publish waits until the rounds in flight have *sampled* (the weights they use), not for their rewards: the
+    reward of each round generated ahead on the generator thread (rounds 2 and 3; rounds 0 and 1 run on the trainer's
+    thread, see above) blocks until the next weights are published, which it sees only because the publish overlaps
+    its scoring (waiting for the whole round, the reward would wait out its 20 s here and see none). Each round still
+    samples on the weights it was submitted with: staleness 1 from round 1 on, as without the overlap."""
+    import time
+
+    seen: list[tuple[int | None, int | None]] = []  # per reward call (one per round): published at entry, at return
+    trainer: list[GRPOTrainer] = []
+
+    def waits_for_a_publish(prompts, completions, **kwargs):
+        publisher = trainer[0].rounds.publisher
+        entry = publisher.published
+        deadline = time.monotonic() + 20
+        while len(seen) >= 2 and publisher.published == entry and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append((entry, publisher.published))
+        return letter_reward(prompts, completions, **kwargs)
+
+    args = tiny_config(tmp_path, max_steps=4, rollout_micro_batch_size=16, reward_timeout=60)
+    trainer.append(
+        GRPOTrainer(model=tiny_model_path, reward_funcs=waits_for_a_publish, args=args, train_dataset=make_dataset(64))
+    )
+    trainer[0].train()
+    assert seen[2:] == [(1, 2), (2, 3)], seen
+    staleness = [r["async/staleness"] for r in trainer[0].state.log_history if "async/staleness" in r]
+    assert staleness == [0, 1, 1, 1], staleness

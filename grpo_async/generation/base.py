@@ -2,7 +2,7 @@
 
 A backend is built on the main process and shared by the round producer (generator thread), the policy publisher
 and evaluation, one at a time (`generation.shared.SharedBackend`). The publisher streams new weights into it with
-`load_weights` only while no round is being generated, so a round always finishes on the weights it started with
+`load_weights` only while no round is being sampled, so a round always finishes on the weights it started with
 (except in the servers' in-flight mode, where the server freezes running requests around the load).
 
 ```

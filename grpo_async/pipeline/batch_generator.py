@@ -24,6 +24,15 @@ an inline one (an engine stepped from two threads at once would break): the thre
 inline one of a lower batch id waits for its caller (fetched first), an inline request waits for the thread's request
 in progress, and `get_batch(i)` runs the inline requests up to `i` in order.
 
+A weight load waits for sampling only: with `signals_sampled`, `generate_fn(request, on_sampled=...)` calls
+`on_sampled()` once the request's completions are in (the backend released), and `wait_until_sampled` waits for that
+instead of the whole request, so the load overlaps the rewards and advantages of the round that just sampled:
+
+```
+generator thread   round r: sample ──────────────▶ on_sampled ─ rewards, advantages ─▶ completed[r]
+trainer thread     wait_until_sampled ─────────────────────────▶ load weights ─▶ get_batch(r) ─▶ submit r + 1
+```
+
 Shutdown: `stop` interrupts the request in progress (`interrupt`, e.g. the backend's abort) and joins the thread
 within its bound. A thread still running after that (a reward stuck in user code) is joined again at interpreter
 exit (`atexit`), so the process never exits under a running torch thread (which aborts it: `terminate called
@@ -33,6 +42,7 @@ without an active exception`, exit code 134).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -125,6 +135,8 @@ class AsyncBatchGenerator:
         name (`str`, *optional*): thread name, also the prefix of its log lines.
         interrupt (`Callable[[], None]`, *optional*): called by `stop` (from the stopping thread) while a request
             is running, to make `generate_fn` return early (raising); e.g. `RoundProducer.abort`.
+        signals_sampled (`bool`, *optional*, defaults to `False`): `generate_fn` takes `on_sampled`, a callable it
+            calls once its request has sampled (`RoundProducer`); `wait_until_sampled` then waits for that only.
     """
 
     def __init__(
@@ -134,6 +146,7 @@ class AsyncBatchGenerator:
         generation_timeout: float = 600.0,
         name: str = "grpo-async-generator",
         interrupt: Callable[[], None] | None = None,
+        signals_sampled: bool = False,
     ):
         if not callable(generate_fn):
             raise TypeError(f"AsyncBatchGenerator: generate_fn must be callable, got {type(generate_fn).__name__}")
@@ -149,6 +162,7 @@ class AsyncBatchGenerator:
         self.generation_timeout = float(generation_timeout)
         self.name = name
         self.interrupt = interrupt
+        self.signals_sampled = signals_sampled
         self.started: list[int] = []  # round ids whose generation started, in order (what the backend generated)
         self.interrupted: list[int] = []  # round ids that ended with an error after `stop` (aborted at shutdown)
         self._requests: queue.Queue[RoundRequest] = queue.Queue()
@@ -156,6 +170,7 @@ class AsyncBatchGenerator:
         self._cond = threading.Condition()
         self._submitted: set[int] = set()
         self._pending: set[int] = set()  # queued or running
+        self._sampled: set[int] = set()  # running, past sampling (`on_sampled` called): being scored
         self._completed: dict[int, Round | BaseException] = {}  # a failed request holds its exception
         self._busy = 0.0  # seconds spent in `generate_fn` by requests that finished
         self._generated = 0  # requests that finished successfully (get_average_generation_time)
@@ -298,6 +313,29 @@ class AsyncBatchGenerator:
                 ),
             )
 
+    def wait_until_sampled(self, timeout: float | None = None) -> None:
+        """Wait until every request queued or running has sampled (`on_sampled` called, or finished): no request will
+        use the backend's weights again, those still running only score. Without `signals_sampled` that is
+        `wait_until_idle`. Bounded and raising as `wait_until_idle`."""
+        timeout = self.generation_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._run_inlines(deadline)
+        with self._cond:
+            self._wait(
+                lambda: self._pending <= self._sampled,
+                deadline,
+                lambda: (
+                    f"Async generation timed out: rounds {sorted(self._pending - self._sampled)} still sampling "
+                    f"after {timeout:.1f}s; raise `async_generation_timeout` if rounds are slow"
+                ),
+            )
+
+    def _mark_sampled(self, round_id: int) -> None:
+        with self._cond:
+            if round_id in self._running:
+                self._sampled.add(round_id)
+                self._cond.notify_all()
+
     def _wait(self, done, deadline: float, timeout_message) -> None:
         wait_for(self._cond, done, deadline, timeout_message, self.check_health)
 
@@ -404,7 +442,10 @@ class AsyncBatchGenerator:
             watchdog.start()
         result: Round | BaseException | None = None  # None: ended by a BaseException (e.g. Ctrl-C inline): no batch
         try:
-            result = self.generate_fn(request)
+            if self.signals_sampled:
+                result = self.generate_fn(request, on_sampled=functools.partial(self._mark_sampled, request.round_id))
+            else:
+                result = self.generate_fn(request)
             result.generation_time = time.perf_counter() - start
         except Exception as e:  # raised to the trainer by get
             if self._stop.is_set():
@@ -432,6 +473,7 @@ class AsyncBatchGenerator:
                     self._generated += 1
                     self._generation_seconds += result.generation_time
                 self._pending.discard(request.round_id)
+                self._sampled.discard(request.round_id)
                 if result is not None:
                     self._completed[request.round_id] = result
                 self._cond.notify_all()

@@ -356,9 +356,12 @@ class RoundProducer:
                 self.environment.release(columns["env_state"])
 
     # ---- the round ----------------------------------------------------------------------------------------
-    def __call__(self, request: RoundRequest, concurrent: bool = False) -> Round:
+    def __call__(
+        self, request: RoundRequest, concurrent: bool = False, on_sampled: Callable[[], None] | None = None
+    ) -> Round:
         """The round of `request`; `concurrent`: one of several calls running at once (stream mode, a request per
-        prompt group; see `generate`)."""
+        prompt group; see `generate`). `on_sampled` is called once the completions are in and the backend is
+        released (`AsyncBatchGenerator.wait_until_sampled`: a weight load may go on while this round is scored)."""
         G, rows = self.s.num_generations, request.rows
         for g in range(0, len(rows), G):
             if any(self.prompt_of(rows[g + i]) != self.prompt_of(rows[g]) for i in range(G)):
@@ -371,6 +374,8 @@ class RoundProducer:
             prompts, rows, prompt_ids, request.round_id, G, request.first_row, concurrent, media
         )
         t_gen = time.perf_counter() - t0
+        if on_sampled is not None:
+            on_sampled()
         self._check_aborted(request.round_id)  # shutting down: the rewards (maybe slow) are not computed
         t0 = time.perf_counter()
         logs = RewardLogs()

@@ -11,7 +11,7 @@ Worked example, `steps_per_generation=2`, `num_iterations=1`, `num_batches_ahead
 micro-step 0: round 0 not submitted → publish v0 ─▶ submit r0 (this batch), r1 (loader.batch_at(2)) ─▶ wait r0
               ─▶ consumer(r0) → micro-batches [a, b] → train a
 micro-step 1: train b
-micro-step 2: r1 submitted → fetch r1 ─▶ publish v1 ─▶ submit r2 (loader.batch_at(4)) ─▶ consumer(r1) → train a'
+micro-step 2: r1 submitted → publish v1 once r1 sampled ─▶ fetch r1 ─▶ submit r2 (batch_at(4)) ─▶ consumer(r1) → a'
 ```
 Round r + k is generated from the weights the trainer had when round r started: staleness, in policy versions
 (optimizer steps), ≤ ceil(k × steps_per_round) when its round starts. With an engine in the training process, r1 is
@@ -27,15 +27,14 @@ GA = 2, steps_per_generation = 2, μ = 1, k = 1, max_steps = 2 (epoch micro-step
 micro-step 0: submit r0 and r1 (starts at micro-step 2 < 4) │ micro-step 2: r2 would start at 4 ≥ 4: not submitted
 ```
 Every rank computes the same horizon from the same state (the trainer's global step, the epoch micro-step), so the
-gathers of `_submit` stay matched.
-
-Every process calls `next_micro_batch` at the same micro-step; the gathers and the broadcast of rounds happen there.
+gathers of `_submit` stay matched. Every process calls `next_micro_batch` at the same micro-step; the gathers and the
+broadcast of rounds happen there.
 
 Staleness pacing (`staleness_policy="pace"`, with a staleness limit `M`: `GRPOConfig.staleness_limit`): the generator
 does not start work whose rows would lag more than `M` policy versions when their round starts training; it waits for
 the trainer's next weights instead ([`StalenessPacer`] holds the clock). Rounds mode paces here, at submission: round
 `j` submitted at the boundary of round `r` is generated from the weights published there, `s_r` (a publish waits until
-no round runs, so a round never starts on other weights), and trained from `s_j`; it is submitted only if
+no round samples, so a round never starts on other weights), and trained from `s_j`; it is submitted only if
 `s_j − s_r ≤ M`, else at a later boundary (at the latest at its own, synchronously: staleness 0), so rounds mode never
 drops a row under pacing and cannot deadlock (the round the trainer waits for is always submitted):
 
@@ -47,7 +46,6 @@ boundary 1 (s = 1): submit r2 (2 − 1 = 1); r3 held                            
 Stream mode paces each prompt group's start (`GroupStream`: its docstring works the bound out).
 
 Two ways to spread a round over N processes:
-
 ```txt
 main process generates (servers, OpenAI, rollout_func, 1 process):   an engine on every rank (`join` given):
   every rank ─gather rows─▶ main: producer([R]) ─broadcast─▶ [R]       rank i: producer(its rows [L], first_row=i·L)
@@ -138,7 +136,7 @@ class RoundScheduler:
         producer (`RoundProducer`): run in the job-queue thread (main process only).
         consumer (`RoundConsumer`): turns a round into this process's micro-batches.
         publisher (`PolicyPublisher`): publishes the policy's weights at each round boundary (every process; a
-            no-op when the version is unchanged); the scheduler first waits until no round runs unless the
+            no-op when the version is unchanged); the scheduler first waits until no round samples unless the
             publisher pushes while rounds run (`inflight`).
         log (`Callable[[str, float], None]`): records a metric.
         steps_left (`Callable[[], int]`, *optional*): optimizer steps the trainer will still run, the one in
@@ -246,28 +244,28 @@ class RoundScheduler:
             self.log(k, v)
         return metrics
 
-    def wait_until_idle(self) -> None:
-        """Block until no round is queued or being generated (publishing waits for this, so a round in flight
-        finishes on the weights it started with)."""
+    def wait_until_idle(self, sampled: bool = False) -> None:
+        """Block until no round is queued or being generated; `sampled`: until none will sample again, those still
+        running only score (`AsyncBatchGenerator.wait_until_sampled`: what a publish waits for)."""
         if self.generator is not None:
             start = time.perf_counter()
             try:
-                self.generator.wait_until_idle()
+                (self.generator.wait_until_sampled if sampled else self.generator.wait_until_idle)()
             finally:
                 self._add_wait(time.perf_counter() - start)
 
     def publish(self, policy: nn.Module, version: int) -> float:
         """Publish `policy`'s weights as `version` (every process; nothing when `version` is already published):
-        first wait until no round runs, so a round in flight finishes on the weights it started with, unless the
-        publisher pushes while rounds run. Stream mode: no group starts until the weights are loaded, and the groups
-        running finish first (`GroupStream.held`), unless the publisher pushes while they run (in-flight: each
-        token then records its version). Logs `timing/weight_sync`; returns its seconds."""
+        first wait until no round samples, so a round in flight samples on the weights it started with (its rewards
+        are computed meanwhile), unless the publisher pushes while rounds run. Stream mode: no group starts until the
+        weights are loaded, and the groups running finish first (`GroupStream.held`), unless the publisher pushes
+        while they run (in-flight: each token then records its version). Logs `timing/weight_sync`."""
         held = contextlib.nullcontext()
         if self.publisher.due(version) and not self.publisher.inflight:
             if isinstance(self.generator, GroupStream):
                 held = self._held()
             else:
-                self.wait_until_idle()
+                self.wait_until_idle(sampled=True)
         with held:
             seconds = self.publisher.publish(policy, version)
         if seconds:
@@ -275,8 +273,7 @@ class RoundScheduler:
         return seconds
 
     @contextlib.contextmanager
-    def _held(self):
-        """`GroupStream.held`, its wait for the running groups counted as the trainer's wait."""
+    def _held(self):  # `GroupStream.held`, its wait for the running groups counted as the trainer's wait
         start = time.perf_counter()
         with self.generator.held():
             self._add_wait(time.perf_counter() - start)
@@ -399,10 +396,11 @@ class RoundScheduler:
         if self.generates and self.generator is None:
             self.producer.build_engine()  # here, on every rank that generates (see `RoundProducer.build_engine`)
             self.generator = self._start_generator()
-        rnd = self._fetch() if self.round in self.submitted else None
-        self.publish(policy, version)  # the weights of this step, for the rounds submitted next
+        fetched, t0 = self.round in self.submitted, time.perf_counter()  # generated ahead: scored while publishing
+        pushed = self.publish(policy, version)  # the weights of this step, for the rounds submitted next
+        rnd = self._fetch(time.perf_counter() - t0 - pushed) if fetched else None  # + its sampling waited for
         if self.pacer is not None:
-            self._advance_clock(version, fetched=rnd is not None)
+            self._advance_clock(version, fetched=fetched)
         self._submit(generation_batch, ahead=not (first and self.s.first_round_alone))
         if rnd is None:
             rnd = self._fetch()
@@ -449,6 +447,7 @@ class RoundScheduler:
             max_queue_size=self.s.max_queue_size,
             generation_timeout=self.s.generation_timeout,
             interrupt=self.producer.abort,
+            signals_sampled=True,  # a publish waits for the rounds' sampling, not their rewards
         )
         self._busy_mark = (time.perf_counter(), 0.0)
         return queue.start()
@@ -553,15 +552,16 @@ class RoundScheduler:
         waited, self._pace_waited = self._pace_waited, 0.0
         return waited
 
-    def _fetch(self) -> Round:
-        """The current round, from the job queue (main) to every rank; an error on main reaches every rank."""
+    def _fetch(self, waited: float = 0.0) -> Round:
+        """The current round, from the job queue (main) to every rank; an error on main reaches every rank. `waited`:
+        seconds already waited for it (its sampling, by the publish), logged with the wait here."""
         rnd, err = None, None
         start = time.perf_counter()
         if self.join is not None:  # every rank: its part, every rank's parts gathered and joined
             rnd = self._joined.pop(self.round) if self.round in self._joined else self._joined_round(self.round)
             if isinstance(rnd, BaseException):
                 raise rnd
-            return self._received(rnd, time.perf_counter() - start)
+            return self._received(rnd, time.perf_counter() - start, before=waited)
         if self.dist.is_main:
             try:
                 rnd = self._ready.pop(self.round) if self.round in self._ready else self._collect(self.round)
@@ -576,16 +576,16 @@ class RoundScheduler:
             raise err
         if isinstance(rnd, str):
             raise RuntimeError(f"Async generation failed on the main process: {rnd}")
-        return self._received(rnd, wait, counted=True)
+        return self._received(rnd, wait, counted=True, before=waited)
 
-    def _received(self, rnd: Round, wait: float, counted: bool = False) -> Round:
-        """Log the fetched round's metrics and timings; `wait`: seconds waited for it (added unless `counted`)."""
+    def _received(self, rnd: Round, wait: float, counted: bool = False, before: float = 0.0) -> Round:
+        """Log the round's metrics and timings; seconds waited for it: `wait` (added unless `counted`) + `before`."""
         if not counted:
             self._add_wait(wait)
         for k, v in rnd.metrics.items():
             self.log(k, v)
         self.log("timing/generation", rnd.generation_time)
-        self.log("timing/wait_generation", wait)
+        self.log("timing/wait_generation", wait + before)
         if self.generator is not None:
             self.log("async/pending", float(self.generator.get_pending_count()))
             self.log("async/completed", float(self.generator.get_completed_count()))
