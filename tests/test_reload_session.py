@@ -197,6 +197,35 @@ def test_an_aborted_push_loads_nothing(server, weights):
     assert close(logprobs(server), before, 0.0)
 
 
+@pytest.mark.vllm
+def test_a_shm_push_of_n_buckets_is_n_requests_the_last_bucket_riding_on_the_closing_one(server, weights):
+    """The closing request (the one generation waits for) carries the last bucket: no request of its own for `end`."""
+
+    class Counting(ServerClient):
+        def post(self, path, body, timeout=None):
+            if path == "/ws/update":
+                sent.append((len(body["buckets"]), body["begin"], body["end"]))
+            return super().post(path, body, timeout=timeout)
+
+    moved = noisy(weights, 3)
+    push(server, moved, 30)
+    expect = logprobs(server)
+    push(server, weights, 31)
+    for bucket_mb, version in ((0.01, 32), (1000.0, 33)):  # one bucket a tensor; the whole model in one bucket
+        sent = []
+        tr = make_transport("shm", Counting(server.url, api_key=KEY, timeout=120), bucket_mb=bucket_mb)
+        try:
+            out = tr.push(groups(moved), version)
+        finally:
+            tr.close()
+        n = out["buckets"]
+        assert len(sent) == n and (n > 3 if bucket_mb < 1 else n == 1), (n, sent)  # main before: n + 1 requests
+        assert sent[0][1] and sent[-1][2] and all(b == 1 for b, _, _ in sent), sent
+        assert [b for _, b, _ in sent[1:]] == [False] * (n - 1) and not any(e for _, _, e in sent[:-1]), sent
+        assert info(server)["version"] == version and close(logprobs(server), expect, 0.0)
+    assert close(logprobs(server), expect, 0.0)
+
+
 # ---- 2. a trainer SIGKILLed mid-push: generation goes on, the next trainer pushes ----------------------------------
 KILLED_TRAINER = """
 import sys, time, torch

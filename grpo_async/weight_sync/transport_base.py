@@ -165,21 +165,43 @@ class ServerTransport(WeightTransport):
     def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
         """Send `plans` (packed here) in one `/ws/update` request carrying `extra`; return the server's answer."""
 
+    def _pack(self, plans: list[BucketPlan]) -> dict | None:
+        """Pack `plans` where they can wait for a later request (`_post`): the fields naming them; None (the
+        default): this transport sends each bucket as it is packed (`_session`)."""
+        return None
+
+    def _post(self, packed: dict, extra: dict) -> dict:
+        """The `/ws/update` request carrying buckets `_pack`ed before, and `extra`; the server's answer."""
+        raise NotImplementedError(f"{type(self).__name__} packs no bucket ahead of its request")
+
 
 class PushStream:
-    """One reload session on a server, fed bucket by bucket (see `ServerTransport.stream`)."""
+    """One reload session on a server, fed bucket by bucket (see `ServerTransport.stream`).
+
+    A transport that packs a bucket where it can wait (`ServerTransport._pack`: shared memory) sends each bucket's
+    request when the next bucket is packed, and the last bucket with the closing request: a push of `n` buckets is `n`
+    requests, not `n + 1` (the closing one loads the push while generation waits: one request less there)."""
 
     def __init__(self, transport: ServerTransport, version: int | None, base: dict):
         self.transport, self.version, self.base = transport, version, base
         self.begun = self.ended = False
         self.session: str | None = None  # the server's id for this push (answered at begin; sent with the rest)
         self.total = {"tensors": 0, "bytes": 0, "buckets": 0, "digests": {}, "phases": {}}
+        self.held: dict | None = None  # the packed bucket whose request goes out with the next one
 
     def send(self, bucket: NamedTensors) -> None:
         plan = BucketPlan(bucket, bucket_layout(bucket))
         deadline = time.monotonic() + self.transport.timeout  # shared by this request and the abort after it
         try:
-            out = self.transport._session([plan], {**self.base, **self._id(), "begin": not self.begun, "end": False})
+            body = {**self.base, **self._id(), "begin": not self.begun, "end": False}
+            packed = self.transport._pack([plan])
+            if packed is None:
+                out = self.transport._session([plan], body)
+            else:
+                held, self.held = self.held, packed
+                if held is None:  # the first bucket: it goes out with the next request
+                    return
+                out = self.transport._post(held, body)
         except KeyboardInterrupt:
             raise  # never wait for the server when the user interrupts
         except BaseException:
@@ -196,7 +218,11 @@ class PushStream:
     def close(self, extra: dict | None = None) -> dict:
         """The closing request (`extra`: fields it alone carries, e.g. the delta's checksum); the push's summary."""
         body = {**self.base, **self._id(), "begin": not self.begun, "end": True, "version": self.version}
-        out = self.transport._session([], {**body, **(extra or {})})
+        held, self.held = self.held, None
+        if held is None:
+            out = self.transport._session([], {**body, **(extra or {})})
+        else:  # the last bucket, and the end of the push
+            out = self.transport._post(held, {**body, **(extra or {})})
         self.ended = True
         ServerTransport._add(self.total, out)
         self.total["version"] = out.get("version")
@@ -213,6 +239,7 @@ class PushStream:
         what is left of it, so a server that stopped answering costs `timeout` once, not twice (nothing is sent when
         less than `MIN_ABORT_S` is left: such a server did not answer the request itself, and its session is left to
         the server's own idle deadline). `None`: a fresh `timeout`."""
+        self.held = None  # a bucket packed but never sent stays unsent
         if not self.begun or self.ended:
             return
         self.ended = True

@@ -300,7 +300,9 @@ class ShmTransport(ServerTransport):
     def _start_push(self) -> None:
         self._counter = 0  # segments are reused push after push, one per bucket and dtype
 
-    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+    def _pack(self, plans: list[BucketPlan]) -> dict:
+        """Pack `plans` into their segments (each bucket of a push its own, so a packed bucket waits there for its
+        request: `PushStream` sends it with the next one, the last with the closing one)."""
         names = []
         for plan in plans:
             seg_names, out = {}, {}
@@ -313,8 +315,13 @@ class ShmTransport(ServerTransport):
             pack_bucket(plan.tensors, out=out)
             del out  # no view of the segment may outlive the packing
             names.append(seg_names)
-        body = {"transport": "shm", "buckets": [p.layout for p in plans], "segments": names, **extra}
-        return self.client.post("/ws/update", body, timeout=self.timeout)
+        return {"buckets": [p.layout for p in plans], "segments": names}
+
+    def _post(self, packed: dict, extra: dict) -> dict:
+        return self.client.post("/ws/update", {"transport": "shm", **packed, **extra}, timeout=self.timeout)
+
+    def _session(self, plans: list[BucketPlan], extra: dict) -> dict:
+        return self._post(self._pack(plans), extra)
 
     def close(self) -> None:
         self._finalizer()
