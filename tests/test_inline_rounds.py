@@ -142,3 +142,44 @@ def test_a_publish_waits_for_the_sampling_of_the_rounds_in_flight_not_their_rewa
     assert seen[2:] == [(1, 2), (2, 3)], seen
     staleness = [r["async/staleness"] for r in trainer[0].state.log_history if "async/staleness" in r]
     assert staleness == [0, 1, 1, 1], staleness
+
+
+def test_reward_functions_run_one_call_at_a_time_evaluation_included(tiny_model_path, tmp_path):
+    """An evaluation at a step's end generates and scores once the round in flight is scored too (its publish waits
+    for that round's sampling only): a reward function is never called from two threads at once, and its calls come
+    in the schedule's order (training round, eval round: `tests/test_determinism.py` records them)."""
+    import time
+
+    active, overlaps, calls = [0], [], []
+    lock = threading.Lock()
+
+    def slow_reward(prompts, completions, **kwargs):
+        with lock:
+            active[0] += 1
+            overlaps.append(active[0])
+        calls.append(len(prompts))
+        time.sleep(0.3)  # the round's scoring outlasts the trainer's step: an eval beside it would overlap here
+        with lock:
+            active[0] -= 1
+        return letter_reward(prompts, completions, **kwargs)
+
+    args = tiny_config(
+        tmp_path,
+        max_steps=3,
+        rollout_micro_batch_size=16,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=8,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=slow_reward,
+        args=args,
+        train_dataset=make_dataset(64),
+        eval_dataset=make_dataset(4, seed=1),
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert len(calls) >= 6 and max(overlaps) == 1, (overlaps, calls)
