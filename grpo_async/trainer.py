@@ -287,7 +287,7 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
     # ---- evaluation ----------------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`num_generations_eval` completions per eval prompt on the current weights (published first, after any round
-        in flight, and generated once that round is scored: reward functions see one call at a time), scored
+        in flight, and in rounds mode generated once that round is scored: reward calls one at a time), scored
         (`pipeline/evaluation.py`); logs TRL's `<prefix>_loss`, `_reward`, `_reward_std`, `_rewards/<func>`,
         `_completions/mean_length`."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -304,7 +304,8 @@ class GRPOTrainer(TRLAttributes, TrainerPipeline, Trainer):
         # to build them; see `RoundProducer.build_engine`)
         self.producer.build_engine()
         self._publish()
-        self.rounds.wait_until_idle()  # a publish waits for sampling only: the eval's rewards follow the round's
+        if self.args.async_mode == "rounds":  # a publish waits for sampling only: the eval scores after the round
+            self.rounds.wait_until_idle()  # (stream mode scores its groups side by side anyway)
         config = self.accelerator.unwrap_model(self.model).config
         metrics = self.evaluator(dataset, self.model, self.objective.state_dict(), config)  # pipeline/evaluation.py
         metrics["runtime"] = time.perf_counter() - start
